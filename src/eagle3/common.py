@@ -1,0 +1,61 @@
+"""Pieces every app shares: the Hydra entry point, user-facing errors, device/dtype choice."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+log = logging.getLogger("eagle3")
+# `${cwd:}` in conf/paths: the directory the app was started from (also outside Hydra apps).
+OmegaConf.register_new_resolver("cwd", os.getcwd, replace=True)
+
+
+class Eagle3Error(RuntimeError):
+    """An error the user can fix: printed as one line (traceback only with debug=true)."""
+
+
+def app(task):
+    """Wrap a stage's `main(cfg)` as a Hydra app over conf/config.yaml with one-line errors."""
+
+    @functools.wraps(task)
+    def guarded(cfg: DictConfig):
+        try:
+            return task(cfg)
+        except (Eagle3Error, FileNotFoundError) as err:
+            if cfg.get("debug"):
+                raise
+            print(f"eagle3 error: {err}  (add debug=true for the traceback)", file=sys.stderr)
+            sys.exit(1)
+
+    return hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(guarded)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise Eagle3Error(f"unknown dtype {name!r}; use one of auto, {', '.join(dtypes)}")
+    return dtypes[name]
+
+
+def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """The primary config composed outside a Hydra app (tests, notebooks, subprocess helpers)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))

