@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eagle3.artifacts import config_hash
@@ -104,6 +104,12 @@ def capture_hidden_states(model, input_ids, layer_ids, attention_mask=None):
 
 
 # ---------------------------------------------------------------- resolving a target folder
+
+
+def target_key(tcfg: DictConfig) -> dict:
+    """The target fields that decide its weights and tokenizer (what artifact hashes depend on):
+    everything but where and in which precision it runs."""
+    return {k: v for k, v in OmegaConf.to_container(tcfg, resolve=True).items() if k not in ("device", "dtype")}
 
 
 def resolve_target_path(tcfg: DictConfig, artifacts: Path) -> Path | str:
