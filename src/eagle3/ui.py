@@ -1,0 +1,115 @@
+"""The MLflow UI as a user sees it: `python -m eagle3.ui` serves the configured store on
+127.0.0.1, and the helpers below let tests and the pipeline check it through the REST API and
+take a headless-Chromium screenshot of the runs comparison."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+from omegaconf import DictConfig
+
+from eagle3.common import Eagle3Error, app
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--disable-quic", "--hide-scrollbars"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_command(uri: str, artifact_root: str, host: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--default-artifact-root",
+            artifact_root, "--host", host, "--port", str(port), "--workers", "1"]
+
+
+@contextlib.contextmanager
+def mlflow_server(uri: str, artifact_root: str, log_path: Path, timeout_s: float = 120) -> Iterator[str]:
+    """An MLflow server on a free loopback port for the duration of the block; yields its base URL."""
+    port = free_port()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(server_command(uri, artifact_root, "127.0.0.1", port), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout_s, log_path)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise Eagle3Error(f"mlflow server exited with {proc.returncode}; log: {log_path}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise Eagle3Error(f"mlflow server not healthy after {timeout_s:.0f}s; log: {log_path}")
+
+
+def search_runs(url: str, experiment_ids: list[str]) -> list[dict]:
+    """All runs of these experiments through the REST API."""
+    response = httpx.post(f"{url}/api/2.0/mlflow/runs/search", json={"experiment_ids": experiment_ids,
+                                                                      "max_results": 1000}, timeout=30)
+    response.raise_for_status()
+    return response.json().get("runs", [])
+
+
+def list_artifacts(url: str, run_id: str, path: str = "") -> list[str]:
+    response = httpx.get(f"{url}/api/2.0/mlflow/artifacts/list", params={"run_id": run_id, "path": path}, timeout=30)
+    response.raise_for_status()
+    return [f["path"] for f in response.json().get("files", [])]
+
+
+def compare_url(url: str, experiment_id: str, run_ids: list[str]) -> str:
+    runs = ",".join(f'"{r}"' for r in run_ids)
+    return f"{url}/#/compare-runs?runs=[{runs}]&experiments=[\"{experiment_id}\"]"
+
+
+def screenshot(page_url: str, out: Path, size: str = "1600,1000", budget_ms: int = 15000) -> Path:
+    """A PNG of the page rendered by headless Chromium (Debian's `chromium`)."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not chromium:
+        raise Eagle3Error("chromium not found: install Debian's chromium package (make setup does)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile = out.parent / ".chromium-profile"
+    cmd = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={size}",
+           f"--virtual-time-budget={budget_ms}", f"--screenshot={out}", page_url]
+    subprocess.run(cmd, capture_output=True, timeout=120, check=False)
+    shutil.rmtree(profile, ignore_errors=True)
+    if not out.exists() or out.stat().st_size == 0:
+        raise Eagle3Error(f"chromium wrote no screenshot for {page_url}")
+    return out
+
+
+@app
+def main(cfg: DictConfig) -> None:
+    """Serve the configured MLflow store in the foreground until Ctrl-C."""
+    from eagle3 import tracking
+    tracking.setup(cfg)
+    cmd = server_command(cfg.tracking.uri, str(Path(cfg.tracking.artifact_location).resolve().as_uri()),
+                         cfg.tracking.ui_host, cfg.tracking.ui_port)
+    print(f"MLflow UI on http://{cfg.tracking.ui_host}:{cfg.tracking.ui_port} (Ctrl-C stops it)")
+    subprocess.run(cmd, check=False)
+
+
+if __name__ == "__main__":
+    main()
