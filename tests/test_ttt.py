@@ -1,0 +1,158 @@
+"""TTT unroll: a brute-force chain-drafting reference, metric formulas, the two attention paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3.drafter import build_drafter, sdpa
+from eagle3.ttt import tau_hat, ttt_loss, unroll
+
+DRAFT_VOCAB = 256
+TTT = 4
+
+
+def make_vocab_map(target_argmax: torch.Tensor, vocab: int, draft_vocab: int, seed: int = 0):
+    """A draft vocab holding most (not all) of the target's argmax tokens plus random others,
+    so both in-vocab and masked-out positions occur."""
+    generator = torch.Generator().manual_seed(seed)
+    wanted = target_argmax.unique()
+    wanted = wanted[torch.randperm(len(wanted), generator=generator)][: max(1, len(wanted) * 2 // 3)]
+    others = torch.randperm(vocab, generator=generator)[: draft_vocab * 2]
+    chosen = torch.cat([wanted, others]).unique(sorted=False)
+    chosen = torch.tensor(list(dict.fromkeys(chosen.tolist()))[:draft_vocab]).sort().values
+    d2t = chosen - torch.arange(draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    return d2t, t2d
+
+
+@pytest.fixture
+def case(make_cfg, tiny_target):
+    """A batch of random token ids through the tiny target and a fresh drafter with a vocab map."""
+    torch.manual_seed(0)
+    cfg = make_cfg("target=tiny-llama", f"drafter.draft_vocab_size={DRAFT_VOCAB}")
+    ids = torch.randint(0, tiny_target.vocab_size, (2, 14))
+    aux, last = tiny_target.capture(ids)
+    loss_mask = torch.ones_like(ids)
+    loss_mask[0, :4] = 0  # a prompt part
+    loss_mask[1, 9:] = 0
+    lm_head = tiny_target.model.get_output_embeddings().weight
+    drafter = build_drafter(tiny_target, cfg.drafter)
+    d2t, t2d = make_vocab_map((last @ lm_head.t()).argmax(-1), tiny_target.vocab_size, DRAFT_VOCAB)
+    drafter.set_vocab_map(d2t, t2d)
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "aux_hidden": aux, "last_hidden": last}
+    return drafter, batch, lm_head
+
+
+def chain_draft(drafter, ids, aux, t: int, steps: int) -> list[torch.Tensor]:
+    """What inference does: prefill the drafter on positions 0..t (causal), then draft a chain of
+    `steps`-1 more tokens one at a time with a growing KV list, feeding the true next tokens.
+    Returns the draft logits of each step at position t."""
+    cache: dict[int, list[torch.Tensor]] = {}
+
+    def prefill(layer, q, k, v):
+        cache[layer] = [k, v]
+        causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+        return sdpa(q, k, v, causal)
+
+    def decode(layer, q, k, v):
+        cache[layer] = [torch.cat([cache[layer][0], k], 2), torch.cat([cache[layer][1], v], 2)]
+        return sdpa(q, *cache[layer], None)
+
+    hidden = drafter(ids[None, 1:t + 2], drafter.project(aux[None, :t + 1]), torch.arange(t + 1)[None], prefill)
+    hidden = hidden[:, -1:]
+    logits = [drafter.logits(hidden)[0, 0]]
+    for k in range(1, steps):
+        hidden = drafter(ids[None, t + k + 1:t + k + 2], hidden, torch.tensor([[t + k]]), decode)
+        logits.append(drafter.logits(hidden)[0, 0])
+    return logits
+
+
+@torch.no_grad()
+def test_unroll_equals_chain_drafting(case):
+    drafter, batch, _ = case
+    step_logits = unroll(drafter, batch["input_ids"], batch["aux_hidden"], TTT)
+    length = batch["input_ids"].shape[1]
+    checked = 0
+    for b in range(2):
+        for t in range(length - TTT - 1):
+            reference = chain_draft(drafter, batch["input_ids"][b], batch["aux_hidden"][b], t, TTT)
+            for k in range(TTT):
+                torch.testing.assert_close(step_logits[k][b, t], reference[k], atol=1e-5, rtol=1e-5)
+                checked += 1
+    assert checked == 2 * (length - TTT - 1) * TTT
+
+
+@torch.no_grad()
+def test_metrics_by_brute_force(case):
+    drafter, batch, lm_head = case
+    loss, metrics = ttt_loss(drafter, batch, lm_head, TTT, step_decay=0.8)
+    step_logits = unroll(drafter, batch["input_ids"], batch["aux_hidden"], TTT)
+    draft_to_target = torch.arange(DRAFT_VOCAB) + drafter.d2t
+    ids, mask, last = batch["input_ids"], batch["loss_mask"], batch["last_hidden"]
+    batch_size, length = ids.shape
+    accuracies, expected_loss = [], 0.0
+    for k in range(TTT):
+        correct = count = 0
+        ce_sum = 0.0
+        for b in range(batch_size):
+            for t in range(length):
+                predicted = t + k + 2  # the token step k predicts at position t
+                if predicted >= length or not mask[b, predicted]:
+                    continue
+                target_logits = last[b, t + k + 1] @ lm_head.t()
+                target_token = int(target_logits.argmax())
+                if not drafter.t2d[target_token]:
+                    continue
+                count += 1
+                draft_token = int(draft_to_target[step_logits[k][b, t].argmax()])
+                correct += draft_token == target_token
+                probs = target_logits[draft_to_target].softmax(-1)
+                ce_sum += float(-(probs * step_logits[k][b, t].log_softmax(-1)).sum())
+        assert metrics[f"count_{k}"] == count and metrics[f"correct_{k}"] == correct
+        assert metrics[f"acc_{k}"] == pytest.approx(correct / count)
+        assert metrics[f"loss_{k}"] == pytest.approx(ce_sum / count, rel=1e-5)
+        accuracies.append(correct / count)
+        expected_loss += 0.8 ** k * ce_sum / count
+    expected_tau, survive = 1.0, 1.0
+    for acc in accuracies:
+        survive *= acc
+        expected_tau += survive
+    assert metrics["tau_hat"] == pytest.approx(expected_tau)
+    assert float(loss) == pytest.approx(expected_loss, rel=1e-5)
+    # masking is exercised: some trained positions drop out because the target's argmax is outside
+    assert 0 < metrics["count_0"] < int(mask[:, 2:].sum())
+
+
+def test_tau_hat_formula():
+    assert float(tau_hat([1, 1, 1])) == 4.0
+    assert float(tau_hat([0.5, 0.5])) == pytest.approx(1 + 0.5 + 0.25)
+    assert float(tau_hat([0.0, 1.0, 1.0])) == 1.0
+
+
+@torch.no_grad()
+def test_flex_matches_sdpa_forward(case):
+    """flex_attention has no CPU backward, so on CPU only values are compared; the GPU test
+    below compares gradients."""
+    drafter, batch, lm_head = case
+    loss_sdpa, metrics_sdpa = ttt_loss(drafter, batch, lm_head, TTT, 0.8, attention="sdpa")
+    loss_flex, metrics_flex = ttt_loss(drafter, batch, lm_head, TTT, 0.8, attention="flex")
+    torch.testing.assert_close(loss_flex, loss_sdpa, atol=1e-5, rtol=1e-5)
+    for key in metrics_sdpa:
+        assert metrics_flex[key] == pytest.approx(metrics_sdpa[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention backward needs a GPU")
+def test_flex_matches_sdpa_gradients(case):
+    drafter, batch, lm_head = case
+    drafter = drafter.cuda()
+    batch = {k: v.cuda() for k, v in batch.items()}
+    grads = {}
+    for path in ("sdpa", "flex"):
+        drafter.zero_grad()
+        loss, _ = ttt_loss(drafter, batch, lm_head.cuda(), TTT, 0.8, attention=path)
+        loss.backward()
+        grads[path] = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
+    for name, grad in grads["sdpa"].items():
+        torch.testing.assert_close(grads["flex"][name], grad, atol=1e-4, rtol=1e-3)
