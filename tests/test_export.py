@@ -1,0 +1,382 @@
+"""Export / import / registry: engine folder layout, key+shape refusal, aux-id conventions,
+bit-exact round trips through every supported folder variant, models:/ resolution."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3 import export
+from eagle3.common import Eagle3Error
+from eagle3.drafter import build_drafter
+from eagle3.target import default_aux_layer_ids
+
+RECIPE = {"ttt_length": 7, "step_decay": 0.8, "vocab_map_hash": "abc", "data_hash": "def", "tau_hat": 2.5}
+
+
+def random_vocab_map(target_vocab: int, draft_vocab: int, seed: int = 0):
+    ids = torch.randperm(target_vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values
+    t2d = torch.zeros(target_vocab, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(draft_vocab), t2d
+
+
+def randomise(drafter, seed: int = 0):
+    """Random values in every trainable tensor (norms start at 1: a swap would go unnoticed)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if not name.startswith("embed_tokens"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+    drafter.set_vocab_map(*random_vocab_map(drafter.config.vocab_size, drafter.config.draft_vocab_size, seed))
+    return drafter
+
+
+@pytest.fixture
+def drafter(tiny_target, make_cfg):
+    return randomise(build_drafter(tiny_target, make_cfg("target=tiny-llama").drafter))
+
+
+def assert_same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb)
+    for name in sa:
+        assert sa[name].dtype == sb[name].dtype, name
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def draft_step(drafter, seed: int = 1):
+    """One drafting step on fixed random inputs with a causal mask: the logits."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, drafter.config.vocab_size, (1, 6), generator=generator)
+    aux = torch.randn(1, 6, 3 * drafter.config.target_hidden_size, generator=generator).to(drafter.fc.weight.dtype)
+    positions = torch.arange(6)[None]
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    from eagle3.drafter import sdpa
+    with torch.no_grad():
+        hidden = drafter(ids, drafter.project(aux), positions, lambda i, q, k, v: sdpa(q, k, v, causal))
+        return drafter.logits(hidden)
+
+
+# ---------------------------------------------------------------- the SGLang folder
+
+
+def test_sglang_folder_has_exactly_the_engine_keys_and_config(drafter, tiny_target, tmp_path):
+    folder = export.export_sglang(drafter, tmp_path / "sglang", RECIPE)
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    hidden, target_hidden = drafter.config.hidden_size, tiny_target.hidden_size
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["draft_vocab_size"] == 8192 and config["target_hidden_size"] == target_hidden
+    assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
+    assert config["max_position_embeddings"] >= tiny_target.config.max_position_embeddings
+    assert config["rope_theta"] == 10000.0
+    assert config["eagle3"]["recipe"] == RECIPE and config["eagle3"]["aux_layer_ids_hf"] == [1, 2, 3]
+    midlayer = {f"midlayer.{n}.weight" for n in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj", "input_layernorm", "hidden_norm", "post_attention_layernorm")}
+    assert set(tensors) == midlayer | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    assert tensors["fc.weight"].shape == (hidden, 3 * target_hidden)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (hidden, 2 * hidden)
+    assert tensors["lm_head.weight"].shape == (8192, hidden)
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert tensors["t2d"].shape == (tiny_target.vocab_size,) and int(tensors["t2d"].sum()) == 8192
+    assert torch.equal(tensors["midlayer.hidden_norm.weight"], drafter.layers[0].hidden_norm.weight)
+
+
+def test_multi_layer_drafter_exports_layers_i(tiny_target, make_cfg, tmp_path):
+    two_layers = randomise(build_drafter(tiny_target, make_cfg("target=tiny-llama", "drafter.num_layers=2").drafter))
+    folder = export.export_sglang(two_layers, tmp_path / "two", RECIPE, engine="vllm")
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert not any(k.startswith("midlayer.") for k in tensors)
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * 64
+    assert tensors["layers.1.self_attn.q_proj.weight"].shape[1] == 64 and "layers.1.hidden_norm.weight" not in tensors
+    assert_same_weights(export.attach_target_embedding(export.load_drafter(folder), tiny_target), two_layers)
+
+
+# ---------------------------------------------------------------- refusing to write
+
+
+def test_wrongly_named_checkpoint_is_rejected_listing_keys(drafter, tmp_path):
+    """`layers.0.*` where SGLang requires `midlayer.*`: the bug that served acceptance 1.00."""
+    tensors = export.engine_tensors(drafter, "speculators")  # layers.0.* names
+    config = export.sglang_config(drafter, RECIPE, "sglang", torch.float32)
+    with pytest.raises(Eagle3Error) as err:
+        export.write_folder(tensors, config, export.expected_shapes(drafter.config, "sglang"), tmp_path / "bad")
+    message = str(err.value)
+    assert "20 key/shape problem(s)" in message
+    assert "missing midlayer.self_attn.q_proj.weight [64, 128]" in message
+    assert "unexpected layers.0.self_attn.q_proj.weight [64, 128]" in message
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
+
+
+def test_wrong_shape_dtype_and_unset_vocab_map_are_rejected(drafter, tiny_target, make_cfg, tmp_path):
+    expected = export.expected_shapes(drafter.config, "sglang")
+    config = export.sglang_config(drafter, RECIPE, "sglang", torch.float32)
+    tensors = export.engine_tensors(drafter, "sglang")
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:100]
+    tensors["d2t"] = tensors["d2t"].int()
+    with pytest.raises(Eagle3Error, match=r"d2t has dtype torch.int32, expected torch.int64; "
+                                          r"lm_head.weight has shape \[100, 64\], expected \[8192, 64\]"):
+        export.write_folder(tensors, config, expected, tmp_path / "bad")
+    fresh = build_drafter(tiny_target, make_cfg("target=tiny-llama").drafter)  # vocab map never set
+    with pytest.raises(Eagle3Error, match="d2t and t2d disagree"):
+        export.export_sglang(fresh, tmp_path / "fresh", RECIPE)
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_existing_folder_is_replaced_only_after_checks(drafter, tmp_path):
+    folder = export.export_sglang(drafter, tmp_path / "out", RECIPE)
+    before = (folder / "model.safetensors").read_bytes()
+    drafter.t2d.zero_()
+    with pytest.raises(Eagle3Error):
+        export.export_sglang(drafter, folder, RECIPE)
+    assert (folder / "model.safetensors").read_bytes() == before
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_export_import_is_bit_exact(drafter, tiny_target, tmp_path, dtype):
+    folder = export.export_sglang(drafter, tmp_path / "sglang", RECIPE, dtype=dtype)
+    loaded = export.attach_target_embedding(export.load_drafter(folder), tiny_target)
+    reference = drafter if dtype is None else drafter.to(torch.bfloat16)
+    assert_same_weights(loaded, reference)
+    assert torch.equal(draft_step(loaded), draft_step(reference))
+    assert loaded.config.aux_layer_ids == [1, 2, 3] and loaded.config.recipe == RECIPE
+
+
+def test_embedding_included_on_request(drafter, tiny_target, tmp_path):
+    folder = export.export_sglang(drafter, tmp_path / "emb", RECIPE, include_embedding=True)
+    assert "embed_tokens.weight" in load_file(str(folder / "model.safetensors"))
+    loaded = export.load_drafter(folder)  # no target needed
+    assert loaded.config.has_embedding
+    assert_same_weights(loaded, drafter)
+
+
+def test_speculators_folder_round_trip(drafter, tiny_target, tmp_path):
+    folder = export.export_speculators(drafter, tmp_path / "spec", RECIPE, speculative_tokens=5, verifier="tiny")
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert config["speculators_model_type"] == "eagle3" and config["norm_before_residual"] is False
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM reads HF indices as written
+    assert "layers.0.hidden_norm.weight" in tensors and not any(k.startswith("midlayer") for k in tensors)
+    assert_same_weights(export.attach_target_embedding(export.load_drafter(folder), tiny_target), drafter)
+
+
+# ---------------------------------------------------------------- aux-layer id conventions
+
+
+def test_custom_aux_ids_are_written_in_each_engines_convention(drafter, tmp_path):
+    """tiny-llama captures HF hidden_states[1, 2, 3]: vLLM reads ids as HF indices, SGLang adds 1."""
+    sglang = export.export_sglang(drafter, tmp_path / "sglang", RECIPE, engine="sglang")
+    vllm = export.export_sglang(drafter, tmp_path / "vllm", RECIPE, engine="vllm")
+    sglang_ids = json.loads((sglang / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    vllm_ids = json.loads((vllm / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert sglang_ids == [0, 1, 2] and vllm_ids == [1, 2, 3]
+    # What each engine captures from those ids (their sources): SGLang layers_to_capture = id + 1,
+    # both capturing the input of that decoder layer = HF hidden_states[id].
+    assert [i + 1 for i in sglang_ids] == vllm_ids == [1, 2, 3]
+    # Without our recipe key, import reads the ids in the convention the folder was written for.
+    for folder, convention in ((sglang, "sglang"), (vllm, "vllm")):
+        config = json.loads((folder / "config.json").read_text())
+        del config["eagle3"]
+        (folder / "config.json").write_text(json.dumps(config))
+        assert export.load_drafter(folder, aux_convention=convention).config.aux_layer_ids == [1, 2, 3]
+
+
+def test_default_aux_ids_write_no_ids_and_engines_agree(drafter, tmp_path):
+    """A 30-layer target captured at the engines' default [2, 15, 27]: no ids in either folder."""
+    drafter.config.aux_layer_ids = default_aux_layer_ids(30)
+    drafter.config.target_num_layers = 30
+    for engine in ("sglang", "vllm"):
+        folder = export.export_sglang(drafter, tmp_path / engine, RECIPE, engine=engine)
+        config = json.loads((folder / "config.json").read_text())
+        assert "eagle_config" not in config
+        assert config["eagle3"]["aux_layer_ids_hf"] == [2, 15, 27]
+    assert "eagle_aux_hidden_state_layer_ids" not in json.loads(
+        (export.export_speculators(drafter, tmp_path / "spec", RECIPE) / "config.json").read_text())
+    assert export.engine_aux_ids([2, 15, 27], "sglang") == [1, 14, 26]
+    assert export.engine_aux_ids([2, 15, 27], "vllm") == [2, 15, 27]
+
+
+def test_foreign_folder_without_ids_gets_the_targets_default(drafter, tiny_target, tmp_path):
+    folder = export.export_sglang(drafter, tmp_path / "x", RECIPE)
+    config = json.loads((folder / "config.json").read_text())
+    del config["eagle3"], config["eagle_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = export.load_drafter(folder)
+    assert loaded.config.aux_layer_ids is None
+    # The engines would capture [2, 2, 1] on a 4-layer target; tiny-llama trains on [1, 2, 3].
+    with pytest.raises(Eagle3Error, match=r"aux layers \[2, 2, 1\].*captures \[1, 2, 3\]"):
+        export.check_drafter_for_target(loaded, tiny_target)
+
+
+# ---------------------------------------------------------------- importing published variants
+
+
+def write_foreign(folder: Path, tensors: dict, config: dict, weights: str = "model.safetensors") -> Path:
+    folder.mkdir(parents=True)
+    if weights.endswith(".bin"):
+        torch.save(tensors, folder / weights)
+    else:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / weights))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def foreign_config(drafter, **extra) -> dict:
+    config = export.sglang_config(drafter, {}, "sglang", torch.float32)
+    del config["eagle3"]
+    return {**config, **extra}
+
+
+def test_import_specforge_folder_with_embedding_and_sglang_ids(drafter, tiny_target, tmp_path):
+    tensors = export.engine_tensors(drafter, "sglang", include_embedding=True)
+    folder = write_foreign(tmp_path / "specforge", tensors, foreign_config(drafter))
+    loaded = export.load_drafter(folder)
+    assert loaded.config.aux_layer_ids == [1, 2, 3]  # eagle_config [0, 1, 2] read as SGLang ids
+    assert_same_weights(loaded, drafter)
+    export.check_drafter_for_target(loaded, tiny_target)
+
+
+def test_import_eagle_bin_with_model_prefix(drafter, tmp_path):
+    tensors = {("model." + k if k != "lm_head.weight" else k): v
+               for k, v in export.engine_tensors(drafter, "sglang", include_embedding=True).items()}
+    folder = write_foreign(tmp_path / "eagle", tensors, foreign_config(drafter), weights="pytorch_model.bin")
+    assert_same_weights(export.load_drafter(folder), drafter)
+
+
+def test_import_stacked_projections(drafter, tmp_path):
+    tensors = export.engine_tensors(drafter, "speculators", include_embedding=True)
+    attn, mlp = "layers.0.self_attn.", "layers.0.mlp."
+    tensors[attn + "qkv_proj.weight"] = torch.cat([tensors.pop(attn + f"{p}_proj.weight") for p in "qkv"])
+    tensors[mlp + "gate_up_proj.weight"] = torch.cat([tensors.pop(mlp + f"{p}_proj.weight") for p in ("gate", "up")])
+    folder = write_foreign(tmp_path / "stacked", tensors, foreign_config(drafter))
+    assert_same_weights(export.load_drafter(folder), drafter)
+
+
+def test_import_speculators_variants(drafter, tmp_path):
+    good = export.export_speculators(drafter, tmp_path / "spec", RECIPE, include_embedding=True)
+    config = json.loads((good / "config.json").read_text())
+    del config["norm_before_residual"]  # absent = vLLM's default true: another architecture
+    bad = write_foreign(tmp_path / "bad", load_file(str(good / "model.safetensors")), config)
+    with pytest.raises(Eagle3Error, match="norm_before_residual is not supported"):
+        export.load_drafter(bad)
+    assert_same_weights(export.load_drafter(good), drafter)
+
+
+def test_import_refuses_unknown_and_missing_keys(drafter, tmp_path):
+    tensors = export.engine_tensors(drafter, "sglang")
+    tensors["fc.bias"] = torch.zeros(64)
+    del tensors["norm.weight"]
+    folder = write_foreign(tmp_path / "odd", tensors, foreign_config(drafter))
+    with pytest.raises(Eagle3Error, match=r"missing norm.weight \[64\]; unexpected fc.bias \[64\]"):
+        export.load_drafter(folder)
+
+
+# ---------------------------------------------------------------- pairing with a target
+
+
+def test_check_drafter_for_target_names_each_mismatch(drafter, tiny_target):
+    drafter.config.target_hidden_size = 128
+    drafter.config.recipe = {"tokenizer_hash": "aaa"}
+    with pytest.raises(Eagle3Error) as err:
+        export.check_drafter_for_target(drafter, tiny_target, tokenizer_hash="bbb")
+    assert "target hidden size 128, target has 64" in str(err.value)
+    assert "vocab map built with tokenizer aaa, target tokenizer is bbb" in str(err.value)
+
+
+# ---------------------------------------------------------------- registry and drafter.path
+
+
+def test_register_and_resolve_models_uri(drafter, tiny_target, make_cfg, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from eagle3.tracking import stage_run
+
+    cfg = make_cfg("target=tiny-llama", f"paths.artifacts={tmp_path}/artifacts")
+    out_dir = tmp_path / "export"
+    folders = export.export_drafter(cfg, drafter, RECIPE, out_dir)
+    assert sorted(folders) == ["sglang", "vllm"]
+    with stage_run(cfg, "export") as run:
+        version = export.register_export(cfg, out_dir, RECIPE, run)
+    assert export.registry_name(cfg) == "eagle3-tiny-llama" and version == "1"
+    tags = MlflowClient(cfg.tracking.uri).get_model_version("eagle3-tiny-llama", "1").tags
+    assert tags["tau_hat"] == "2.5" and tags["recipe.ttt_length"] == "7" and tags["recipe.step_decay"] == "0.8"
+
+    uri_cfg = make_cfg("target=tiny-llama", f"paths.artifacts={tmp_path}/artifacts",
+                       "drafter.path=models:/eagle3-tiny-llama/1")
+    for engine in ("sglang", "vllm"):
+        folder = export.resolve_drafter_path(uri_cfg, engine)
+        assert folder.name == engine and folder.is_relative_to(tmp_path / "artifacts" / "registry")
+    loaded = export.attach_target_embedding(export.load_drafter(export.resolve_drafter_path(uri_cfg)), tiny_target)
+    assert_same_weights(loaded, drafter)
+    latest = export.load_drafter("models:/eagle3-tiny-llama/latest", tracking_uri=cfg.tracking.uri)
+    assert loaded.config.aux_layer_ids == latest.config.aux_layer_ids == [1, 2, 3]
+    with pytest.raises(Eagle3Error, match="not in the model registry"):
+        export.resolve_drafter_path(make_cfg("target=tiny-llama", "drafter.path=models:/eagle3-tiny-llama/7"))
+
+
+def test_resolve_drafter_path_errors_say_what_to_run(make_cfg, tmp_path):
+    with pytest.raises(Eagle3Error, match="does not exist"):
+        export.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/nowhere"))
+    with pytest.raises(Eagle3Error, match=r"python -m eagle3.pipeline.*python -m eagle3.train.*python -m eagle3.export"):
+        export.resolve_drafter_path(make_cfg("target=tiny-llama", f"paths.artifacts={tmp_path}/empty"))
+
+
+def test_resolve_drafter_path_accepts_a_folder_or_an_export(drafter, make_cfg, tmp_path):
+    cfg = make_cfg("target=tiny-llama")
+    export.export_drafter(cfg, drafter, RECIPE, tmp_path / "exp")
+    assert export.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/exp"), "vllm") == tmp_path / "exp" / "vllm"
+    assert export.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/exp/sglang"), "vllm") == \
+        tmp_path / "exp" / "sglang"
+
+
+# ---------------------------------------------------------------- SmolLM2 and vLLM's own parser
+
+
+@pytest.mark.slow
+def test_smollm2_drafter_export_shapes_and_round_trip(smollm2, make_cfg, tmp_path):
+    drafter = randomise(build_drafter(smollm2, make_cfg("target=smollm2-135m").drafter))
+    drafter.config.target_num_layers = smollm2.num_layers
+    folder = export.export_sglang(drafter, tmp_path / "smol", RECIPE, dtype="bfloat16")
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert smollm2.aux_layer_ids == [2, 15, 27] and "eagle_config" not in config
+    assert tensors["fc.weight"].shape == (576, 3 * 576) and tensors["fc.weight"].dtype == torch.bfloat16
+    assert tensors["midlayer.self_attn.k_proj.weight"].shape == (3 * 64, 2 * 576)  # 3 kv heads of 64
+    assert tensors["lm_head.weight"].shape == (8192, 576) and tensors["t2d"].shape == (49152,)
+    assert config["max_position_embeddings"] >= smollm2.config.max_position_embeddings
+    loaded = export.attach_target_embedding(export.load_drafter(folder), smollm2)
+    assert_same_weights(loaded, drafter.to(torch.bfloat16))
+
+
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.mark.slow
+def test_vllm_parses_our_speculators_config(drafter, tmp_path):
+    """vLLM's own speculators parser sees our architecture and HF aux ids."""
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} missing: run `make vllm`")
+    folder = export.export_speculators(drafter, tmp_path / "spec", RECIPE, speculative_tokens=4)
+    script = ("import json,sys; from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig as S;"
+              "raw=json.load(open(sys.argv[1]+'/config.json')); c=S.extract_transformers_pre_trained_config(raw);"
+              "v=S.extract_vllm_speculative_config(raw);"
+              "print(json.dumps({k:c.get(k) for k in ('architectures','norm_before_residual',"
+              "'eagle_aux_hidden_state_layer_ids','draft_vocab_size','target_hidden_size')}|v))")
+    out = subprocess.run([str(VLLM_PYTHON), "-c", script, str(folder)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    parsed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert parsed == {"architectures": ["Eagle3LlamaForCausalLM"], "norm_before_residual": False,
+                      "eagle_aux_hidden_state_layer_ids": [1, 2, 3], "draft_vocab_size": 8192,
+                      "target_hidden_size": 64, "method": "eagle3", "num_speculative_tokens": 4}
