@@ -1,0 +1,251 @@
+"""Data stage: sources, normalisation, filters, loss masks, vocab map, the stage's output."""
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
+
+from eagle3 import data
+from eagle3.common import Eagle3Error
+
+FIXTURES = Path(__file__).parent / "fixtures"
+JSONL = FIXTURES / "conversations.jsonl"
+
+
+def file_cfg(make_cfg, *overrides, source=JSONL):
+    return make_cfg("target=tiny-llama", "data=file", f"data.source={source}", "data.val_fraction=0.2",
+                    "drafter.draft_vocab_size=256", *overrides)
+
+
+def conversations(cfg):
+    counts = Counter()
+    return data.normalise(data.read_rows(cfg.data, counts), cfg.data, counts), counts
+
+
+def test_sharegpt_package_parses_complete_conversations(make_cfg):
+    cfg = make_cfg()
+    counts = Counter()
+    rows = list(data.read_rows(cfg.data, counts))
+    assert len(rows) == 17671 and counts["truncated_tail"] == 1
+    assert rows[0]["id"] == "QWJhYvA_0" and rows[0]["conversations"][0]["from"] == "human"
+
+
+def test_bad_rows_are_counted_by_reason_and_skipped(make_cfg):
+    convs, counts = conversations(file_cfg(make_cfg))
+    bad = {k: v for k, v in counts.items() if k.startswith("bad_")}
+    assert bad == {"bad_missing_role": 1, "bad_empty_content": 1, "bad_wrong_type": 2, "bad_roles_out_of_order": 1,
+                   "bad_unknown_role": 1, "bad_no_messages": 1, "bad_not_an_object": 1, "bad_no_turns": 1,
+                   "bad_invalid_utf8": 1, "bad_no_assistant_turn": 1}
+    assert counts["invalid_json"] == 1 and counts["rows"] == 22 and counts["normalised"] == 11
+    ids = [c["id"] for c in convs]
+    assert ids == ["m-1", "m-2", "s-1", "s-2", "m-3", "m-4", "m-5-dup", "m-6", "m-7-trailing-user", "m-8", "m-9"]
+    by_id = {c["id"]: c["messages"] for c in convs}
+    # ShareGPT roles mapped, its leading assistant fragment dropped, a trailing unanswered user turn dropped
+    assert by_id["s-2"] == [{"role": "user", "content": "Summarise it in one line."},
+                            {"role": "assistant", "content": "A fox outwits a crow to win some cheese."}]
+    assert [m["role"] for m in by_id["s-1"]] == ["user", "assistant"] * 3
+    assert by_id["m-7-trailing-user"][-1] == {"role": "assistant", "content": "Eight."}
+
+
+def test_json_array_and_parquet_sources_match_jsonl(make_cfg, tmp_path):
+    from datasets import Dataset
+    from_jsonl, _ = conversations(file_cfg(make_cfg))
+    from_json, _ = conversations(file_cfg(make_cfg, source=FIXTURES / "conversations.json"))
+    rows = json.loads((FIXTURES / "conversations.json").read_text())
+    openai_rows = [r for r in rows if "messages" in r]  # parquet needs one schema: the OpenAI-style rows
+    Dataset.from_list(openai_rows).to_parquet(tmp_path / "rows.parquet")
+    from_parquet, _ = conversations(file_cfg(make_cfg, source=tmp_path / "rows.parquet"))
+    assert from_json == from_jsonl
+    assert from_parquet == [c for c in from_jsonl if c["id"].startswith("m-")]
+
+
+def test_missing_or_wrong_format_source_is_one_clear_error(make_cfg, tmp_path):
+    for source, words in [(tmp_path / "nope.jsonl", "no such file"),
+                          (FIXTURES / "not_a_dataset.json", "not a JSON array or JSON lines"),
+                          (tmp_path / "prompts.csv", "no such file")]:
+        with pytest.raises(Eagle3Error, match=words) as err:
+            conversations(file_cfg(make_cfg, source=source))
+        assert str(source) in str(err.value)
+    (tmp_path / "prompts.csv").write_text("a,b\n")
+    with pytest.raises(Eagle3Error, match="unsupported file type"):
+        conversations(file_cfg(make_cfg, source=tmp_path / "prompts.csv"))
+    (tmp_path / "fake.parquet").write_text("not parquet")
+    with pytest.raises(Eagle3Error, match="not a readable parquet"):
+        conversations(file_cfg(make_cfg, source=tmp_path / "fake.parquet"))
+    (tmp_path / "other.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
+    with pytest.raises(Eagle3Error, match="no usable conversation in 2 rows"):
+        data.conversations_for(file_cfg(make_cfg, source=tmp_path / "other.jsonl").data, {})
+
+
+def test_app_prints_one_line_error_for_missing_file(test_root, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "eagle3.data", f"paths.root={test_root}", "target=tiny-llama",
+                          "tracking.enabled=false", "data=file", f"data.source={tmp_path}/missing.jsonl"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1].startswith(f"eagle3 error: data.source {tmp_path}/missing.jsonl")
+    assert "Traceback" not in out.stderr
+
+
+def test_filters_report_counts_before_and_after(make_cfg):
+    cfg = file_cfg(make_cfg, "data.filters.min_turns=2", "data.filters.max_turns=2", "data.filters.max_chars=150")
+    counts: dict = {}
+    splits = data.conversations_for(cfg.data, counts)
+    assert (counts["normalised"], counts["after_min_turns"], counts["after_max_turns"],
+            counts["after_max_chars"], counts["after_dedup_first_prompt"]) == (11, 4, 3, 2, 2)
+    assert sorted(c["id"] for s in splits.values() for c in s) == ["m-2", "m-3"]
+    dedup = data.conversations_for(file_cfg(make_cfg).data, {})
+    ids = [c["id"] for s in dedup.values() for c in s]
+    assert "m-1" in ids and "m-5-dup" not in ids and len(ids) == 10
+
+
+def test_split_is_seeded_limited_and_disjoint(make_cfg):
+    a = data.conversations_for(file_cfg(make_cfg, "data.limit=8").data, {})
+    b = data.conversations_for(file_cfg(make_cfg, "data.limit=8").data, {})
+    c = data.conversations_for(file_cfg(make_cfg, "data.limit=8", "data.seed=1").data, {})
+    assert a == b and a != c
+    assert (len(a["train"]), len(a["val"])) == (6, 2)
+    assert not {x["id"] for x in a["train"]} & {x["id"] for x in a["val"]}
+
+
+def test_system_policy(make_cfg):
+    replace, _ = conversations(file_cfg(make_cfg, "data.normalise.system_policy=replace",
+                                        "data.normalise.system_prompt=Be brief."))
+    drop, _ = conversations(file_cfg(make_cfg, "data.normalise.system_policy=drop"))
+    assert all(c["messages"][0] == {"role": "system", "content": "Be brief."} for c in replace)
+    assert sum(m["role"] == "system" for c in replace for m in c["messages"]) == len(replace)
+    assert not any(m["role"] == "system" for c in drop for m in c["messages"])
+
+
+MULTI_TURN = [{"role": "system", "content": "You answer tersely."},
+              {"role": "user", "content": "Name a prime number."},
+              {"role": "assistant", "content": "7"},
+              {"role": "user", "content": "And an even one?"},
+              {"role": "assistant", "content": "2 is the only even prime.\nNo other even number is."},
+              {"role": "user", "content": "Write code."},
+              {"role": "assistant", "content": "def f(n):\n    return n * 2  # 日本語"}]
+
+
+def masked_runs(tokenizer, ids, mask):
+    """Decoded runs of consecutive masked tokens."""
+    runs, current = [], []
+    for token, bit in zip(ids + [None], mask + [0]):
+        if bit:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    return runs
+
+
+@pytest.mark.parametrize("system", [True, False])
+def test_loss_mask_covers_exactly_assistant_contents_and_end_of_turn(make_cfg, tiny_target, system):
+    cfg = file_cfg(make_cfg)
+    tok = tiny_target.tokenizer
+    messages = MULTI_TURN if system else MULTI_TURN[1:]  # without one, the template adds its default
+    cols = data.tokenize_conversations(tok, [{"id": "x", "messages": messages}], cfg.data, Counter())
+    ids, mask = cols["input_ids"][0], cols["loss_mask"][0]
+    assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=False)
+    answers = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert masked_runs(tok, ids, mask) == [a + "<|im_end|>" for a in answers]
+    unmasked = tok.decode([t for t, bit in zip(ids, mask) if not bit])
+    assert "You answer tersely." in unmasked or not system
+    assert "Name a prime number." in unmasked and "<|im_start|>assistant\n" in unmasked
+
+
+def test_loss_mask_follows_another_template(make_cfg, tiny_target):
+    """No SmolLM2 offsets are hard-coded: a different layout and end-of-turn token work too."""
+    tok = tiny_target.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = ("{% for m in messages %}{{ '### ' + m['role'] + ':\n' + m['content'] + '<|endoftext|>\n' }}"
+                         "{% endfor %}{% if add_generation_prompt %}{{ '### assistant:\n' }}{% endif %}")
+    try:
+        cfg = file_cfg(make_cfg, "data.end_of_turn='<|endoftext|>'")
+        cols = data.tokenize_conversations(tok, [{"id": "x", "messages": MULTI_TURN}], cfg.data, Counter())
+    finally:
+        tok.chat_template = saved
+    answers = [m["content"] for m in MULTI_TURN if m["role"] == "assistant"]
+    assert masked_runs(tok, cols["input_ids"][0], cols["loss_mask"][0]) == [a + "<|endoftext|>" for a in answers]
+
+
+def test_truncation_policies(make_cfg, tiny_target):
+    tok = tiny_target.tokenizer
+    conv = [{"id": "x", "messages": MULTI_TURN}]
+    full = data.tokenize_conversations(tok, conv, file_cfg(make_cfg).data, Counter())["input_ids"][0]
+    counts = Counter()
+    cut = data.tokenize_conversations(tok, conv, file_cfg(make_cfg, "data.max_length=40").data, counts)
+    assert cut["input_ids"][0] == full[:40] and counts["truncated"] == 1
+    counts = Counter()
+    dropped = data.tokenize_conversations(tok, conv, file_cfg(make_cfg, "data.max_length=40",
+                                                              "data.truncation=drop").data, counts)
+    assert dropped["id"] == [] and counts["dropped_too_long"] == 1
+    counts = Counter()  # cut before the first answer: nothing left to learn
+    none = data.tokenize_conversations(tok, conv, file_cfg(make_cfg, "data.max_length=20").data, counts)
+    assert none["id"] == [] and counts["dropped_no_assistant_tokens"] == 1
+
+
+def test_vocab_map_matches_brute_force_counts():
+    ids = [[5, 5, 5, 9, 2, 7], [7, 7, 3, 3, 3, 3, 1], [9, 9, 9, 9, 9]]
+    masks = [[1, 1, 1, 1, 0, 1], [1, 1, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1]]
+    counts = Counter(t for row, m in zip(ids, masks) for t, bit in zip(row, m) if bit)
+    # counts: 9->5, 7->3, 3->3, 5->3, 1->1; ties go to the lower id
+    d2t, t2d, coverage = data.build_vocab_map(ids, masks, target_vocab=12, draft_vocab=4)
+    expected = sorted(sorted(counts, key=lambda t: (-counts[t], t))[:4])
+    assert expected == [3, 5, 7, 9]
+    assert d2t.dtype == torch.int64 and (torch.arange(4) + d2t).tolist() == expected
+    assert t2d.dtype == torch.bool and t2d.nonzero().flatten().tolist() == expected
+    assert coverage == pytest.approx(14 / 15)
+    # fewer distinct tokens than the draft vocab: unseen ids fill in, lowest first
+    d2t, t2d, coverage = data.build_vocab_map(ids, masks, target_vocab=12, draft_vocab=7)
+    assert (torch.arange(7) + d2t).tolist() == [0, 1, 2, 3, 5, 7, 9] and coverage == 1.0
+    with pytest.raises(Eagle3Error, match="exceeds the target vocabulary"):
+        data.build_vocab_map(ids, masks, target_vocab=12, draft_vocab=13)
+
+
+def test_data_stage_output_manifest_mlflow_and_idempotence(make_cfg, tiny_target):
+    cfg = file_cfg(make_cfg)
+    out = data.run(cfg)
+    assert out.complete and out.path == data.data_output(cfg).path
+    splits = data.load_splits(out.path)
+    assert set(splits) == {"train", "val"} and splits["train"].column_names == ["id", "input_ids", "loss_mask"]
+    assert (len(splits["train"]), len(splits["val"])) == (8, 2)
+    tok = tiny_target.tokenizer
+    row = splits["train"][0]
+    assert isinstance(row["id"], str) and len(row["input_ids"]) == len(row["loss_mask"])
+    d2t, t2d = data.load_vocab_map(out.path)
+    assert d2t.shape == (256,) and t2d.shape == (tiny_target.vocab_size,) and int(t2d.sum()) == 256
+    counts = out.manifest()["counts"]
+    assert counts["tokenizer_hash"] == data.tokenizer_hash(tok)
+    assert counts["train_masked_tokens"] == sum(sum(r) for r in splits["train"]["loss_mask"])
+    assert counts["coverage_train"] == 1.0  # 256 draft ids cover this tiny fixture's answer tokens
+    assert counts["bad_invalid_utf8"] == 1 and counts["after_dedup_first_prompt"] == 10
+    runs = MlflowClient(cfg.tracking.uri).search_runs(
+        [MlflowClient(cfg.tracking.uri).get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    metrics = runs[0].data.metrics
+    assert metrics["bad_empty_content"] == 1 and metrics["train_conversations"] == 8
+    artifacts = [a.path for a in MlflowClient(cfg.tracking.uri).list_artifacts(runs[0].info.run_id)]
+    assert "length_histogram.png" in artifacts
+    stamp = (out.path / "vocab_map.safetensors").stat().st_mtime_ns
+    assert data.run(cfg).path == out.path
+    assert (out.path / "vocab_map.safetensors").stat().st_mtime_ns == stamp  # second run is a no-op
+    other = data.data_output(file_cfg(make_cfg, "drafter.draft_vocab_size=128"))
+    assert other.hash != out.hash
+    same = data.data_output(file_cfg(make_cfg, "data.regen.concurrency=3"))
+    assert same.hash == out.hash  # execution-only settings do not change the output
+
+
+def test_tokenizer_hash_tells_tokenizers_apart(tiny_target):
+    tok = tiny_target.tokenizer
+    before = data.tokenizer_hash(tok)
+    saved = tok.chat_template
+    tok.chat_template = "{{ messages }}"
+    try:
+        assert data.tokenizer_hash(tok) != before
+    finally:
+        tok.chat_template = saved
+    assert data.tokenizer_hash(tok) == before
