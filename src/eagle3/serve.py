@@ -151,9 +151,51 @@ def sglang_argv(cfg, spec: Spec, drafter_path, target_path, port) -> list[str]:
     return argv + [str(a) for a in s.extra_args]
 
 
+SGLANG_PARSE = """
+import contextlib, io, json, sys
+from sglang.srt.server_args import prepare_server_args
+fields = ("model_path", "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
+          "speculative_eagle_topk", "speculative_num_draft_tokens", "tp_size", "mem_fraction_static", "dtype", "port")
+results = []
+for argv in json.loads(sys.argv[1]):
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            args = prepare_server_args(argv)
+        results.append({"parsed": {f: getattr(args, f, None) for f in fields}})
+    except (SystemExit, Exception) as err:
+        lines = [l for l in errors.getvalue().splitlines() if "error" in l.lower()] or [repr(err)]
+        results.append({"error": " ".join(lines)[-500:]})
+print(json.dumps(results))
+"""
+
+
+def sglang_parse_many(python: str, argvs: list[list[str]], timeout_s: float = 300) -> list[dict]:
+    """Run SGLang's own parser (sglang.srt.server_args.prepare_server_args) on each argv with
+    `python` (one interpreter start): per argv {"parsed": fields} or {"error": the parser's complaint}."""
+    try:
+        out = subprocess.run([python, "-c", SGLANG_PARSE, json.dumps(argvs)], capture_output=True, text=True,
+                             timeout=timeout_s)
+    except OSError as err:
+        raise Eagle3Error(f"cannot run {python} to validate the SGLang command ({err}): run `make sglang`") from err
+    if out.returncode != 0:
+        raise Eagle3Error(f"cannot import SGLang's argument parser with {python}: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def sglang_parse(python: str, argv: list[str]) -> dict:
+    """The parsed fields of one command, or Eagle3Error naming what SGLang rejects."""
+    result = sglang_parse_many(python, [argv])[0]
+    if "error" in result:
+        raise Eagle3Error(f"SGLang rejects the command {' '.join(argv)}: {result['error']}")
+    return result["parsed"]
+
+
 def sglang_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
-    argv = [cfg.serve.python, "-m", "sglang.launch_server",
-            *sglang_argv(cfg, spec, drafter_path, target_path, port)]
+    args = sglang_argv(cfg, spec, drafter_path, target_path, port)
+    if cfg.serve.validate_args:
+        sglang_parse(cfg.serve.python, args)
+    argv = [cfg.serve.python, "-m", "sglang.launch_server", *args]
     return Launch("sglang", argv, {k: str(v) for k, v in cfg.serve.env.items()}, cfg.serve.host, port)
 
 
@@ -335,7 +377,8 @@ def drafter_for(cfg: DictConfig, spec: Spec) -> Path | None:
         from eagle3.export import resolve_drafter_path
     except ImportError as err:
         raise Eagle3Error(f"eagle3.export is not available ({err}); set drafter.path=<exported folder>") from err
-    return Path(resolve_drafter_path(cfg))
+    # each engine reads custom aux-layer ids in its own convention; local reads either
+    return Path(resolve_drafter_path(cfg, engine="vllm" if cfg.serve.engine == "vllm" else "sglang"))
 
 
 def target_path_for(cfg: DictConfig):

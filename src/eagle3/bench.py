@@ -1,0 +1,338 @@
+"""`python -m eagle3.bench`: deploy target + drafter with the job's `spec`, warm up, run the prompt
+suite, measure, log one MLflow run. `-m spec.depth=16,10` sweeps: one parent run per sweep (the
+Hydra callback in eagle3.sweep), one child run per job, a summary table, plots and cost model
+at the end. Speedup is against the same engine with spec=off, measured once per (engine, target,
+suite, batch size, max tokens) and cached like a stage artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from eagle3.artifacts import stage_output, to_plain
+from eagle3.common import Eagle3Error, app, log
+from eagle3.serve import (EngineFailed, EngineProcess, acceptance_from_counters, check_spec_for_engine,
+                          counter_delta, drafter_for, read_counters, start_engine, target_path_for)
+from eagle3.spec import OFF, Spec, resolve_spec
+from eagle3.suites import load_suite, suite_name
+
+RESULT_FILE = "bench_result.json"
+PERCENTILES = (50, 90, 99)
+LOG_EXCERPT_LINES = 40
+
+
+# ---------------------------------------------------------------- requests
+
+
+def tokenize_prompts(tokenizer, prompts) -> list[list[int]]:
+    """Chat-templated token ids: every engine gets the same ids (no server-side templating)."""
+    out = []
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+    return out
+
+
+def sse_events(response: httpx.Response) -> Iterator[dict]:
+    for line in response.iter_lines():
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            if data and data != "[DONE]":
+                yield json.loads(data)
+
+
+def generate_payload(ids, bcfg, stream: bool) -> dict:
+    """SGLang-native /generate (our local server speaks it too)."""
+    return {"input_ids": ids, "stream": stream,
+            "sampling_params": {"max_new_tokens": bcfg.max_new_tokens, "temperature": bcfg.temperature,
+                                "top_p": bcfg.top_p, "ignore_eos": bcfg.ignore_eos}}
+
+
+def openai_payload(ids, bcfg, stream: bool, model: str) -> dict:
+    payload = {"model": model, "prompt": ids, "max_tokens": bcfg.max_new_tokens, "temperature": bcfg.temperature,
+               "top_p": bcfg.top_p, "ignore_eos": bcfg.ignore_eos, "stream": stream}
+    if stream:
+        payload["stream_options"] = {"include_usage": True}
+    return payload
+
+
+def send(client: httpx.Client, api: str, ids: list[int], bcfg, model: str) -> dict:
+    """One request; returns its timings, output token count and (generate API) verify steps."""
+    stream = bool(bcfg.stream)
+    url, payload = (("/v1/completions", openai_payload(ids, bcfg, stream, model)) if api == "openai"
+                    else ("/generate", generate_payload(ids, bcfg, stream)))
+    start = time.perf_counter()
+    first = None
+    last: dict = {}
+    if stream:
+        with client.stream("POST", url, json=payload) as response:
+            response.raise_for_status()
+            for event in sse_events(response):
+                if "error" in event:
+                    raise httpx.HTTPError(f"server error: {json.dumps(event['error'])[:500]}")
+                if first is None and _has_output(event):
+                    first = time.perf_counter() - start
+                last = _merge(last, event)
+    else:
+        response = client.post(url, json=payload)
+        response.raise_for_status()
+        last = response.json()
+    latency = time.perf_counter() - start
+    record = {"prompt_tokens": len(ids), "ttft_s": first, "latency_s": latency, **_counts(last)}
+    record["tok_per_s"] = record["output_tokens"] / latency if latency > 0 else 0.0
+    return record
+
+
+def _has_output(event: dict) -> bool:
+    if "choices" in event:
+        return any(c.get("text") for c in event["choices"])
+    return bool(event.get("meta_info", {}).get("completion_tokens", 0) or event.get("text"))
+
+
+def _merge(last: dict, event: dict) -> dict:
+    """Keep the newest meta_info (cumulative) and the usage block (vLLM's final chunk)."""
+    merged = {**last, **{k: v for k, v in event.items() if v is not None}}
+    return merged
+
+
+def _counts(body: dict) -> dict:
+    if "usage" in body:
+        return {"output_tokens": int(body["usage"]["completion_tokens"])}
+    meta = body.get("meta_info", {})
+    out = {"output_tokens": int(meta.get("completion_tokens", 0))}
+    if meta.get("spec_verify_ct"):
+        out["verify_steps"] = int(meta["spec_verify_ct"])
+    return out
+
+
+def run_requests(engine: EngineProcess, requests: list[list[int]], bcfg, timeout_s: float, model: str,
+                 desc: str) -> tuple[list[dict], float]:
+    """All requests with bench.batch_size in flight; (records in prompt order, wall seconds)."""
+    api = "openai" if engine.launch.engine == "vllm" else "generate"
+    limits = httpx.Limits(max_connections=bcfg.batch_size)
+    with httpx.Client(base_url=engine.base_url, timeout=timeout_s, limits=limits) as client, \
+            ThreadPoolExecutor(bcfg.batch_size) as pool, tqdm(total=len(requests), desc=desc, leave=False) as bar:
+        start = time.perf_counter()
+        futures = [pool.submit(send, client, api, ids, bcfg, model) for ids in requests]
+        records = []
+        for future in futures:
+            try:
+                records.append(future.result())
+            except (httpx.HTTPError, json.JSONDecodeError, KeyError) as err:
+                for other in futures:
+                    other.cancel()
+                engine.check_alive()  # raises EngineFailed with the log when the server died
+                raise EngineFailed(f"request to {engine.launch.engine} failed: {type(err).__name__}: {err}",
+                                   engine.log_tail()) from err
+            bar.update()
+        return records, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- measuring one engine
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default method)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def aggregate(records: list[dict], wall_s: float, acceptance: dict) -> dict:
+    """Suite-level metrics: throughput, latency percentiles, acceptance, per-step decode time."""
+    tokens = sum(r["output_tokens"] for r in records)
+    ttfts = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
+    decode = [(r["latency_s"] - (r["ttft_s"] or 0.0), r["output_tokens"] - 1) for r in records]
+    itls = [seconds / n for seconds, n in decode if n > 0]
+    decode_tok_s = sum(n for _, n in decode) / max(sum(s for s, _ in decode), 1e-9)
+    tau = acceptance.get("accept_length", 1.0)
+    metrics = {"tokens_per_s": tokens / wall_s, "output_tokens": tokens, "requests": len(records),
+               "wall_s": wall_s, "decode_tokens_per_s": decode_tok_s, "step_s": tau / decode_tok_s,
+               "request_tokens_per_s_mean": sum(r["tok_per_s"] for r in records) / len(records),
+               "accept_length": tau, "accept_per_pos": acceptance.get("accept_per_pos", [])}
+    for q in PERCENTILES:
+        metrics[f"ttft_p{q}_ms"] = _ms(percentile(ttfts, q))
+        metrics[f"itl_p{q}_ms"] = _ms(percentile(itls, q))
+        metrics[f"latency_p{q}_ms"] = _ms(percentile([r["latency_s"] for r in records], q))
+    return {k: v for k, v in metrics.items() if v is not None}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def acceptance_for(engine: str, delta: dict, records: list[dict], spec: Spec) -> dict:
+    """vLLM and our server: counter deltas (per position too); SGLang: completion / verify steps."""
+    if not spec.enabled:
+        return {"accept_length": 1.0}
+    found = acceptance_from_counters(delta)
+    if found:
+        return found
+    steps = sum(r.get("verify_steps", 0) for r in records)
+    if steps:
+        return {"accept_length": sum(r["output_tokens"] for r in records) / steps}
+    raise EngineFailed(f"{engine} reported no speculative acceptance for spec {spec.label} "
+                       "(no draft counters, no spec_verify_ct): is the drafter loaded?")
+
+
+def measure(cfg: DictConfig, spec: Spec, drafter_path, target_path, requests: list[list[int]],
+            folder: Path) -> dict:
+    """Start the engine with `spec`, warm up, run the suite, stop it; the suite's metrics."""
+    bcfg, scfg = cfg.bench, cfg.serve
+    engine = start_engine(cfg, spec, drafter_path, target_path, folder)
+    try:
+        model = str(target_path)
+        if bcfg.warmup:
+            run_requests(engine, requests[: bcfg.warmup], bcfg, scfg.request_timeout_s, model, "warmup")
+        before = read_counters(scfg.engine, engine.base_url)
+        records, wall_s = run_requests(engine, requests, bcfg, scfg.request_timeout_s, model,
+                                       f"{scfg.engine} {spec.label}")
+        engine.check_alive()
+        delta = counter_delta(before, read_counters(scfg.engine, engine.base_url))
+    except httpx.HTTPError as err:
+        engine.check_alive()
+        raise EngineFailed(f"{scfg.engine} stats request failed: {err}", engine.log_tail()) from err
+    finally:
+        engine.stop(scfg.stop_timeout_s)
+    metrics = aggregate(records, wall_s, acceptance_for(scfg.engine, delta, records, spec))
+    (folder / "requests.json").write_text(json.dumps(records, indent=1))
+    return metrics
+
+
+# ---------------------------------------------------------------- the baseline, cached
+
+
+def baseline_output(cfg: DictConfig):
+    """Where the spec=off measurement for this (engine, target, suite, batch size, max tokens) lives."""
+    serve = {k: v for k, v in to_plain(cfg.serve).items()
+             if k not in ("host", "port", "start_timeout_s", "stop_timeout_s", "request_timeout_s")}
+    bench = {k: v for k, v in to_plain(cfg.bench).items() if k not in ("suites", "reuse_baseline", "cost_model_depths")}
+    suite = to_plain(cfg.bench.suites.get(cfg.bench.suite)) if not cfg.bench.prompts else None
+    sections = {"serve": serve, "target": to_plain(cfg.target), "bench": bench, "suite": suite,
+                "machine": platform.node()}
+    return stage_output(cfg.paths.artifacts, "bench_baseline", sections)
+
+
+def baseline(cfg: DictConfig, target_path, requests, folder: Path) -> dict:
+    out = baseline_output(cfg)
+    if cfg.bench.reuse_baseline and out.complete:
+        log.info("reusing the spec=off baseline %s", out.path)
+        return {**json.loads((out.path / "metrics.json").read_text()), "baseline_reused": True}
+    metrics = measure(cfg, OFF, None, target_path, requests, folder / "baseline")
+    out.start()
+    (out.path / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    out.finish({"requests": metrics["requests"], "output_tokens": metrics["output_tokens"]})
+    return {**metrics, "baseline_reused": False}
+
+
+# ---------------------------------------------------------------- one job
+
+
+def job_identity(cfg: DictConfig) -> dict:
+    """What a job varied: shown in the summary even when the job failed before measuring."""
+    ident = {"engine": cfg.serve.engine, "target": cfg.target.name, "suite": suite_name(cfg.bench),
+             "batch_size": cfg.bench.batch_size, "max_new_tokens": cfg.bench.max_new_tokens,
+             "spec": "invalid", "depth": cfg.spec.depth, "steps": cfg.spec.get("steps"), "topk": cfg.spec.topk,
+             "spec_enabled": bool(cfg.spec.enabled)}
+    try:
+        spec = resolve_spec(cfg.spec)
+        ident.update(spec=spec.label, depth=spec.depth, steps=spec.steps, topk=spec.topk)
+    except Eagle3Error:
+        pass
+    return ident
+
+
+def measure_job(cfg: DictConfig, folder: Path) -> dict:
+    """Validate, find drafter and prompts, measure (baseline first), compute speedup."""
+    from transformers import AutoTokenizer
+
+    spec = resolve_spec(cfg.spec)
+    check_spec_for_engine(cfg.serve.engine, spec)
+    drafter_path = drafter_for(cfg, spec)
+    target_path = target_path_for(cfg)
+    prompts = load_suite(cfg.bench)
+    requests = tokenize_prompts(AutoTokenizer.from_pretrained(target_path), prompts)
+    base = baseline(cfg, target_path, requests, folder)
+    metrics = measure(cfg, spec, drafter_path, target_path, requests, folder / "spec") if spec.enabled else dict(base)
+    metrics.update(baseline_tokens_per_s=base["tokens_per_s"], baseline_step_s=base["step_s"],
+                   baseline_reused=base["baseline_reused"], speedup=metrics["tokens_per_s"] / base["tokens_per_s"],
+                   drafter=str(drafter_path) if drafter_path else None)
+    return metrics
+
+
+def run_job(cfg: DictConfig, folder: Path, parent_run_id: str | None = None) -> dict:
+    """One job, never raising for an engine or spec failure: the result says ok or failed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    result = {**job_identity(cfg), "folder": str(folder)}
+    from eagle3.tracking import stage_run
+
+    name = f"{result['engine']}-{result['spec']}-bs{result['batch_size']}"
+    with stage_run(cfg, "bench", run_name=name, parent_run_id=parent_run_id,
+                   tags={"engine": result["engine"], "spec": result["spec"]}) as run:
+        try:
+            result.update(measure_job(cfg, folder), status="ok")
+        except (Eagle3Error, OSError, httpx.HTTPError) as err:
+            result.update(status="failed", error=f"{type(err).__name__}: {err}",
+                          log_tail=getattr(err, "log_tail", ""))
+            log.error("bench job %s failed: %s", name, err)
+        if run is not None:
+            result["run_id"] = run.info.run_id
+            log_job(result)
+    (folder / RESULT_FILE).write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+def log_job(result: dict) -> None:
+    """Metrics (per-position acceptance as accept_pos_i) or the failure, on the active child run."""
+    import mlflow
+
+    mlflow.set_tag("status", result["status"])
+    if result["status"] != "ok":
+        mlflow.set_tag("error", result["error"][:5000])
+        mlflow.log_text(f"{result['error']}\n\n--- engine log (last {LOG_EXCERPT_LINES} lines) ---\n"
+                        f"{result.get('log_tail', '')}\n", "failure.txt")
+        mlflow.end_run(status="FAILED")
+        return
+    numbers = {k: float(v) for k, v in result.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("depth", "steps", "topk")}
+    numbers.update({f"accept_pos_{i}": p for i, p in enumerate(result.get("accept_per_pos", []))})
+    mlflow.log_metrics(numbers)
+    mlflow.log_dict(result, "bench_result.json")
+
+
+# ---------------------------------------------------------------- the app
+
+
+@app
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from eagle3 import sweep
+
+    hydra_cfg = HydraConfig.get()
+    folder = Path(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        run_job(cfg, folder, sweep.parent_run_id(Path(hydra_cfg.sweep.dir)))
+        return
+    result = run_job(cfg, folder)
+    sweep.summarize(cfg, [result], folder)
+    if result["status"] != "ok":
+        raise Eagle3Error(f"bench job failed: {result['error']}")
+
+
+if __name__ == "__main__":
+    main()

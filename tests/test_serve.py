@@ -1,0 +1,210 @@
+"""Engines: command composition (vLLM, SGLang through SGLang's own parser), process lifecycle
+with real processes, vLLM counter parsing."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from eagle3.common import Eagle3Error
+from eagle3.serve import (EngineFailed, EngineProcess, Launch, acceptance_from_counters, check_spec_for_engine,
+                          compose_launch, counter_delta, free_port, parse_vllm_metrics, sglang_argv,
+                          sglang_cuda_graph_flag, sglang_parse_many)
+from eagle3.spec import OFF, resolve_spec
+
+REPO = Path(__file__).resolve().parents[1]
+SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+TARGET = "/models/target"
+DRAFTER = "/models/drafter"
+
+
+# ---------------------------------------------------------------- vLLM
+
+
+def test_vllm_refuses_trees_before_launch(make_cfg):
+    cfg = make_cfg("serve=vllm", "spec=d10s5")
+    with pytest.raises(Eagle3Error, match="vLLM drafts chains only"):
+        compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET)
+    check_spec_for_engine("sglang", resolve_spec(cfg.spec))  # trees are fine elsewhere
+    check_spec_for_engine("local", resolve_spec(cfg.spec))
+
+
+def test_vllm_command(make_cfg):
+    cfg = make_cfg("serve=vllm", "spec=d16")
+    launch = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321)
+    argv = launch.argv
+    assert argv[:3] == [cfg.serve.python, "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--model") + 1] == TARGET and argv[argv.index("--port") + 1] == "4321"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--enforce-eager" in argv
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
+        "method": "eagle3", "model": DRAFTER, "num_speculative_tokens": 15}
+    assert launch.env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    off = compose_launch(cfg, OFF, None, TARGET, port=4321)
+    assert "--speculative-config" not in off.argv
+
+
+def test_spec_needs_a_drafter(make_cfg):
+    cfg = make_cfg("serve=vllm")
+    with pytest.raises(Eagle3Error, match="needs a drafter"):
+        compose_launch(cfg, resolve_spec(cfg.spec), None, TARGET)
+
+
+VLLM_METRICS = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 10.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.79e+09
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 60.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 30.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 15.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 5.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 10.0
+vllm:generation_tokens_total{engine="0",model_name="m"} 55.0
+"""
+
+
+def test_parse_vllm_metrics_and_acceptance():
+    after = parse_vllm_metrics(VLLM_METRICS)
+    assert after == {"num_drafts": 20.0, "num_draft_tokens": 60.0, "num_accepted_tokens": 30.0,
+                     "accepted_per_pos": [15.0, 10.0, 5.0]}
+    before = {"num_drafts": 10.0, "num_draft_tokens": 30.0, "num_accepted_tokens": 10.0, "accepted_per_pos": [8.0]}
+    delta = counter_delta(before, after)
+    assert delta == {"num_drafts": 10.0, "num_draft_tokens": 30.0, "num_accepted_tokens": 20.0,
+                     "accepted_per_pos": [7.0, 10.0, 5.0]}
+    acc = acceptance_from_counters(delta)
+    assert acc["accept_length"] == 3.0 and acc["accept_per_pos"] == [0.7, 1.0, 0.5]
+    assert acc["draft_acceptance_rate"] == pytest.approx(20 / 30)
+    assert acceptance_from_counters(counter_delta(after, after)) == {}  # no drafts: no acceptance claimed
+
+
+# ---------------------------------------------------------------- SGLang
+
+
+def test_sglang_cuda_graph_flag_by_version():
+    assert sglang_cuda_graph_flag("0.5.19") == "--cuda-graph-max-bs"
+    assert sglang_cuda_graph_flag("0.5.20") == "--cuda-graph-max-bs-decode"
+    assert sglang_cuda_graph_flag("0.5.23.post1") == "--cuda-graph-max-bs-decode"
+
+
+def test_sglang_argv_accepted_by_sglangs_own_parser(make_cfg):
+    """Our composed commands go through sglang.srt.server_args.prepare_server_args (the installed
+    SGLang 0.5.23 in .venv-sglang, built by `make sglang`) and come back with our spec."""
+    assert SGLANG_PYTHON.exists(), "run `make sglang` (tools/setup_sglang.sh) to build .venv-sglang"
+    cfg = make_cfg("serve=sglang", f"serve.python={SGLANG_PYTHON}")
+    specs = [resolve_spec(make_cfg(f"spec={preset}").spec) for preset in ("d16", "d10s5", "default")]
+    stale = make_cfg("serve=sglang", f"serve.python={SGLANG_PYTHON}", "serve.version=0.5.19")
+    argvs = [sglang_argv(cfg, spec, DRAFTER, TARGET, 30000) for spec in specs]
+    argvs += [sglang_argv(cfg, OFF, None, TARGET, 30000), sglang_argv(stale, OFF, None, TARGET, 30000)]
+    *spec_results, off, refused = sglang_parse_many(str(SGLANG_PYTHON), argvs)
+    for spec, result in zip(specs, spec_results):
+        parsed = result["parsed"]
+        assert (parsed["speculative_algorithm"], parsed["speculative_num_steps"], parsed["speculative_eagle_topk"],
+                parsed["speculative_num_draft_tokens"]) == ("EAGLE3", spec.steps, spec.topk, spec.depth)
+        assert parsed["speculative_draft_model_path"] == DRAFTER and parsed["model_path"] == TARGET
+        # SGLang forces draft tokens = steps + 1 for chains: our chains already satisfy it
+        assert spec.topk > 1 or parsed["speculative_num_draft_tokens"] == parsed["speculative_num_steps"] + 1
+    assert off["parsed"]["speculative_algorithm"] is None and off["parsed"]["tp_size"] == 1
+    # the parser really validates: the pre-0.5.20 flag is refused by 0.5.23
+    assert "cuda-graph-max-bs" in refused["error"]
+
+
+def test_spec_rules_match_sglangs(make_cfg):
+    """SGLang: steps/topk/draft tokens all or none; topk=1 forces draft tokens = steps + 1."""
+    with pytest.raises(Eagle3Error, match="chain drafts depth-1"):
+        resolve_spec(make_cfg("spec.depth=8", "spec.steps=3").spec)
+    with pytest.raises(Eagle3Error, match="needs spec.steps"):
+        resolve_spec(make_cfg("spec.depth=8", "spec.topk=2").spec)
+    assert resolve_spec(make_cfg("spec=d16").spec).steps == 15
+
+
+# ---------------------------------------------------------------- local
+
+
+def test_local_launch_passes_the_exact_config(make_cfg, tmp_path):
+    """The local server gets the job's resolved config (spec, port, drafter) as its primary config;
+    an eagle3 Hydra app composes it back unchanged."""
+    cfg = make_cfg("target=tiny-llama", "spec=d10s5")
+    launch = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=5555)
+    (tmp_path / "engine_config.yaml").write_text(launch.files["engine_config.yaml"])
+    job = yaml.safe_load(launch.files["engine_config.yaml"])
+    assert job["spec"] == {"enabled": True, "depth": 10, "steps": 5, "topk": 4}
+    assert job["serve"]["port"] == 5555 and job["drafter"]["path"] == DRAFTER
+    argv = [a.replace("{folder}", str(tmp_path)) for a in launch.argv]
+    assert argv[1:3] == ["-m", "eagle3.engine.server"]
+    out = subprocess.run([sys.executable, "-m", "eagle3.info", *argv[3:], "--cfg", "job"], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout) == job
+
+
+# ---------------------------------------------------------------- process lifecycle (real processes)
+
+
+def http_server_launch(port: int, prefix: str = "") -> Launch:
+    """A real HTTP server standing in for an engine (health = GET / answers 200)."""
+    command = f"{prefix}exec {sys.executable} -m http.server {port} --bind 127.0.0.1"
+    return Launch("local", ["bash", "-c", command], {}, "127.0.0.1", port, health_path="/")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat")
+    return status.exists() and status.read_text().split()[2] != "Z"
+
+
+def test_engine_start_healthy_stop_kills_the_whole_group(tmp_path):
+    port = free_port("127.0.0.1")
+    child_pid_file = tmp_path / "child.pid"
+    launch = http_server_launch(port, prefix=f"sleep 300 & echo $! > {child_pid_file}; ")
+    with EngineProcess(launch, tmp_path, "engine") as engine:
+        engine.wait_healthy(60)
+        assert httpx.get(engine.base_url + "/").status_code == 200
+        child = int(child_pid_file.read_text())
+        assert pid_alive(child) and engine.alive()
+    assert not engine.alive() and not pid_alive(child)  # the server and its background child
+    assert "GET / HTTP" in (tmp_path / "engine.log").read_text()  # output captured to the job folder
+    assert json.loads((tmp_path / "command.json").read_text())["argv"][0] == "bash"
+
+
+def test_engine_that_exits_fails_with_its_log(tmp_path):
+    launch = Launch("vllm", [sys.executable, "-c", "print('boom: bad flag'); raise SystemExit(3)"], {},
+                    "127.0.0.1", free_port("127.0.0.1"))
+    engine = EngineProcess(launch, tmp_path).start()
+    with pytest.raises(EngineFailed, match="exited with code 3") as err:
+        engine.wait_healthy(60)
+    assert "boom: bad flag" in err.value.log_tail
+
+
+def test_engine_that_never_gets_healthy_times_out_and_is_stopped(tmp_path):
+    launch = Launch("vllm", ["sleep", "300"], {}, "127.0.0.1", free_port("127.0.0.1"))
+    engine = EngineProcess(launch, tmp_path).start()
+    start = time.monotonic()
+    with pytest.raises(EngineFailed, match="not healthy after 2s"):
+        engine.wait_healthy(2)
+    assert time.monotonic() - start < 10
+    engine.stop(5)
+    assert not engine.alive()
+
+
+def test_killed_server_is_detected(tmp_path):
+    engine = EngineProcess(http_server_launch(free_port("127.0.0.1")), tmp_path).start()
+    try:
+        engine.wait_healthy(60)
+        engine.check_alive()
+        os.killpg(engine.proc.pid, signal.SIGKILL)
+        engine.proc.wait(10)
+        with pytest.raises(EngineFailed, match="died"):
+            engine.check_alive()
+    finally:
+        engine.stop(5)
