@@ -1,0 +1,140 @@
+"""Bench: prompt suites, metrics, cost model, baseline cache, summary; jobs and sweeps against
+real engine servers (local; vLLM in the slow tests)."""
+
+import csv
+import json
+
+import pytest
+
+from eagle3.bench import aggregate, baseline_output, job_identity, percentile, tokenize_prompts
+from eagle3.common import Eagle3Error
+from eagle3.costmodel import StepCost, accept_length, fit_step_cost, predict
+from eagle3.suites import load_suite
+from eagle3.sweep import cost_model_rows, summarize
+
+
+# ---------------------------------------------------------------- suites
+
+
+@pytest.mark.parametrize("suite,count,first", [
+    ("vicuna", 80, "How can I improve my time management skills?"),
+    ("humaneval", 164, "from typing import List"),
+    ("gsm8k", 100, "Melanie is a door-to-door saleswoman."),
+])
+def test_shipped_suites(make_cfg, suite, count, first):
+    prompts = load_suite(make_cfg(f"bench.suite={suite}", "bench.limit=null").bench)
+    assert len(prompts) == count and len({p.id for p in prompts}) == count
+    assert prompts[0].messages[0]["role"] == "user" and prompts[0].messages[0]["content"].startswith(first)
+    limited = load_suite(make_cfg(f"bench.suite={suite}", "bench.limit=3").bench)
+    assert limited == prompts[:3]
+
+
+def test_user_jsonl_prompt_and_messages(make_cfg, tmp_path):
+    path = tmp_path / "mine.jsonl"
+    rows = [{"prompt": "Say hi."},
+            {"id": "chat", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    prompts = load_suite(make_cfg(f"bench.prompts={path}", "bench.limit=null").bench)
+    assert [p.messages for p in prompts] == [[{"role": "user", "content": "Say hi."}], rows[1]["messages"]]
+    assert prompts[1].id == "chat"
+    path.write_text(json.dumps({"text": "no prompt field"}) + "\n")
+    with pytest.raises(Eagle3Error, match="no string field `prompt`"):
+        load_suite(make_cfg(f"bench.prompts={path}").bench)
+    with pytest.raises(Eagle3Error, match="does not exist"):
+        load_suite(make_cfg(f"bench.prompts={tmp_path}/missing.jsonl").bench)
+    with pytest.raises(Eagle3Error, match="unknown bench.suite"):
+        load_suite(make_cfg("bench.suite=mtbench").bench)
+
+
+def test_prompts_are_chat_templated_ids(tiny_target, make_cfg):
+    prompts = load_suite(make_cfg("bench.limit=2").bench)
+    ids = tokenize_prompts(tiny_target.tokenizer, prompts)
+    expected = tiny_target.tokenizer.apply_chat_template(prompts[0].messages, add_generation_prompt=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert ids[0] == list(expected) and all(isinstance(t, int) for t in ids[1])
+    assert tiny_target.tokenizer.decode(ids[0]).rstrip().endswith("assistant")
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_percentile_matches_linear_interpolation():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 50) == 2.5 and percentile(values, 0) == 1.0 and percentile(values, 100) == 4.0
+    assert percentile(values, 90) == pytest.approx(3.7) and percentile([], 50) is None
+
+
+def test_aggregate_exact():
+    records = [{"output_tokens": 11, "ttft_s": 0.1, "latency_s": 1.1, "tok_per_s": 10.0},
+               {"output_tokens": 21, "ttft_s": 0.3, "latency_s": 2.3, "tok_per_s": 21 / 2.3}]
+    m = aggregate(records, wall_s=3.2, acceptance={"accept_length": 2.5, "accept_per_pos": [0.9, 0.6]})
+    assert m["tokens_per_s"] == 32 / 3.2 and m["output_tokens"] == 32 and m["requests"] == 2
+    assert m["decode_tokens_per_s"] == pytest.approx(30 / 3.0)       # tokens after the first / decode time
+    assert m["step_s"] == pytest.approx(2.5 / 10.0)                  # tau / decode rate
+    assert m["ttft_p50_ms"] == pytest.approx(200) and m["itl_p50_ms"] == pytest.approx(100)
+    assert m["accept_per_pos"] == [0.9, 0.6] and m["accept_length"] == 2.5
+
+
+# ---------------------------------------------------------------- cost model
+
+
+def test_cost_model_recovers_line_and_predicts():
+    truth = StepCost(verify_s=0.02, draft_step_s=0.004)
+    cost = fit_step_cost([(d, truth.step_s(d)) for d in (1, 4, 8)])
+    assert cost.verify_s == pytest.approx(0.02) and cost.draft_step_s == pytest.approx(0.004)
+    assert fit_step_cost([(4, 0.1), (4, 0.2)]) is None  # one depth: no slope
+    per_pos = [0.8, 0.6, 0.4, 0.2]
+    assert accept_length(per_pos, 3) == pytest.approx(2.4) and accept_length(per_pos, 6) is None
+    pred = predict(per_pos, truth, [1, 3, 5, 9])
+    assert pred == {1: pytest.approx(1 / 0.02), 3: pytest.approx(2.4 / 0.028), 5: pytest.approx(3.0 / 0.036)}
+
+
+def ok_result(depth, tok_s, tau, step_s, per_pos, **extra):
+    base = {"engine": "local", "suite": "vicuna", "batch_size": 1, "max_new_tokens": 64, "status": "ok",
+            "spec": f"d{depth}", "depth": depth, "steps": depth - 1, "topk": 1, "tokens_per_s": tok_s,
+            "baseline_tokens_per_s": 50.0, "baseline_step_s": 0.02, "speedup": tok_s / 50.0, "accept_length": tau,
+            "step_s": step_s, "decode_tokens_per_s": tau / step_s, "accept_per_pos": per_pos,
+            "ttft_p50_ms": 30.0, "itl_p50_ms": 10.0}
+    return {**base, **extra}
+
+
+def test_cost_model_rows_predict_unmeasured_depths():
+    truth = StepCost(0.02, 0.004)
+    per_pos = [0.8, 0.6, 0.4, 0.2, 0.1, 0.05, 0.02]
+    results = [ok_result(8, 90.0, accept_length(per_pos, 8), truth.step_s(8), per_pos),
+               ok_result(4, 80.0, accept_length(per_pos, 4), truth.step_s(4), per_pos[:3])]
+    rows = {r["depth"]: r for r in cost_model_rows(results, [2, 6, 12])}
+    assert sorted(rows) == [2, 4, 6, 8]  # 12 is past the measured positions
+    assert rows[6]["predicted_tok_s"] == pytest.approx(accept_length(per_pos, 6) / truth.step_s(6), abs=0.01)
+    assert rows[6]["measured_tok_s"] == "" and rows[8]["measured_tok_s"] == pytest.approx(
+        rows[8]["predicted_tok_s"], abs=0.01)
+
+
+# ---------------------------------------------------------------- summary and baseline cache
+
+
+def test_summary_lists_failed_jobs_and_best(make_cfg, tmp_path, capsys):
+    per_pos = [0.8, 0.5, 0.3]
+    results = [ok_result(4, 95.0, 2.6, 0.028, per_pos), ok_result(3, 80.0, 2.3, 0.024, per_pos[:2]),
+               {**job_identity(make_cfg("serve=vllm", "spec=d10s5")), "status": "failed",
+                "error": "Eagle3Error: spec d10s5k4 (topk=4) is a tree; vLLM drafts chains only"}]
+    out = summarize(make_cfg(), results, tmp_path)
+    assert out["best"]["spec"] == "d4"
+    rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
+    assert [(r["engine"], r["spec"], r["status"]) for r in rows] == [
+        ("local", "d4", "ok"), ("local", "d3", "ok"), ("vllm", "d10s5k4", "failed")]
+    assert "vLLM drafts chains only" in rows[2]["error"] and float(rows[0]["speedup"]) == pytest.approx(1.9)
+    assert (tmp_path / "summary.md").read_text().count("\n") == 2 + 3
+    for plot in ("tokens_per_s.png", "accept_length.png"):
+        assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
+    printed = capsys.readouterr().out
+    assert "best: serve=local spec d4" in printed and "1 of 3 jobs failed" in printed
+
+
+def test_baseline_key_shared_across_specs_not_across_batch_sizes(make_cfg):
+    a = baseline_output(make_cfg("target=tiny-llama", "spec.depth=16"))
+    assert a.hash == baseline_output(make_cfg("target=tiny-llama", "spec=d10s5", "serve.port=1234")).hash
+    for change in ("bench.batch_size=4", "bench.max_new_tokens=7", "serve=vllm", "bench.suite=gsm8k",
+                   "target=smollm2-135m"):
+        assert baseline_output(make_cfg("target=tiny-llama", change)).hash != a.hash, change
+    assert a.path.parent.name == "bench_baseline"
