@@ -3,8 +3,13 @@ real engine servers (local; vLLM in the slow tests)."""
 
 import csv
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
+from mlflow.tracking import MlflowClient
 
 from eagle3.bench import aggregate, baseline_output, job_identity, percentile, tokenize_prompts
 from eagle3.common import Eagle3Error
@@ -138,3 +143,90 @@ def test_baseline_key_shared_across_specs_not_across_batch_sizes(make_cfg):
                    "target=smollm2-135m"):
         assert baseline_output(make_cfg("target=tiny-llama", change)).hash != a.hash, change
     assert a.path.parent.name == "bench_baseline"
+
+
+# ---------------------------------------------------------------- real engines
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+# vLLM's CPU attention supports head_dim 32, 64, ...; tiny-llama's default 4 heads of 16 is refused
+# ("Unsupported CPU attention configuration: head_dim=16"), so the vLLM tests use 2 heads of 32.
+VLLM_TINY = ("target=tiny-llama", "target.num_heads=2", "target.num_kv_heads=1")
+QUICK = ("bench.limit=3", "bench.max_new_tokens=24", "bench.warmup=1")
+
+
+def export_untrained_drafter(cfg, out: Path) -> Path:
+    """A seeded, untrained drafter exported by the real exporter (sglang/ and vllm/ folders):
+    enough to exercise the engines' speculative paths and counters."""
+    from eagle3.drafter import build_drafter
+    from eagle3.export import export_drafter
+    from eagle3.target import load_target
+
+    if (out / "vllm" / "config.json").exists():
+        return out
+    target = load_target(cfg, device="cpu")
+    torch.manual_seed(0)
+    drafter = build_drafter(target, cfg.drafter)
+    draft_vocab = cfg.drafter.draft_vocab_size
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    drafter.set_vocab_map(torch.zeros(draft_vocab, dtype=torch.long), t2d)
+    drafter.config.target_num_layers = target.num_layers
+    export_drafter(cfg, drafter, {"note": "untrained, for engine tests"}, out)
+    return out
+
+
+def run_sweep(test_root, tmp_path, *overrides) -> tuple[subprocess.CompletedProcess, Path]:
+    sweep_dir = tmp_path / "sweep"
+    argv = [sys.executable, "-m", "eagle3.bench", "-m", *overrides, f"paths.root={test_root}",
+            f"tracking.uri=sqlite:///{tmp_path}/mlruns/mlflow.db", f"tracking.artifact_location={tmp_path}/mlruns/art",
+            f"hydra.sweep.dir={sweep_dir}"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=1500, cwd=tmp_path)
+    return out, sweep_dir
+
+
+def sweep_runs(tmp_path) -> tuple:
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("eagle3").experiment_id])
+    parents = [r for r in runs if r.data.tags.get("stage") == "bench-sweep"]
+    assert len(parents) == 1
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    return client, parents[0], sorted(children, key=lambda r: r.info.start_time)
+
+
+@pytest.fixture(scope="session")
+def vllm_drafter(test_root):
+    from eagle3.common import compose
+    cfg = compose([f"paths.root={test_root}", *VLLM_TINY])
+    return export_untrained_drafter(cfg, test_root / "drafters" / "tiny-hd32-untrained")
+
+
+@pytest.mark.slow
+def test_vllm_sweep_reads_counters_and_refuses_trees(test_root, tmp_path, vllm_drafter, make_cfg):
+    """`python -m eagle3.bench -m serve=vllm spec.depth=4,8` against a real vLLM (CPU), plus a
+    tree job that vLLM cannot run: failed before launch, the sweep goes on, the summary lists it."""
+    assert VLLM_PYTHON.exists(), "run `make vllm` (tools/setup_vllm.sh) to build .venv-vllm"
+    out, sweep_dir = run_sweep(test_root, tmp_path, "serve=vllm", "spec=default,d10s5", "spec.depth=4,8",
+                               *VLLM_TINY, *QUICK, f"drafter.path={vllm_drafter}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = [json.loads((sweep_dir / str(i) / "bench_result.json").read_text()) for i in range(4)]
+    ok = [r for r in results if r["status"] == "ok"]
+    failed = [r for r in results if r["status"] == "failed"]
+    assert sorted(r["depth"] for r in ok) == [4, 8] and len(failed) == 2
+    # d10s5 is a tree (topk 4): refused for vLLM before anything was launched
+    assert all("vLLM drafts chains only" in r["error"] and not (Path(r["folder"]) / "spec").exists() for r in failed)
+    for r in ok:
+        requests = json.loads((Path(r["folder"]) / "spec" / "requests.json").read_text())
+        assert len(requests) == 3 and r["output_tokens"] == sum(q["output_tokens"] for q in requests)
+        assert r["num_drafts"] > 0 and len(r["accept_per_pos"]) == r["depth"] - 1  # vLLM's counters
+        assert r["accept_length"] == pytest.approx(1 + sum(r["accept_per_pos"]))
+        assert r["baseline_tokens_per_s"] == ok[0]["baseline_tokens_per_s"]  # measured once, reused
+        assert "--speculative-config" in (Path(r["folder"]) / "spec" / "command.json").read_text()
+    assert ok[1]["baseline_reused"]
+    client, parent, children = sweep_runs(tmp_path)
+    assert [c.info.status for c in children] == ["FINISHED", "FINISHED", "FAILED", "FAILED"]
+    assert children[0].data.metrics["accept_pos_0"] == ok[0]["accept_per_pos"][0]
+    assert {"summary.md", "summary.csv", "tokens_per_s.png", "accept_length.png", "cost_model.md"} <= {
+        a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert parent.info.status == "FINISHED" and parent.data.tags["failed_jobs"] == "2"
+    assert "best: serve=vllm" in out.stdout and "2 of 4 jobs failed" in out.stdout

@@ -40,7 +40,7 @@ def test_vllm_command(make_cfg):
     cfg = make_cfg("serve=vllm", "spec=d16")
     launch = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321)
     argv = launch.argv
-    assert argv[:3] == [cfg.serve.python, "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[:3] == [str(REPO / ".venv-vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--model") + 1] == TARGET and argv[argv.index("--port") + 1] == "4321"
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--enforce-eager" in argv
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
@@ -187,6 +187,8 @@ def test_engine_that_exits_fails_with_its_log(tmp_path):
 
 
 def test_engine_that_never_gets_healthy_times_out_and_is_stopped(tmp_path):
+    with pytest.raises(EngineFailed, match="not found: run `make vllm`"):
+        EngineProcess(Launch("vllm", ["/nonexistent/python"], {}, "127.0.0.1", 1), tmp_path).start()
     launch = Launch("vllm", ["sleep", "300"], {}, "127.0.0.1", free_port("127.0.0.1"))
     engine = EngineProcess(launch, tmp_path).start()
     start = time.monotonic()

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 from omegaconf import DictConfig, OmegaConf
 
-from eagle3.common import Eagle3Error, app, log
+from eagle3.common import CONF_DIR, Eagle3Error, app, log
 from eagle3.spec import Spec, resolve_spec
 
 ENGINES = ("local", "vllm", "sglang")
@@ -71,6 +71,12 @@ class Launch:
         return f"http://{self.host}:{self.port}"
 
 
+def engine_python(scfg) -> str:
+    """serve.python; a relative path is taken from the eagle3 checkout (where `make setup` puts the venvs)."""
+    path = Path(str(scfg.python)).expanduser()
+    return str(path if path.is_absolute() else Path(CONF_DIR).parent / path)
+
+
 def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -95,7 +101,7 @@ def local_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
     job["spec"] = {"enabled": spec.enabled, "depth": spec.depth, "steps": spec.steps, "topk": spec.topk}
     job["serve"]["port"] = port
     job["drafter"]["path"] = str(drafter_path) if drafter_path else None
-    argv = [cfg.serve.python or sys.executable, "-m", "eagle3.engine.server",
+    argv = [engine_python(cfg.serve) if cfg.serve.python else sys.executable, "-m", "eagle3.engine.server",
             "--config-path", "{folder}", "--config-name", "engine_config",
             "hydra.run.dir={folder}/hydra", "hydra.output_subdir=null"]
     return Launch("local", argv, {}, cfg.serve.host, port,
@@ -104,7 +110,7 @@ def local_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
 
 def vllm_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
     v = cfg.serve
-    argv = [v.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_path),
+    argv = [engine_python(v), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_path),
             "--host", v.host, "--port", str(port), "--dtype", v.dtype, "--max-model-len", str(v.max_model_len),
             "--max-num-seqs", str(v.max_num_seqs), "--seed", str(cfg.seed)]
     if v.enforce_eager:
@@ -129,7 +135,7 @@ def sglang_version(scfg) -> str:
         return str(scfg.version)
     probe = "import importlib.metadata as m; print(m.version('sglang'))"
     try:
-        out = subprocess.run([scfg.python, "-c", probe], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([engine_python(scfg), "-c", probe], capture_output=True, text=True, timeout=60)
     except OSError as err:
         raise Eagle3Error(f"serve.python={scfg.python} cannot run ({err}): run `make sglang` or point "
                           "serve.python at an interpreter with sglang") from err
@@ -194,8 +200,8 @@ def sglang_parse(python: str, argv: list[str]) -> dict:
 def sglang_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
     args = sglang_argv(cfg, spec, drafter_path, target_path, port)
     if cfg.serve.validate_args:
-        sglang_parse(cfg.serve.python, args)
-    argv = [cfg.serve.python, "-m", "sglang.launch_server", *args]
+        sglang_parse(engine_python(cfg.serve), args)
+    argv = [engine_python(cfg.serve), "-m", "sglang.launch_server", *args]
     return Launch("sglang", argv, {k: str(v) for k, v in cfg.serve.env.items()}, cfg.serve.host, port)
 
 
@@ -223,8 +229,13 @@ class EngineProcess:
         (self.folder / "command.json").write_text(json.dumps({"argv": argv, "env": self.launch.env}, indent=2))
         log.info("starting %s: %s (log %s)", self.launch.engine, " ".join(argv), self.log_path)
         with open(self.log_path, "ab") as log_file:
-            self.proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **self.launch.env}, start_new_session=True)
+            try:
+                self.proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             env={**os.environ, **self.launch.env}, start_new_session=True)
+            except FileNotFoundError as err:
+                hint = {"vllm": "make vllm", "sglang": "make sglang"}.get(self.launch.engine, "make setup")
+                raise EngineFailed(f"{argv[0]} not found: run `{hint}` or set serve.python=<an interpreter "
+                                   f"with {self.launch.engine}>") from err
         _LIVE.add(self)
         return self
 
