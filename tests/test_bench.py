@@ -3,8 +3,12 @@ real engine servers (local; vLLM in the slow tests)."""
 
 import csv
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -230,3 +234,67 @@ def test_vllm_sweep_reads_counters_and_refuses_trees(test_root, tmp_path, vllm_d
         a.path for a in client.list_artifacts(parent.info.run_id)}
     assert parent.info.status == "FINISHED" and parent.data.tags["failed_jobs"] == "2"
     assert "best: serve=vllm" in out.stdout and "2 of 4 jobs failed" in out.stdout
+
+
+# ---------------------------------------------------------------- the local engine
+
+
+LOCAL_TINY = ("target=tiny-llama", "serve=local")
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(test_root):
+    from eagle3.common import compose
+    cfg = compose([f"paths.root={test_root}", "target=tiny-llama"])
+    return export_untrained_drafter(cfg, test_root / "drafters" / "tiny-untrained")
+
+
+def test_local_sweep_one_job_refused(test_root, tmp_path, tiny_drafter):
+    """`python -m eagle3.bench -m serve=local,vllm spec=d10s5`: the local job runs the tree through
+    our server; vLLM refuses the tree: failed, listed, the sweep finishes."""
+    out, sweep_dir = run_sweep(test_root, tmp_path, "serve=local,vllm", "spec=d10s5", "target=tiny-llama", *QUICK,
+                               f"drafter.path={tiny_drafter}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    local, vllm = (json.loads((sweep_dir / str(i) / "bench_result.json").read_text()) for i in range(2))
+    assert local["status"] == "ok", local.get("error")
+    assert vllm["status"] == "failed" and "vLLM drafts chains only" in vllm["error"]
+    assert local["output_tokens"] > 0 and local["accept_length"] >= 1.0 and local["speedup"] > 0
+    assert local["ttft_p50_ms"] > 0 and local["itl_p50_ms"] > 0
+    client, parent, children = sweep_runs(tmp_path)
+    assert [c.info.status for c in children] == ["FINISHED", "FAILED"]
+    assert "failure.txt" in {a.path for a in client.list_artifacts(children[1].info.run_id)}
+    assert children[0].data.params["spec.depth"] == "10" and children[0].data.metrics["tokens_per_s"] > 0
+    assert "best: serve=local spec d10s5k4" in out.stdout and "1 of 2 jobs failed" in out.stdout
+
+
+def test_killed_server_marks_the_job_failed(make_cfg, tmp_path, tiny_drafter):
+    """A real local server SIGKILLed mid-run: the job is failed (status, log excerpt in its child
+    run), no engine process is left, and nothing raises out of run_job."""
+    from eagle3.bench import run_job
+
+    cfg = make_cfg(*LOCAL_TINY, "spec.depth=4", "bench.limit=4", "bench.max_new_tokens=400", "bench.ignore_eos=true",
+                   f"drafter.path={tiny_drafter}")
+    folder = tmp_path / "job"
+    killed = {}
+
+    def kill_when_serving():
+        pid_file = folder / "spec" / "engine.pid"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not (folder / "spec" / "requests.json").exists():
+            if pid_file.exists() and "POST /generate" in (folder / "spec" / "engine.log").read_text(errors="ignore"):
+                killed["pid"] = int(pid_file.read_text())
+                os.killpg(killed["pid"], signal.SIGKILL)
+                return
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_when_serving)
+    killer.start()
+    result = run_job(cfg, folder)
+    killer.join()
+    assert "pid" in killed, "the server finished before it could be killed"
+    assert result["status"] == "failed" and "died" in result["error"]
+    assert json.loads((folder / "bench_result.json").read_text())["status"] == "failed"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(killed["pid"], 0)
+    run = MlflowClient(tracking_uri=cfg.tracking.uri).get_run(result["run_id"])
+    assert run.info.status == "FAILED" and run.data.tags["status"] == "failed"

@@ -210,3 +210,11 @@ def test_killed_server_is_detected(tmp_path):
             engine.check_alive()
     finally:
         engine.stop(5)
+
+
+def test_serve_app_refuses_a_tree_for_vllm_in_one_line(test_root, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "eagle3.serve", "serve=vllm", "spec=d10s5", f"paths.root={test_root}",
+                          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1].startswith("eagle3 error: spec d10s5k4 (topk=4) is a tree")
+    assert not (tmp_path / "engine.log").exists()  # nothing was launched

@@ -236,6 +236,7 @@ class EngineProcess:
                 hint = {"vllm": "make vllm", "sglang": "make sglang"}.get(self.launch.engine, "make setup")
                 raise EngineFailed(f"{argv[0]} not found: run `{hint}` or set serve.python=<an interpreter "
                                    f"with {self.launch.engine}>") from err
+        (self.folder / f"{self.log_path.stem}.pid").write_text(str(self.proc.pid))
         _LIVE.add(self)
         return self
 
