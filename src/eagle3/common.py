@@ -56,6 +56,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """The primary config composed outside a Hydra app (tests, notebooks, subprocess helpers)."""
     from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra app: reuse its search path
+        return hydra_compose("config", overrides=list(overrides))
     with initialize_config_dir(CONF_DIR, version_base="1.3"):
         return hydra_compose("config", overrides=list(overrides))

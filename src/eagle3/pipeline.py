@@ -1,0 +1,134 @@
+"""`python -m eagle3.pipeline`: data -> extract -> train -> export -> bench, in order.
+
+Each stage runs in-process through its module's `run(cfg)` and is a no-op when its output
+folder is complete; the bench runs as the multirun a user would type
+(`python -m eagle3.bench -m <pipeline.bench_sweep>`). `pipeline.dry_run=true` prints the plan
+and every command, validating each bench job's spec and engine command, and runs nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from omegaconf import DictConfig
+
+from eagle3.common import Eagle3Error, app, compose
+
+STAGE_MODULES = {"data": "eagle3.data", "extract": "eagle3.extract", "train": "eagle3.train",
+                 "export": "eagle3.export"}
+
+
+def planned_stages(cfg: DictConfig) -> list[str]:
+    online = cfg.train.hidden_states == "online"
+    return [s for s in cfg.pipeline.stages if not (s == "extract" and online)]
+
+
+def stage_output(cfg: DictConfig, stage: str):
+    module = importlib.import_module(STAGE_MODULES[stage])
+    return getattr(module, f"{stage}_output")(cfg)
+
+
+def user_overrides() -> list[str]:
+    """The overrides the pipeline was started with (handed on to the bench)."""
+    return [o for o in HydraConfig.get().overrides.task if not o.startswith("pipeline.")]
+
+
+def bench_jobs(cfg: DictConfig) -> list[list[str]]:
+    """The bench sweep expanded exactly as Hydra's basic sweeper will: one override list per job."""
+    parsed = OverridesParser.create().parse_overrides(list(cfg.pipeline.bench_sweep))
+    return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def bench_command(cfg: DictConfig, sweep_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "eagle3.bench", "-m", *user_overrides(), *cfg.pipeline.bench_sweep,
+            f"hydra.sweep.dir={sweep_dir}"]
+
+
+def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
+    """Every stage's command, output folder and status; every bench job's engine command, validated."""
+    from eagle3.serve import compose_launch
+    from eagle3.spec import resolve_spec
+
+    overrides = " ".join(user_overrides())
+    for index, stage in enumerate(planned_stages(cfg), 1):
+        if stage == "bench":
+            print(f"[{index}] bench: {' '.join(bench_command(cfg, sweep_dir))}")
+            continue
+        out = stage_output(cfg, stage)
+        status = "done" if out.complete else "to run"
+        print(f"[{index}] {stage}: python -m {STAGE_MODULES[stage]} {overrides}\n      -> {out.path} ({status})")
+    target = cfg.target.path or cfg.target.name
+    if cfg.data.regenerate and cfg.data.regen.backend == "openai":
+        launch = compose_launch(cfg, resolve_spec(compose([*user_overrides(), "spec=off"]).spec), None, target,
+                                port=30000)
+        print(f"    data regeneration talks to {cfg.data.regen.base_url}; serve the target first with "
+              f"`python -m eagle3.serve {overrides} spec=off`: {' '.join(launch.argv)}")
+    drafter = stage_output(cfg, "export").path / ("vllm" if cfg.serve.engine == "vllm" else "sglang")
+    for job in bench_jobs(cfg):
+        job_cfg = compose([*user_overrides(), *job])
+        spec = resolve_spec(job_cfg.spec)
+        launch = compose_launch(job_cfg, spec, drafter if spec.enabled else None, target, port=30000)
+        print(f"    bench job {' '.join(job)} ({spec.label}, {job_cfg.serve.engine}): {' '.join(launch.argv)}")
+    print("plan valid: every bench job's spec and engine command passed validation")
+
+
+def run_stage(cfg: DictConfig, stage: str) -> str:
+    out = stage_output(cfg, stage)
+    if out.complete:
+        return f"skipped (done) -> {out.path}"
+    module = importlib.import_module(STAGE_MODULES[stage])
+    module.run(cfg)
+    return f"done -> {out.path}"
+
+
+def run_bench(cfg: DictConfig, sweep_dir: Path) -> str:
+    proc = subprocess.run(bench_command(cfg, sweep_dir), check=False)
+    if proc.returncode != 0:
+        raise Eagle3Error(f"the bench sweep failed (exit {proc.returncode}); its jobs' logs are under {sweep_dir}")
+    return f"done -> {sweep_dir}"
+
+
+def print_summary(cfg: DictConfig, sweep_dir: Path) -> None:
+    counts = stage_output(cfg, "train").manifest().get("counts", {})
+    print(f"\nsummary: simulated acceptance tau_hat = {counts.get('tau_hat')}")
+    for path in sorted(sweep_dir.glob("*/bench_result.json")):
+        r = json.loads(path.read_text())
+        print(f"  {r.get('spec', '?'):>8} {r.get('engine', '?'):>6}: {r.get('status')}, tokens/s {_fmt(r.get('tokens_per_s'))}"
+              f", accept length {_fmt(r.get('accept_length'))}, speedup {_fmt(r.get('speedup'))}"
+              f" (spec=off {_fmt(r.get('baseline_tokens_per_s'))} tok/s)")
+    summary = sweep_dir / "summary.md"
+    if summary.exists():
+        print(f"  table: {summary}")
+    print(f"  MLflow: {cfg.tracking.uri}  (python -m eagle3.ui, or mlflow ui --backend-store-uri {cfg.tracking.uri})")
+
+
+def _fmt(value) -> str:
+    return f"{value:.2f}" if isinstance(value, (int, float)) else str(value)
+
+
+@app
+def main(cfg: DictConfig) -> None:
+    sweep_dir = Path(cfg.paths.root) / "multirun" / f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}"
+    if cfg.pipeline.dry_run:
+        print_plan(cfg, sweep_dir)
+        return
+    stages = planned_stages(cfg)
+    for index, stage in enumerate(stages, 1):
+        started = time.monotonic()
+        print(f"[{index}/{len(stages)}] {stage} ...", flush=True)
+        result = run_bench(cfg, sweep_dir) if stage == "bench" else run_stage(cfg, stage)
+        print(f"[{index}/{len(stages)}] {stage} {result} ({time.monotonic() - started:.0f}s)", flush=True)
+    if "bench" in stages:
+        print_summary(cfg, sweep_dir)
+
+
+if __name__ == "__main__":
+    main()

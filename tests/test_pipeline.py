@@ -1,0 +1,30 @@
+import os
+import subprocess
+import sys
+
+
+def run_pipeline(root, *overrides):
+    return subprocess.run([sys.executable, "-m", "eagle3.pipeline", *overrides], capture_output=True, text=True,
+                          env={**os.environ, "EAGLE3_ROOT": str(root)}, timeout=600)
+
+
+def test_kimi_dry_run_prints_a_valid_plan(test_root):
+    """Composes the kimi-k2.5 preset, validates both bench jobs with SGLang's own parser, runs nothing."""
+    proc = run_pipeline(test_root, "experiment=kimi-k2.5", "pipeline.dry_run=true")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for stage in ("data", "extract", "train", "export", "bench"):
+        assert f"] {stage}:" in out
+    assert "--tp-size 8" in out and "--speculative-algorithm EAGLE3" in out
+    assert "--speculative-num-steps 15 --speculative-eagle-topk 1 --speculative-num-draft-tokens 16" in out
+    assert "--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 10" in out
+    assert "serve the target first" in out  # regeneration through the SGLang endpoint
+    assert out.rstrip().endswith("plan valid: every bench job's spec and engine command passed validation")
+    assert not (test_root / "multirun").exists() or not any((test_root / "multirun").glob("pipeline-*/0"))
+
+
+def test_dry_run_rejects_an_impossible_spec_naming_the_rule(test_root):
+    proc = run_pipeline(test_root, "experiment=kimi-k2.5", "pipeline.dry_run=true",
+                        "pipeline.bench_sweep=['spec.depth=16','spec.steps=3']")
+    assert proc.returncode == 1
+    assert "a chain drafts depth-1 = 15 steps" in proc.stderr and "Traceback" not in proc.stderr
