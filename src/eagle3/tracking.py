@@ -1,4 +1,7 @@
-"""MLflow helpers shared by all apps: one run per stage (or sweep job), config as params + YAML."""
+"""MLflow helpers shared by all apps: one run per stage (or sweep job), config as params + YAML.
+
+mlflow is imported inside the functions: with tracking.enabled=false nothing needs it
+(the GPU machines run stages without it)."""
 
 from __future__ import annotations
 
@@ -6,8 +9,6 @@ import contextlib
 from pathlib import Path
 from typing import Any, Iterator
 
-import mlflow
-from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3.artifacts import git_commit
@@ -17,6 +18,8 @@ MAX_PARAM_CHARS = 500  # MLflow rejects longer param values; the full YAML is an
 
 def setup(cfg: DictConfig) -> str:
     """Point MLflow at the configured store and experiment; return the experiment id."""
+    import mlflow
+
     uri = cfg.tracking.uri
     if uri.startswith("sqlite:///"):
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -45,6 +48,8 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def log_config(cfg: DictConfig) -> None:
+    import mlflow
+
     plain = OmegaConf.to_container(cfg, resolve=True)
     params = {k: str(v)[:MAX_PARAM_CHARS] for k, v in flatten(plain).items()}
     mlflow.log_params(params)
@@ -53,11 +58,13 @@ def log_config(cfg: DictConfig) -> None:
 
 @contextlib.contextmanager
 def stage_run(cfg: DictConfig, stage: str, artifact_hash: str | None = None, run_name: str | None = None,
-              parent_run_id: str | None = None, tags: dict | None = None) -> Iterator[mlflow.ActiveRun | None]:
+              parent_run_id: str | None = None, tags: dict | None = None) -> Iterator:
     """Open the MLflow run of one stage (or one sweep job, nested under parent_run_id)."""
     if not cfg.tracking.enabled:
         yield None
         return
+    import mlflow
+
     setup(cfg)
     all_tags = {"stage": stage, "git_commit": git_commit() or "unknown", **(tags or {})}
     if artifact_hash:
@@ -69,6 +76,8 @@ def stage_run(cfg: DictConfig, stage: str, artifact_hash: str | None = None, run
         yield run
 
 
-def client(cfg: DictConfig) -> MlflowClient:
+def client(cfg: DictConfig):
+    from mlflow.tracking import MlflowClient
+
     setup(cfg)
     return MlflowClient(tracking_uri=cfg.tracking.uri)
