@@ -380,3 +380,67 @@ def test_vllm_parses_our_speculators_config(drafter, tmp_path):
     assert parsed == {"architectures": ["Eagle3LlamaForCausalLM"], "norm_before_residual": False,
                       "eagle_aux_hidden_state_layer_ids": [1, 2, 3], "draft_vocab_size": 8192,
                       "target_hidden_size": 64, "method": "eagle3", "num_speculative_tokens": 4}
+
+
+# ---------------------------------------------------------------- the export app
+
+
+def fake_training_output(cfg, drafter, tau: float):
+    """A complete train-stage folder for this config, written with train.py's own format helpers.
+    (Only the fit is skipped: training itself is tested in test_train.py.)"""
+    from eagle3 import train
+
+    out = train.train_output(cfg)
+    out.start()
+    train.save_drafter_config(drafter, out.path)
+    save_file(drafter.trainable_state_dict(), str(out.path / train.FINAL_WEIGHTS))
+    out.finish({"tau_hat": tau, "data_hash": out.upstream["data"], "tokenizer_hash": None})
+    return out
+
+
+def export_cfg(make_cfg, tmp_path):
+    overrides = ["target=tiny-llama", "train.hidden_states=online", f"paths.artifacts={tmp_path}/artifacts",
+                 "export.speculators=true"]
+    return make_cfg(*overrides), overrides
+
+
+def test_export_run_exports_registers_and_is_idempotent(drafter, tiny_target, make_cfg, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    cfg, _ = export_cfg(make_cfg, tmp_path)
+    with pytest.raises(Eagle3Error, match=r"run `python -m eagle3.train` first"):
+        export.run(cfg)
+    trained = fake_training_output(cfg, drafter, tau=3.25)
+    out = export.run(cfg)
+    assert out.complete and out.upstream == {"train": trained.hash} and out == export.export_output(cfg)
+    manifest = out.manifest()
+    assert manifest["counts"]["folders"] == ["sglang", "speculators", "vllm"]
+    assert manifest["registered"] == "models:/eagle3-tiny-llama/1"
+    assert manifest["recipe"]["tau_hat"] == 3.25 and manifest["recipe"]["ttt_length"] == 7
+    assert manifest["recipe"]["train_hash"] == trained.hash and manifest["recipe"]["data_hash"] == trained.upstream["data"]
+
+    assert export.resolve_drafter_path(cfg) == out.path / "sglang"
+    assert export.resolve_drafter_path(cfg, "vllm") == out.path / "vllm"
+    for name, convention in (("sglang", "sglang"), ("vllm", "vllm"), ("speculators", "vllm")):
+        loaded = export.load_drafter(out.path / name, aux_convention=convention)
+        assert_same_weights(export.attach_target_embedding(loaded, tiny_target), drafter)
+    tags = MlflowClient(cfg.tracking.uri).get_model_version("eagle3-tiny-llama", "1").tags
+    assert tags["tau_hat"] == "3.25" and tags["recipe.train_hash"] == trained.hash
+
+    assert export.run(cfg).hash == out.hash  # complete: a no-op, no second version
+    assert len(MlflowClient(cfg.tracking.uri).search_model_versions("name='eagle3-tiny-llama'")) == 1
+
+
+@pytest.mark.slow
+def test_export_app_command_line(drafter, make_cfg, tmp_path):
+    """`python -m eagle3.export`: one-line error without a trained drafter, then export + register."""
+    cfg, overrides = export_cfg(make_cfg, tmp_path)
+    command = ["python", "-m", "eagle3.export", f"paths.root={cfg.paths.root}", *overrides,
+               f"tracking.uri={cfg.tracking.uri}", f"tracking.artifact_location={cfg.tracking.artifact_location}"]
+    missing = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert missing.returncode == 1 and "run `python -m eagle3.train` first" in missing.stderr.strip().splitlines()[-1]
+    fake_training_output(cfg, drafter, tau=3.25)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = export.export_output(cfg)
+    assert f"exported drafter: {out.path}" in done.stdout and "registered: models:/eagle3-tiny-llama/1" in done.stdout

@@ -407,7 +407,10 @@ def check_drafter_for_target(drafter: Eagle3Drafter, target, tokenizer_hash: str
         problems.append(f"drafter was trained on aux layers {list(config.aux_layer_ids)} (HF hidden_states "
                         f"indices), target captures {list(target.aux_layer_ids)} (set target.aux_layer_ids)")
     trained_with = (getattr(config, "recipe", None) or {}).get("tokenizer_hash")
-    if tokenizer_hash and trained_with and tokenizer_hash != trained_with:
+    if trained_with and tokenizer_hash is None:
+        from eagle3.data import tokenizer_hash as hash_of  # upstream stage: computed only when needed
+        tokenizer_hash = hash_of(target.tokenizer)
+    if trained_with and tokenizer_hash != trained_with:
         problems.append(f"vocab map built with tokenizer {trained_with}, target tokenizer is {tokenizer_hash}")
     if problems:
         raise Eagle3Error(f"drafter {getattr(config, 'source', '')} does not fit target {target.path}: "
@@ -529,9 +532,10 @@ def run(cfg: DictConfig) -> StageOutput:
         raise Eagle3Error(f"no trained drafter for this config at {trained.path}: run `python -m eagle3.train` "
                           "first (or `python -m eagle3.pipeline`)")
     target = load_target(cfg, device="cpu")
-    drafter = load_trained_drafter(trained.path, target)
-    drafter.config.target_num_layers = target.num_layers
+    drafter = load_trained_drafter(trained.path, target).cpu()
     recipe = build_recipe(cfg, drafter, trained.manifest())
+    drafter.config.recipe = recipe
+    check_drafter_for_target(drafter, target)
     out.start()
     with stage_run(cfg, "export", artifact_hash=out.hash) as mlflow_run:
         folders = export_drafter(cfg, drafter, recipe, out.path)
