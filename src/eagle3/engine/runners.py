@@ -1,0 +1,117 @@
+"""One forward of the target (verify) and of the drafter (a draft step), eager or replayed
+from CUDA graphs captured per query length over static buffers.
+
+Both runners take bool masks [q, kv_len] (True = attend); `kv_len(needed)` tells the
+decoder how wide to build them: just what is needed when eager, the whole cache when
+replaying a graph (graphs need fixed shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3.engine.kv import DrafterKV, TargetKV
+from eagle3.target import Target, aux_capture
+
+
+class Graphed:
+    """A function of tensors captured once as a CUDA graph; calls copy inputs and replay."""
+
+    def __init__(self, fn, inputs: list[torch.Tensor], pool):
+        self.inputs = [x.clone() for x in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.outputs = fn(*self.inputs)
+
+    def __call__(self, *args):
+        for buffer, value in zip(self.inputs, args):
+            buffer.copy_(value)
+        self.graph.replay()
+        return self.outputs
+
+
+class TargetRunner:
+    def __init__(self, target: Target, max_len: int):
+        self.target = target
+        self.model = target.model
+        self.dtype = next(self.model.parameters()).dtype
+        self.device = target.device
+        self.kv = TargetKV(self.model.config, max_len, self.dtype, self.device)
+        self.graphs: dict[int, Graphed] = {}
+
+    def kv_len(self, needed: int) -> int:
+        return self.kv.max_len if self.graphs else needed
+
+    def forward(self, ids, positions, slots, mask):
+        """ids/positions/slots [q], mask bool [q, kv_len] -> (logits float [q, V], aux [q, 3H])."""
+        graph = self.graphs.get(ids.numel())
+        if graph is not None:
+            return graph(ids, positions, slots, mask)
+        return self._forward(ids, positions, slots, mask)
+
+    def _forward(self, ids, positions, slots, mask):
+        self.kv.prepare(slots, mask.shape[-1])
+        additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
+        additive = additive.masked_fill(~mask, torch.finfo(self.dtype).min)[None, None]
+        with aux_capture(self.model, self.target.aux_layer_ids) as captured:
+            out = self.model.model(input_ids=ids[None], attention_mask=additive, position_ids=positions[None],
+                                   past_key_values=self.kv, use_cache=True)
+        return self.model.lm_head(out.last_hidden_state[0]).float(), captured[-1][0]
+
+    def capture(self, lengths: list[int], pool) -> None:
+        for q in sorted(set(lengths)):
+            example = [torch.zeros(q, dtype=torch.long, device=self.device),
+                       torch.zeros(q, dtype=torch.long, device=self.device),
+                       torch.arange(q, device=self.device),
+                       torch.ones(q, self.kv.max_len, dtype=torch.bool, device=self.device)]
+            self.graphs[q] = Graphed(self._forward, example, pool)
+
+
+class DrafterRunner:
+    def __init__(self, drafter, max_len: int):
+        self.drafter = drafter
+        self.dtype = drafter.fc.weight.dtype
+        self.device = drafter.fc.weight.device
+        self.kv = DrafterKV(drafter.config, max_len, self.dtype, self.device)
+        self.graphs: dict[int, Graphed] = {}
+
+    def kv_len(self, needed: int) -> int:
+        return self.kv.max_len if self.graphs else needed
+
+    def step(self, ids, hidden, positions, slots, mask):
+        """A drafting step from the drafter's own hidden states [q, H] -> (hidden [q, H], logits [q, Vd])."""
+        return self._run("step", ids, hidden, positions, slots, mask)
+
+    def extend(self, ids, aux, positions, slots, mask):
+        """Committed tokens with the target's aux states [q, 3H_target] -> (hidden, logits)."""
+        return self._run("extend", ids, aux, positions, slots, mask)
+
+    def _run(self, kind, ids, states, positions, slots, mask):
+        graph = self.graphs.get((kind, ids.numel()))
+        if graph is not None:
+            return graph(ids, states, positions, slots, mask)
+        return self._forward(kind, ids, states, positions, slots, mask)
+
+    def _forward(self, kind, ids, states, positions, slots, mask):
+        states = states.to(self.dtype)
+        hidden = self.drafter.project(states) if kind == "extend" else states
+        self.kv.prepare(slots, mask.shape[-1], mask[None, None])
+        out = self.drafter(ids[None], hidden[None], positions[None], self.kv.attend)[0]
+        return out, self.drafter.logits(out)
+
+    def capture(self, shapes: list[tuple[str, int]], pool) -> None:
+        config = self.drafter.config
+        for kind, q in sorted(set(shapes)):
+            width = 3 * config.target_hidden_size if kind == "extend" else config.hidden_size
+            example = [torch.zeros(q, dtype=torch.long, device=self.device),
+                       torch.zeros(q, width, dtype=self.dtype, device=self.device),
+                       torch.zeros(q, dtype=torch.long, device=self.device),
+                       torch.arange(q, device=self.device),
+                       torch.ones(q, self.kv.max_len, dtype=torch.bool, device=self.device)]
+            self.graphs[(kind, q)] = Graphed(lambda *a, k=kind: self._forward(k, *a), example, pool)

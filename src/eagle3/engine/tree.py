@@ -1,0 +1,59 @@
+"""Draft trees as flat tensors: node 0 is the root (the last committed token, its own parent).
+
+The drafter grows an EAGLE-2 dynamic tree: the root's top-k children, then each step
+expands the k best new leaves (by cumulative log-probability) by their top-k children;
+finally the `depth - 1` best nodes are kept. Scores never rise along a path, and a stable
+sort keeps creation order (parents before children) among ties, so the kept set always
+contains every kept node's ancestors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor           # [q] target token ids, root first
+    parents: torch.Tensor          # [q] parent node index (root -> 0), parents precede children
+    depths: torch.Tensor           # [q] 0 for the root
+    draft_probs: torch.Tensor | None = None  # [q, V] sampling distribution per node (sampled chains)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+
+def root_only(token: torch.Tensor) -> DraftTree:
+    zero = torch.zeros(1, dtype=torch.long, device=token.device)
+    return DraftTree(token.view(1), zero, zero.clone())
+
+
+def keep_best(scores: torch.Tensor, parents: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the root plus the `count` best-scoring other nodes, in creation order."""
+    order = torch.sort(scores[1:], descending=True, stable=True).indices[:count] + 1
+    return torch.cat([torch.zeros(1, dtype=torch.long, device=scores.device), order.sort().values])
+
+
+def subtree(nodes: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+            draft_probs: torch.Tensor | None = None) -> DraftTree:
+    """The tree restricted to `nodes` (ascending, closed under ancestors), re-indexed."""
+    new_index = torch.zeros(tokens.numel(), dtype=torch.long, device=tokens.device)
+    new_index[nodes] = torch.arange(nodes.numel(), device=tokens.device)
+    return DraftTree(tokens[nodes], new_index[parents[nodes]], depths[nodes],
+                     None if draft_probs is None else draft_probs[nodes])
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[q, q] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
+    size = parents.numel()
+    rows = torch.arange(size, device=parents.device)
+    mask = torch.zeros(size, size, dtype=torch.bool, device=parents.device)
+    current = rows
+    mask[rows, current] = True
+    for _ in range(max_depth):
+        current = parents[current]
+        mask[rows, current] = True
+    return mask

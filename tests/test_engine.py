@@ -1,0 +1,219 @@
+"""The embedded speculative decoder: lossless greedy (chain and tree), distribution-preserving
+sampling, context limits, stop tokens, statistics and measured acceptance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle3.common import Eagle3Error
+from eagle3.drafter import build_drafter
+from eagle3.engine import ContextOverflow, RequestStats, SpecDecoder, measure_acceptance, summarize
+from eagle3.engine.sampling import sampled_path
+from eagle3.target import Target
+from engine_helpers import PROMPTS, chi_square_p_value, fitted_drafter, reference_greedy, spec
+
+NEW_TOKENS = 40
+FALSE_ALARM = 1e-3  # each chi-square test rejects a correct sampler with this probability
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two shared cores: torch's thread pool spinning against other processes costs 8x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_cfg(test_root):
+    from eagle3.common import compose
+    return compose([f"paths.root={test_root}", "target=tiny-llama"])
+
+
+@pytest.fixture(scope="module")
+def untrained(tiny_target, tiny_cfg):
+    torch.manual_seed(0)
+    return build_drafter(tiny_target, tiny_cfg.drafter).eval()
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_target, tiny_cfg):
+    return fitted_drafter(tiny_target, tiny_cfg.drafter, rollout_tokens=64, steps=60)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_target):
+    prompts = [tiny_target.tokenizer(text)["input_ids"] for text in PROMPTS]
+    return [(p, reference_greedy(tiny_target.model, p, NEW_TOKENS)) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["off", "d2", "d6", "d8s4k3", "d10s5k4"])
+def test_greedy_is_lossless_untrained_drafter(tiny_target, untrained, references, name):
+    decoder = SpecDecoder(tiny_target, untrained, spec(name))
+    for prompt, expected in references:
+        result = decoder.generate(prompt, NEW_TOKENS)
+        assert result.tokens == expected
+        assert result.finish_reason == "length" and result.stats.completion_tokens == NEW_TOKENS
+
+
+@pytest.mark.parametrize("name", ["d2", "d6", "d8s4k3", "d10s5k4"])
+def test_greedy_is_lossless_fitted_drafter(tiny_target, fitted, references, name):
+    """With a drafter that gets accepted, paths of several tokens are committed (cache gathers,
+    drafter extends) and the output is still the target's greedy decode."""
+    decoder = SpecDecoder(tiny_target, fitted, spec(name))
+    accepted = []
+    for prompt, expected in references:
+        result = decoder.generate(prompt, NEW_TOKENS)
+        assert result.tokens == expected
+        accepted += result.stats.accepted_per_step
+    assert max(accepted) >= min(2, spec(name).depth - 1) and sum(accepted) > len(accepted) // 2
+
+
+def test_full_tree_accepts_at_least_the_chain(tiny_target, fitted, references):
+    """A tree that keeps every candidate contains the chain's drafts, so it accepts no less."""
+    from engine_helpers import SPECS
+    SPECS["d5"], SPECS["all_s4k3"] = dict(enabled=True, depth=5, steps=None, topk=1), \
+        dict(enabled=True, depth=1 + 3 + 3 * 9, steps=4, topk=3)
+    chain, tree = SpecDecoder(tiny_target, fitted, spec("d5")), SpecDecoder(tiny_target, fitted, spec("all_s4k3"))
+    for prompt, expected in references:
+        a, b = chain.generate(prompt, NEW_TOKENS), tree.generate(prompt, NEW_TOKENS)
+        assert a.tokens == b.tokens == expected
+        assert b.stats.verify_steps <= a.stats.verify_steps
+
+
+def test_stop_ids_and_on_tokens(tiny_target, fitted, references):
+    prompt, expected = references[0]
+    decoder = SpecDecoder(tiny_target, fitted, spec("d6"))
+    stop = expected[7]
+    first = expected.index(stop)
+    result = decoder.generate(prompt, NEW_TOKENS, stop_ids=[stop])
+    assert result.tokens == expected[:first + 1] and result.finish_reason == "stop"
+    seen = []
+    result = decoder.generate(prompt, NEW_TOKENS, on_tokens=lambda new: seen.extend(new) or len(seen) >= 10)
+    assert result.finish_reason == "stop" and result.tokens == seen == expected[:len(seen)] and len(seen) >= 10
+
+
+def test_context_limits(tiny_target, fitted, references):
+    prompt, expected = references[0]
+    decoder = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), max_context=len(prompt) + 12)
+    result = decoder.generate(prompt, NEW_TOKENS)  # the tree no longer fits near the end: plain steps
+    assert result.tokens == expected[:12] and result.finish_reason == "length"
+    with pytest.raises(ContextOverflow, match=f"context holds {len(prompt) + 12}"):
+        decoder.generate(list(range(1, len(prompt) + 13)), 4)
+    with pytest.raises(Eagle3Error, match="empty prompt"):
+        decoder.generate([], 4)
+    with pytest.raises(Eagle3Error, match="needs a drafter"):
+        SpecDecoder(tiny_target, None, spec("d6"))
+
+
+def test_stats_arithmetic():
+    a = RequestStats(prompt_tokens=5, completion_tokens=11, verify_steps=4, accepted_per_step=[3, 0, 2, 1],
+                     draft_tokens_per_step=3)
+    assert a.tau == 11 / 4 and a.accepted_per_position == [3, 2, 1]
+    assert a.as_dict()["accepted_tokens"] == 6 and a.as_dict()["draft_tokens"] == 12
+    b = RequestStats(prompt_tokens=2, completion_tokens=3, verify_steps=2, accepted_per_step=[1, 0],
+                     draft_tokens_per_step=3)
+    total = summarize([a, b])
+    assert total["tau"] == 14 / 6 and total["accepted_tokens"] == 7
+    assert total["acceptance_per_position"] == [4 / 6, 2 / 6, 1 / 6]
+
+
+def test_measure_acceptance(tiny_target, fitted, references):
+    prompts = [p for p, _ in references]
+    result = measure_acceptance(tiny_target, fitted, prompts, spec("d6"), NEW_TOKENS)
+    assert result["requests"] == len(prompts)
+    assert result["tau"] == pytest.approx(result["completion_tokens"] / result["verify_steps"])
+    assert result["tau"] > 1.5
+    baseline = measure_acceptance(tiny_target, None, prompts, spec("off"), NEW_TOKENS)
+    assert baseline["verify_steps"] == baseline["completion_tokens"] - len(prompts)
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def test_sampled_path_draws_from_the_target_distribution():
+    """Node-level: deterministic children (tree) and a sampled child (chain, min(1, p/q))."""
+    generator = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.05, 0.4, 0.1, 0.3, 0.15]] + [[0.2] * 5] * 3)
+    q = torch.tensor([[0.0] * 5, [0.1, 0.1, 0.5, 0.2, 0.1], [0.0] * 5, [0.0] * 5])
+    draws = 8000
+    for draft_probs, tokens, parents in [(None, [0, 3, 1, 4], [0, 0, 0, 0]), (q[:2], None, [0, 0])]:
+        counts = torch.zeros(5)
+        for _ in range(draws):
+            if draft_probs is not None:  # a chain drafts its child by sampling from q
+                tokens = [0, int(torch.multinomial(q[1], 1, generator=generator))]
+            path, bonus = sampled_path(tokens, parents, p[:len(tokens)], draft_probs, generator)
+            counts[tokens[path[1]] if len(path) > 1 else bonus] += 1
+        assert chi_square_p_value(counts, p[0]) > FALSE_ALARM
+
+
+def tiny_vocab_target(vocab: int = 6) -> Target:
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    return Target(model, None, None, [0, 1, 1])
+
+
+@pytest.mark.parametrize("name", ["d3", "tree"])
+def test_sampling_preserves_the_sequence_distribution(name):
+    """End to end on a 6-token vocab: the first 2 sampled tokens (36 outcomes) follow the
+    target's exact joint distribution, computed by brute force (the second token comes from
+    a verify step: accepted draft or residual draw)."""
+    from engine_helpers import SPECS
+    from omegaconf import OmegaConf
+    SPECS["d3"], SPECS["tree"] = dict(enabled=True, depth=3, steps=None, topk=1), \
+        dict(enabled=True, depth=4, steps=2, topk=2)
+    target, temperature, length, draws = tiny_vocab_target(), 1.5, 2, 1000
+    drafter = build_drafter(target, OmegaConf.create({"num_layers": 1, "draft_vocab_size": 6})).eval()
+    prompt = [1, 2]
+    with torch.no_grad():
+        ids = torch.tensor([[*prompt, *seq] for seq in torch.cartesian_prod(*[torch.arange(6)] * length).tolist()])
+        probs = torch.softmax(target.model(ids).logits[:, len(prompt) - 1:-1].double() / temperature, dim=-1)
+        exact = probs.gather(-1, ids[:, len(prompt):, None])[..., 0].prod(dim=-1)
+    decoder = SpecDecoder(target, drafter, spec(name), seed=1)
+    counts = torch.zeros(6 ** length, dtype=torch.float64)
+    accepted = rejected = 0
+    for _ in range(draws):
+        result = decoder.generate(prompt, length, temperature=temperature)
+        a, b = result.tokens
+        counts[a * 6 + b] += 1
+        accepted += result.stats.accepted_per_step[0] > 0
+        rejected += result.stats.accepted_per_step[0] < decoder.spec.steps
+    assert accepted > draws // 10 and rejected > draws // 10  # both branches ran
+    assert chi_square_p_value(counts, exact) > FALSE_ALARM
+
+
+def test_top_p_restricts_to_the_nucleus(tiny_target, fitted, references):
+    prompt, _ = references[0]
+    decoder = SpecDecoder(tiny_target, fitted, spec("d6"), seed=0)
+    with torch.no_grad():
+        logits = tiny_target.model(torch.tensor([prompt])).logits[0, -1]
+    top = int(logits.argmax())
+    for _ in range(5):  # top_p tiny: only the most likely token survives
+        assert decoder.generate(prompt, 1, temperature=1.0, top_p=1e-6).tokens == [top]
+
+
+# ---------------------------------------------------------------- SmolLM2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["d4", "d6s3k2"])
+def test_smollm2_greedy_is_lossless_untrained_drafter(smollm2, name):
+    from engine_helpers import SPECS
+    from eagle3.common import compose
+    SPECS["d4"], SPECS["d6s3k2"] = dict(enabled=True, depth=4, steps=None, topk=1), \
+        dict(enabled=True, depth=6, steps=3, topk=2)
+    torch.manual_seed(0)
+    drafter = build_drafter(smollm2, compose(["target=smollm2-135m"]).drafter).eval()
+    decoder = SpecDecoder(smollm2, drafter, spec(name))
+    tok = smollm2.tokenizer
+    for question in ["What is the capital of France?", "Write a haiku about the sea."]:
+        prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)["input_ids"]
+        expected = smollm2.model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24,
+                                          do_sample=False)[0, len(prompt):].tolist()
+        assert decoder.generate(prompt, 24).tokens == expected
