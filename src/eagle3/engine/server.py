@@ -1,0 +1,372 @@
+"""HTTP server for the embedded decoder: `python -m eagle3.engine.server <hydra overrides>`.
+
+Routes: SGLang-native POST /generate, OpenAI POST /v1/completions and /v1/chat/completions
+(non-streaming and SSE streaming), GET /v1/models, GET /health, GET /stats (cumulative
+acceptance counters, named like vLLM's spec-decode metrics). One engine, one request at a
+time: requests queue on a lock. Bad requests answer 400 naming the field and the server
+keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import DictConfig
+from pydantic import BaseModel, ConfigDict, Field
+
+from eagle3.common import Eagle3Error, app, log
+from eagle3.engine.decoder import GenerationResult, SpecDecoder
+from eagle3.spec import resolve_spec
+from eagle3.target import load_target
+
+
+# ---------------------------------------------------------------- request schemas
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class SamplingParams(Strict):
+    max_new_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+
+class GenerateRequest(Strict):
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: SamplingParams = SamplingParams()
+    stream: bool = False
+
+
+class CompletionRequest(Strict):
+    model: str | None = None
+    prompt: str | list[int]
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    stream: bool = False
+
+
+class Message(Strict):
+    role: str
+    content: str
+
+
+class ChatRequest(Strict):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    stream: bool = False
+
+
+# ---------------------------------------------------------------- the engine behind the routes
+
+
+@dataclass
+class Reply:
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    result: GenerationResult
+    latency_s: float
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    num_drafts: int = 0             # verify steps
+    num_draft_tokens: int = 0       # draft tokens verified
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+    def add(self, result: GenerationResult) -> None:
+        s = result.stats
+        self.requests += 1
+        self.prompt_tokens += s.prompt_tokens
+        self.completion_tokens += s.completion_tokens
+        self.num_drafts += s.verify_steps
+        self.num_draft_tokens += s.draft_tokens_per_step * s.verify_steps
+        self.num_accepted_tokens += sum(s.accepted_per_step)
+        per_pos = s.accepted_per_position
+        self.accepted_per_pos += [0] * (len(per_pos) - len(self.accepted_per_pos))
+        for index, count in enumerate(per_pos):
+            self.accepted_per_pos[index] += count
+        self.draft_time_s += s.draft_time_s
+        self.verify_time_s += s.verify_time_s
+
+
+class EngineService:
+    """The decoder, its tokenizer and the cumulative counters; generate() serialises requests."""
+
+    def __init__(self, decoder: SpecDecoder, tokenizer, scfg: DictConfig, drafter_source: str, model_name: str):
+        self.decoder, self.tokenizer, self.scfg = decoder, tokenizer, scfg
+        self.drafter_source, self.model_name = drafter_source, model_name
+        self.counters = Counters()
+        self.lock = threading.Lock()
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_chat(self, messages: list[Message]) -> list[int]:
+        return self.tokenizer.apply_chat_template([m.model_dump() for m in messages], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True)["input_ids"]
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int | None, temperature: float | None, top_p: float,
+                 stop: str | list[str] | None = None, stop_token_ids=(), ignore_eos: bool = False,
+                 on_text=None) -> Reply:
+        """Decode under the lock; on_text(delta) streams text as steps commit."""
+        self.decoder.check_prompt(prompt_ids)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        stop_ids = set(stop_token_ids or ())
+        if not ignore_eos and self.tokenizer.eos_token_id is not None:
+            stop_ids.add(self.tokenizer.eos_token_id)
+        produced: list[int] = []
+        sent = [""]
+
+        def on_tokens(new: list[int]) -> bool:
+            produced.extend(new)
+            text, hit = cut_at_stop(self.decode(produced), stops)
+            if on_text is not None and len(text) > len(sent[0]):
+                on_text(text[len(sent[0]):])
+                sent[0] = text
+            return hit
+
+        started = time.perf_counter()
+        with self.lock:
+            result = self.decoder.generate(
+                prompt_ids, max_new_tokens or self.scfg.default_max_tokens,
+                self.scfg.default_temperature if temperature is None else temperature, top_p,
+                stop_ids=stop_ids, on_tokens=on_tokens)
+            self.counters.add(result)
+        text, _ = cut_at_stop(self.decode(result.tokens), stops)
+        if on_text is not None and len(text) > len(sent[0]):
+            on_text(text[len(sent[0]):])
+        return Reply(result.tokens, text, result.finish_reason, result, time.perf_counter() - started)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {**c.__dict__, "tau": c.completion_tokens / c.num_drafts if c.num_drafts else 0.0,
+                "spec": self.decoder.spec.label, "drafter": self.drafter_source,
+                "max_context": self.decoder.max_context}
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """Text before the first stop string (excluded, as SGLang and OpenAI do), and whether one occurred."""
+    cuts = [text.find(s) for s in stops if s and s in text]
+    return (text[:min(cuts)], True) if cuts else (text, False)
+
+
+# ---------------------------------------------------------------- the FastAPI app
+
+
+def create_app(service: EngineService):
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    api = FastAPI(title="eagle3 local engine")
+
+    @api.exception_handler(RequestValidationError)
+    async def bad_request(_request: Request, err: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
+                             for e in err.errors())
+        return JSONResponse({"error": {"message": f"invalid request: {problems}", "type": "invalid_request"}}, 400)
+
+    @api.exception_handler(Eagle3Error)
+    async def engine_refused(_request: Request, err: Eagle3Error):
+        return JSONResponse({"error": {"message": str(err), "type": "invalid_request"}}, 400)
+
+    @api.get("/health")
+    def health():
+        return {"status": "ok"}
+
+    @api.get("/stats")
+    def stats():
+        return service.stats()
+
+    @api.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "owned_by": "eagle3"}]}
+
+    @api.post("/generate")
+    def generate(req: GenerateRequest):
+        if (req.text is None) == (req.input_ids is None):
+            raise Eagle3Error("give exactly one of text or input_ids")
+        ids = req.input_ids if req.input_ids is not None else service.encode_text(req.text)
+        sp = req.sampling_params
+        run = lambda on_text=None: service.generate(ids, sp.max_new_tokens, sp.temperature, sp.top_p, sp.stop,
+                                                    sp.stop_token_ids, sp.ignore_eos, on_text)
+        if req.stream:
+            return stream(run, lambda delta, reply: {"text": delta, **({"meta_info": meta(reply)} if reply else {})})
+        reply = run()
+        return {"text": reply.text, "output_ids": reply.tokens, "meta_info": meta(reply)}
+
+    @api.post("/v1/completions")
+    def completions(req: CompletionRequest):
+        ids = req.prompt if isinstance(req.prompt, list) else service.encode_text(req.prompt)
+        run = lambda on_text=None: service.generate(ids, req.max_tokens, req.temperature, req.top_p, req.stop,
+                                                    on_text=on_text)
+        make = lambda choices: openai_body("text_completion", service.model_name, choices)
+        if req.stream:
+            return stream(run, lambda delta, reply: make(
+                [{"index": 0, "text": delta, "finish_reason": reply.finish_reason if reply else None}]), done=True)
+        reply = run()
+        body = make([{"index": 0, "text": reply.text, "finish_reason": reply.finish_reason, "logprobs": None}])
+        return {**body, "usage": usage(reply)}
+
+    @api.post("/v1/chat/completions")
+    def chat(req: ChatRequest):
+        ids = service.encode_chat(req.messages)
+        limit = req.max_completion_tokens or req.max_tokens
+        run = lambda on_text=None: service.generate(ids, limit, req.temperature, req.top_p, req.stop,
+                                                    on_text=on_text)
+        if req.stream:
+            return stream(run, lambda delta, reply: openai_body("chat.completion.chunk", service.model_name, [
+                {"index": 0, "delta": {"role": "assistant", "content": delta} if delta else {},
+                 "finish_reason": reply.finish_reason if reply else None}]), done=True)
+        reply = run()
+        body = openai_body("chat.completion", service.model_name, [
+            {"index": 0, "message": {"role": "assistant", "content": reply.text},
+             "finish_reason": reply.finish_reason}])
+        return {**body, "usage": usage(reply)}
+
+    def stream(run, chunk, done: bool = False):
+        """Server-sent events: one chunk per committed step's text, then a final chunk."""
+        events: queue.Queue = queue.Queue()
+
+        def work():
+            try:
+                reply = run(lambda delta: events.put(("delta", delta)))
+                events.put(("end", reply))
+            except Exception as err:  # reported in-band: the status line has been sent
+                events.put(("error", err))
+
+        threading.Thread(target=work, daemon=True).start()
+
+        def lines():
+            while True:
+                kind, value = events.get()
+                if kind == "delta":
+                    yield f"data: {json.dumps(chunk(value, None))}\n\n"
+                elif kind == "end":
+                    yield f"data: {json.dumps(chunk('', value))}\n\n"
+                    break
+                else:
+                    yield f"data: {json.dumps({'error': {'message': str(value)}})}\n\n"
+                    break
+            if done:
+                yield "data: [DONE]\n\n"
+
+        return StreamingResponse(lines(), media_type="text/event-stream")
+
+    return api
+
+
+def meta(reply: Reply) -> dict:
+    s = reply.result.stats
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+            "spec_verify_ct": s.verify_steps, "spec_accept_length": s.tau,
+            "finish_reason": {"type": reply.finish_reason, **({"length": s.completion_tokens}
+                                                              if reply.finish_reason == "length" else {})},
+            "e2e_latency": reply.latency_s, "draft_time_s": s.draft_time_s, "verify_time_s": s.verify_time_s,
+            "accepted_per_step": s.accepted_per_step}
+
+
+def usage(reply: Reply) -> dict:
+    s = reply.result.stats
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+            "total_tokens": s.prompt_tokens + s.completion_tokens}
+
+
+def openai_body(kind: str, model: str, choices: list[dict]) -> dict:
+    return {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": kind, "created": int(time.time()), "model": model,
+            "choices": choices}
+
+
+# ---------------------------------------------------------------- building and running
+
+
+def load_engine_drafter(cfg: DictConfig, target, spec):
+    """(drafter or None, where it came from). An exported drafter when one is configured or was
+    trained for this config; without one, serve.drafter_fallback=untrained builds a fresh one."""
+    if not spec.enabled:
+        return None, "none (spec=off)"
+    from eagle3.export import attach_target_embedding, check_drafter_for_target, load_drafter, resolve_drafter_path
+    try:
+        path = resolve_drafter_path(cfg)
+    except Eagle3Error:
+        if cfg.drafter.get("path") or cfg.serve.drafter_fallback != "untrained":
+            raise
+        from eagle3.drafter import build_drafter
+        log.warning("no exported drafter for this config: serving an UNTRAINED drafter (acceptance ~1; "
+                    "serve.drafter_fallback=untrained)")
+        dtype = next(target.model.parameters()).dtype
+        return build_drafter(target, cfg.drafter).to(dtype).eval(), "untrained"
+    drafter = load_drafter(path, device=target.device)
+    if getattr(drafter.config, "has_embedding", False):
+        check_drafter_for_target(drafter, target)
+    else:
+        attach_target_embedding(drafter, target)
+    dtype = next(target.model.parameters()).dtype
+    return drafter.to(device=target.device, dtype=dtype).eval(), str(path)
+
+
+def build_service(cfg: DictConfig) -> EngineService:
+    if cfg.engine.get("cpu_threads"):
+        torch.set_num_threads(int(cfg.engine.cpu_threads))
+    spec = resolve_spec(cfg.spec)
+    target = load_target(cfg)
+    drafter, source = load_engine_drafter(cfg, target, spec)
+    graphs = cfg.engine.cuda_graphs
+    use_graphs = target.device.type == "cuda" if graphs == "auto" else bool(graphs)
+    decoder = SpecDecoder(target, drafter, spec, max_context=cfg.engine.max_context, cuda_graphs=use_graphs,
+                          seed=cfg.engine.seed)
+    log.info("engine ready: target %s, spec %s, drafter %s, context %d", cfg.target.name, spec.label, source,
+             decoder.max_context)
+    return EngineService(decoder, target.tokenizer, cfg.serve, source, cfg.target.name)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+@app
+def main(cfg: DictConfig) -> None:
+    import uvicorn
+    service = build_service(cfg)
+    sock = bind(cfg.serve.host, int(cfg.serve.port))
+    host, port = sock.getsockname()[:2]
+    print(f"eagle3 local engine serving on http://{host}:{port}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level=cfg.serve.log_level))
+    server.run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

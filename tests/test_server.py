@@ -1,0 +1,163 @@
+"""The engine's HTTP server on tiny-llama: native and OpenAI routes, streaming, stats counters
+consistent with the responses, bad requests answered 400 while the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from eagle3.engine.server import Message, build_service, create_app
+from engine_helpers import reference_greedy
+
+
+@pytest.fixture(scope="module")
+def server(test_root):
+    from eagle3.common import compose
+    before = torch.get_num_threads()
+    cfg = compose([f"paths.root={test_root}", "target=tiny-llama", "spec.depth=4",
+                   "serve.drafter_fallback=untrained", "engine.max_context=64", "engine.cpu_threads=1"])
+    service = build_service(cfg)
+    with TestClient(create_app(service)) as client:
+        yield client, service
+    torch.set_num_threads(before)
+
+
+def test_generate_is_greedy_and_counted(server):
+    client, service = server
+    prompt = service.encode_text("Hello there")
+    expected = reference_greedy(service.decoder.target.model, prompt, 12)
+    before = client.get("/stats").json()
+    reply = client.post("/generate", json={"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}).json()
+    assert reply["output_ids"] == expected and reply["text"] == service.decode(expected)
+    meta = reply["meta_info"]
+    assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == 12
+    assert meta["finish_reason"]["type"] == "length" and meta["e2e_latency"] > 0
+    after = client.get("/stats").json()
+    assert after["requests"] - before["requests"] == 1
+    assert after["completion_tokens"] - before["completion_tokens"] == 12
+    assert after["num_drafts"] - before["num_drafts"] == meta["spec_verify_ct"]
+    assert after["num_draft_tokens"] - before["num_draft_tokens"] == 3 * meta["spec_verify_ct"]
+    assert after["num_accepted_tokens"] - before["num_accepted_tokens"] == sum(meta["accepted_per_step"])
+    assert after["drafter"] == "untrained" and after["spec"] == "d4"
+
+
+def test_text_prompt_and_stop_string(server):
+    client, service = server
+    full = client.post("/generate", json={"text": "Hello there", "sampling_params": {
+        "max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}).json()["text"]
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    cut = client.post("/generate", json={"text": "Hello there", "sampling_params": {
+        "max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "stop": [stop]}}).json()
+    assert cut["text"] == full[:full.find(stop)] and cut["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_openai_completions_and_chat(server):
+    client, service = server
+    prompt = service.encode_text("The capital of France is")
+    expected = service.decode(reference_greedy(service.decoder.target.model, prompt, 8))
+    body = client.post("/v1/completions", json={"model": "x", "prompt": prompt, "max_tokens": 8,
+                                                "temperature": 0}).json()
+    assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] <= 8
+    assert expected.startswith(body["choices"][0]["text"])
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                     "max_tokens": 6, "temperature": 0}).json()
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["usage"]["prompt_tokens"] == len(service.encode_chat([Message(role="user", content="Hi")]))
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny-llama"
+
+
+def sse(response) -> list:
+    return [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+def test_streaming_matches_non_streaming(server):
+    client, _ = server
+    request = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0}
+    whole = client.post("/v1/completions", json=request).json()["choices"][0]["text"]
+    events = sse(client.post("/v1/completions", json={**request, "stream": True}))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    chat = sse(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_tokens": 5, "temperature": 0, "stream": True}))
+    assert chat[-1] == "[DONE]" and json.loads(chat[0])["object"] == "chat.completion.chunk"
+    native = sse(client.post("/generate", json={"text": "Hi", "stream": True, "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0}}))
+    assert "meta_info" in json.loads(native[-1])
+
+
+@pytest.mark.parametrize("payload, field", [
+    ({"sampling_params": {"max_new_tokens": 4}}, "exactly one of text or input_ids"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ({"text": "hi", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ({"text": "hi", "sampling_params": {"top_p": 2}}, "sampling_params.top_p"),
+    ({"input_ids": "abc"}, "input_ids"),
+    ({"input_ids": list(range(1, 80))}, "context holds 64"),
+])
+def test_bad_requests_are_400_naming_the_field(server, payload, field):
+    client, _ = server
+    reply = client.post("/generate", json=payload)
+    assert reply.status_code == 400 and field in reply.json()["error"]["message"]
+    assert client.get("/health").status_code == 200
+
+
+def test_malformed_json_and_chat_fields(server):
+    client, _ = server
+    reply = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and "invalid request" in reply.json()["error"]["message"]
+    reply = client.post("/v1/chat/completions", json={"messages": []})
+    assert reply.status_code == 400 and "messages" in reply.json()["error"]["message"]
+    reply = client.post("/v1/completions", json={"max_tokens": 3})
+    assert reply.status_code == 400 and "prompt" in reply.json()["error"]["message"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_server_process_round_trip(test_root):
+    """`python -m eagle3.engine.server` as the bench starts it: a real process on 127.0.0.1."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3.engine.server", f"paths.root={test_root}",
+                             "target=tiny-llama", "spec=d10s5", "serve.drafter_fallback=untrained",
+                             f"serve.port={port}", "engine.cpu_threads=1", "hydra.run.dir=" + str(test_root / "hydra"),
+                             "hydra.output_subdir=null"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+            assert proc.poll() is None, proc.stdout.read()
+        reply = httpx.post(url + "/generate", json={"text": "Hello", "sampling_params": {
+            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}, timeout=60).json()
+        assert reply["meta_info"]["completion_tokens"] == 6
+        stats = httpx.get(url + "/stats").json()
+        assert stats["requests"] == 1 and stats["spec"] == "d10s5k4" and stats["num_draft_tokens"] == \
+            9 * reply["meta_info"]["spec_verify_ct"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_missing_drafter_is_refused(test_root):
+    from eagle3.common import Eagle3Error, compose
+    cfg = compose([f"paths.root={test_root}", "target=tiny-llama", "drafter.path=/nonexistent/drafter"])
+    with pytest.raises(Eagle3Error, match="does not exist"):
+        build_service(cfg)
