@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+import time
 import sys
 from collections import Counter
 from pathlib import Path
@@ -249,3 +250,173 @@ def test_tokenizer_hash_tells_tokenizers_apart(tiny_target):
     finally:
         tok.chat_template = saved
     assert data.tokenizer_hash(tok) == before
+
+
+# ---------------------------------------------------------------- regeneration
+
+
+def regen_cfg(make_cfg, artifacts, *overrides):
+    return file_cfg(make_cfg, f"paths.artifacts={artifacts}", "data.regenerate=true", "data.regen.max_new_tokens=6",
+                    "data.regen.batch_size=4", *overrides)
+
+
+@pytest.fixture
+def own_artifacts(test_root, tmp_path):
+    """A private artifacts folder (regeneration output is per test) sharing the converted targets."""
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()
+    (artifacts / "targets").symlink_to(test_root / "artifacts" / "targets")
+    return artifacts
+
+
+def greedy_answer(target, messages, max_new_tokens):
+    """The target's own greedy answer to one prompt, unbatched: the reference."""
+    tok = target.tokenizer
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():
+        out = target.model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eot,
+                                    pad_token_id=eot)
+    new = out[0, ids["input_ids"].shape[1]:].tolist()
+    new = new[:new.index(eot)] if eot in new else new
+    return tok.decode(new, skip_special_tokens=True).strip()
+
+
+def turn_records(out_path):
+    lines = (out_path / "regen" / "turns.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def check_regenerated(out, target, source_convs, max_new_tokens=6):
+    """Every user turn answered once, each answer the target's own greedy continuation of the
+    conversation so far, and the dataset tokenizes exactly those conversations."""
+    records = turn_records(out.path)
+    keys = [(r["id"], r["turn"]) for r in records]
+    assert len(keys) == len(set(keys))  # nothing duplicated
+    answers = {(r["id"], r["turn"]): r["content"] for r in records}
+    splits = data.load_splits(out.path)
+    rows = {r["id"]: r for s in splits.values() for r in s}
+    assert set(rows) == {c["id"] for c in source_convs}
+    for conv in source_convs:
+        users = [m["content"] for m in conv["messages"] if m["role"] == "user"]
+        assert sorted(t for i, t in keys if i == conv["id"]) == list(range(len(users)))
+        messages = [m for m in conv["messages"][:1] if m["role"] == "system"]
+        for turn, user in enumerate(users):
+            messages.append({"role": "user", "content": user})
+            assert answers[(conv["id"], turn)] == greedy_answer(target, messages, max_new_tokens)
+            messages.append({"role": "assistant", "content": answers[(conv["id"], turn)]})
+        assert rows[conv["id"]]["input_ids"] == target.tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=False)
+
+
+def test_local_regeneration_answers_every_turn_with_the_targets_greedy_output(make_cfg, own_artifacts, tiny_target):
+    cfg = regen_cfg(make_cfg, own_artifacts)
+    out = data.run(cfg)
+    source = [c for s in data.conversations_for(cfg.data, {}).values() for c in s]
+    assert any(c["id"] == "p-1" for c in source)  # a prompt-only row gets its answer
+    check_regenerated(out, tiny_target, source)
+    assert out.manifest()["sampling"] == {"backend": "local", "max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0}
+
+
+class ChatServer:
+    """A small real OpenAI-compatible server on 127.0.0.1 serving the tiny target's greedy answers.
+    Failures are simulated on purpose: `always_fail` prompts get HTTP 500, `fail_once` prompts get
+    one 500 or one slow (past the client's timeout) response before they succeed."""
+
+    def __init__(self, target, api_key):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        self.target, self.api_key = target, api_key
+        self.always_fail: set[str] = set()
+        self.fail_once: dict[str, str] = {}
+        self.requests: list[str] = []
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, status, body):
+                payload = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_GET(self):
+                self.reply(200, {"object": "list", "data": [{"id": "tiny-llama", "object": "model"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.headers.get("Authorization") != f"Bearer {server.api_key}":
+                    return self.reply(401, {"error": "bad key"})
+                status, answer = server.answer(body)
+                if status != 200:
+                    return self.reply(status, {"error": "simulated failure"})
+                self.reply(200, {"object": "chat.completion", "model": body["model"], "choices": [
+                    {"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": answer}}]})
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/v1"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def answer(self, body):
+        first_user = next(m["content"] for m in body["messages"] if m["role"] == "user")
+        with self.lock:
+            self.requests.append(first_user)
+            if first_user in self.always_fail:
+                return 500, None
+            fault = self.fail_once.pop(first_user, None)
+        if fault == "error":
+            return 503, None
+        if fault == "slow":
+            time.sleep(1.5)
+        with self.lock:
+            return 200, greedy_answer(self.target, body["messages"], body["max_tokens"])
+
+    def close(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def test_openai_regeneration_retries_reports_failures_and_resumes(make_cfg, own_artifacts, tiny_target,
+                                                                  monkeypatch):
+    key = "sk-test-0123456789-do-not-log"
+    monkeypatch.setenv("EAGLE3_TEST_KEY", key)
+    server = ChatServer(tiny_target, key)
+    try:
+        server.always_fail = {"Say hi."}
+        server.fail_once = {"Is 91 prime?": "slow", "List three colours.": "error"}
+        cfg = regen_cfg(make_cfg, own_artifacts, "data.regen.backend=openai", f"data.regen.base_url={server.url}",
+                        "data.regen.api_key_env=EAGLE3_TEST_KEY", "data.regen.max_retries=2",
+                        "data.regen.backoff_s=0.05", "data.regen.timeout_s=1", "data.regen.concurrency=3")
+        with pytest.raises(Eagle3Error, match="1 conversations failed regeneration") as err:
+            data.run(cfg)
+        out = data.data_output(cfg)
+        failed = json.loads((out.path / "regen" / "failed.json").read_text())
+        assert list(failed) == ["m-9"] and "HTTP 500" in failed["m-9"] and str(out.path) in str(err.value)
+        assert server.requests.count("Say hi.") == 3  # first try + 2 retries
+        assert server.requests.count("Is 91 prime?") == 2 and server.requests.count("List three colours.") == 2
+        done = {(r["id"], r["turn"]) for r in turn_records(out.path)}
+        assert ("m-8", 0) in done and ("m-4", 0) in done and not any(i == "m-9" for i, _ in done)
+        # the endpoint recovers: a rerun asks only for what is missing
+        server.always_fail, server.requests = set(), []
+        out = data.run(cfg)
+        assert out.complete and server.requests == ["Say hi."]
+        assert not (out.path / "regen" / "failed.json").exists()
+        source = [c for s in data.conversations_for(cfg.data, {}).values() for c in s]
+        check_regenerated(out, tiny_target, source)
+        assert out.manifest()["sampling"]["base_url"] == server.url
+        for path in out.path.rglob("*"):  # the key is never written anywhere
+            if path.is_file():
+                assert key.encode() not in path.read_bytes()
+    finally:
+        server.close()
+
+
+def test_openai_endpoint_down_is_one_clear_error(make_cfg, own_artifacts):
+    cfg = regen_cfg(make_cfg, own_artifacts, "data.regen.backend=openai", "data.regen.base_url=http://127.0.0.1:9/v1")
+    with pytest.raises(Eagle3Error, match="cannot list models at http://127.0.0.1:9/v1/models"):
+        data.run(cfg)
