@@ -37,6 +37,13 @@ def randomise(drafter, seed: int = 0):
     return drafter
 
 
+@pytest.fixture(scope="module")
+def shared_mlflow(tmp_path_factory):
+    """One MLflow store for this module's registry tests (creating a sqlite store costs ~10 s)."""
+    root = tmp_path_factory.mktemp("mlruns")
+    return [f"tracking.uri=sqlite:///{root}/mlflow.db", f"tracking.artifact_location={root}/artifacts"]
+
+
 @pytest.fixture
 def drafter(tiny_target, make_cfg):
     return randomise(build_drafter(tiny_target, make_cfg("target=tiny-llama").drafter))
@@ -298,32 +305,33 @@ def test_check_drafter_for_target_names_each_mismatch(drafter, tiny_target):
 # ---------------------------------------------------------------- registry and drafter.path
 
 
-def test_register_and_resolve_models_uri(drafter, tiny_target, make_cfg, tmp_path):
+def test_register_and_resolve_models_uri(drafter, tiny_target, make_cfg, tmp_path, shared_mlflow):
     from mlflow.tracking import MlflowClient
 
     from eagle3.tracking import stage_run
 
-    cfg = make_cfg("target=tiny-llama", f"paths.artifacts={tmp_path}/artifacts")
+    cfg = make_cfg("target=tiny-llama", f"paths.artifacts={tmp_path}/artifacts", *shared_mlflow,
+                   "export.registry_name=registry-test")
     out_dir = tmp_path / "export"
     folders = export.export_drafter(cfg, drafter, RECIPE, out_dir)
     assert sorted(folders) == ["sglang", "vllm"]
     with stage_run(cfg, "export") as run:
         version = export.register_export(cfg, out_dir, RECIPE, run)
-    assert export.registry_name(cfg) == "eagle3-tiny-llama" and version == "1"
-    tags = MlflowClient(cfg.tracking.uri).get_model_version("eagle3-tiny-llama", "1").tags
+    assert export.registry_name(cfg) == "registry-test" and version == "1"
+    tags = MlflowClient(cfg.tracking.uri).get_model_version("registry-test", "1").tags
     assert tags["tau_hat"] == "2.5" and tags["recipe.ttt_length"] == "7" and tags["recipe.step_decay"] == "0.8"
 
-    uri_cfg = make_cfg("target=tiny-llama", f"paths.artifacts={tmp_path}/artifacts",
-                       "drafter.path=models:/eagle3-tiny-llama/1")
+    uri_cfg = make_cfg("target=tiny-llama", f"paths.artifacts={tmp_path}/artifacts", *shared_mlflow,
+                       "drafter.path=models:/registry-test/1")
     for engine in ("sglang", "vllm"):
         folder = export.resolve_drafter_path(uri_cfg, engine)
         assert folder.name == engine and folder.is_relative_to(tmp_path / "artifacts" / "registry")
     loaded = export.attach_target_embedding(export.load_drafter(export.resolve_drafter_path(uri_cfg)), tiny_target)
     assert_same_weights(loaded, drafter)
-    latest = export.load_drafter("models:/eagle3-tiny-llama/latest", tracking_uri=cfg.tracking.uri)
+    latest = export.load_drafter("models:/registry-test/latest", tracking_uri=cfg.tracking.uri)
     assert loaded.config.aux_layer_ids == latest.config.aux_layer_ids == [1, 2, 3]
     with pytest.raises(Eagle3Error, match="not in the model registry"):
-        export.resolve_drafter_path(make_cfg("target=tiny-llama", "drafter.path=models:/eagle3-tiny-llama/7"))
+        export.resolve_drafter_path(make_cfg("target=tiny-llama", *shared_mlflow, "drafter.path=models:/registry-test/7"))
 
 
 def test_resolve_drafter_path_errors_say_what_to_run(make_cfg, tmp_path):
@@ -404,10 +412,10 @@ def export_cfg(make_cfg, tmp_path):
     return make_cfg(*overrides), overrides
 
 
-def test_export_run_exports_registers_and_is_idempotent(drafter, tiny_target, make_cfg, tmp_path):
+def test_export_run_exports_registers_and_is_idempotent(drafter, tiny_target, make_cfg, tmp_path, shared_mlflow):
     from mlflow.tracking import MlflowClient
 
-    cfg, _ = export_cfg(make_cfg, tmp_path)
+    cfg = make_cfg(*export_cfg(make_cfg, tmp_path)[1], *shared_mlflow)
     with pytest.raises(Eagle3Error, match=r"run `python -m eagle3.train` first"):
         export.run(cfg)
     trained = fake_training_output(cfg, drafter, tau=3.25)
@@ -444,3 +452,10 @@ def test_export_app_command_line(drafter, make_cfg, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     out = export.export_output(cfg)
     assert f"exported drafter: {out.path}" in done.stdout and "registered: models:/eagle3-tiny-llama/1" in done.stdout
+
+
+def test_registry_name_follows_the_target(make_cfg):
+    assert export.registry_name(make_cfg("target=tiny-llama")) == "eagle3-tiny-llama"
+    assert export.registry_name(make_cfg("target=hf", "target.path=meta-llama/Llama-3.1-8B-Instruct")) == \
+        "eagle3-Llama-3.1-8B-Instruct"
+    assert export.registry_name(make_cfg("export.registry_name=mine")) == "mine"
