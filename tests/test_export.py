@@ -294,11 +294,18 @@ def test_import_refuses_unknown_and_missing_keys(drafter, tmp_path):
 
 
 def test_check_drafter_for_target_names_each_mismatch(drafter, tiny_target):
+    from eagle3.data import tokenizer_hash
+
+    export.check_drafter_for_target(drafter, tiny_target)
+    drafter.config.recipe = {"tokenizer_hash": tokenizer_hash(tiny_target.tokenizer)}
+    export.check_drafter_for_target(drafter, tiny_target)  # the hash is computed from the target's tokenizer
     drafter.config.target_hidden_size = 128
+    drafter.config.max_position_embeddings = 1024
     drafter.config.recipe = {"tokenizer_hash": "aaa"}
     with pytest.raises(Eagle3Error) as err:
         export.check_drafter_for_target(drafter, tiny_target, tokenizer_hash="bbb")
     assert "target hidden size 128, target has 64" in str(err.value)
+    assert "max_position_embeddings 1024 < the target's 2048" in str(err.value)
     assert "vocab map built with tokenizer aaa, target tokenizer is bbb" in str(err.value)
 
 

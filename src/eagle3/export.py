@@ -356,10 +356,10 @@ def identity_vocab_map(config: LlamaConfig) -> dict[str, torch.Tensor]:
 
 def load_drafter(path_or_uri: str | Path, device: str | torch.device | None = None,
                  aux_convention: str = "sglang", tracking_uri: str | None = None) -> Eagle3Drafter:
-    """Load an exported drafter folder (ours, SGLang, SpecForge, EAGLE, speculators) or a
-    `models:/name/version` URI (a whole export picks its aux_convention subfolder). aux_convention: how to read an explicit
-    eagle_config.eagle_aux_hidden_state_layer_ids in a folder without our recipe (SGLang's
-    layer-output ids or vLLM's HF indices). Without embed_tokens in the folder, call
+    """Load a drafter folder (ours, SGLang, SpecForge, EAGLE, speculators), a whole export (its
+    aux_convention subfolder) or a `models:/name/version` URI. aux_convention: how to read an
+    explicit eagle_config.eagle_aux_hidden_state_layer_ids in a folder without our recipe
+    (SGLang's layer-output ids or vLLM's HF indices). Without embed_tokens in the folder, call
     attach_target_embedding before use."""
     folder = Path(path_or_uri) if not str(path_or_uri).startswith(MODELS_URI) else \
         download_registered(str(path_or_uri), tracking_uri)
@@ -401,6 +401,9 @@ def check_drafter_for_target(drafter: Eagle3Drafter, target, tokenizer_hash: str
                         f"{target.hidden_size}")
     if config.vocab_size != target.vocab_size:
         problems.append(f"drafter vocab {config.vocab_size} != target vocab {target.vocab_size}")
+    if config.max_position_embeddings < target.config.max_position_embeddings:
+        problems.append(f"drafter max_position_embeddings {config.max_position_embeddings} < the target's "
+                        f"{target.config.max_position_embeddings}")
     if config.aux_layer_ids is None:
         config.aux_layer_ids = default_aux_layer_ids(target.num_layers)
     if list(config.aux_layer_ids) != list(target.aux_layer_ids):
