@@ -1,0 +1,151 @@
+"""Tokens/s of the embedded decoder for spec=off and several spec shapes, batch 1.
+
+Runs without Hydra (plain argparse), so it also runs on a bare GPU box:
+
+    # the real target with its tokenizer, an exported (or untrained) drafter
+    python benchmarks/bench_engine.py --target artifacts/targets/smollm2-135m --drafter untrained
+    # timing only: a random model with a target's shapes (acceptance is meaningless there)
+    python benchmarks/bench_engine.py --random-from path/to/config.json --device cuda --dtype bfloat16
+
+Per config it prints tok/s, tau, verify steps and the mean draft / verify time per step,
+and `--json` writes all rows. Speedup is against the engine's own spec=off, same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from eagle3.drafter import build_drafter
+from eagle3.engine import SpecDecoder, summarize
+from eagle3.spec import Spec
+from eagle3.target import Target, default_aux_layer_ids
+
+PROMPTS = ["Explain how a bicycle works.", "Write a short poem about the ocean.",
+           "What are the main causes of inflation?", "Give three tips for learning to code.",
+           "Summarise the plot of Romeo and Juliet.", "How do vaccines train the immune system?"]
+
+
+def parse_spec(label: str) -> Spec:
+    """off | dN (chain of depth N) | dNsSkK (tree: depth N, S steps, top-K)."""
+    if label == "off":
+        return Spec(False, 1, 0, 1)
+    if "s" not in label:
+        depth = int(label[1:])
+        return Spec(True, depth, depth - 1, 1)
+    depth, rest = label[1:].split("s")
+    steps, topk = rest.split("k")
+    return Spec(True, int(depth), int(steps), int(topk))
+
+
+def load(args) -> Target:
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.random_from:
+        config = LlamaConfig(**json.loads(Path(args.random_from).read_text()))
+        torch.manual_seed(0)
+        model, tokenizer, path = LlamaForCausalLM(config).to(dtype), None, Path(args.random_from).parent
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype)
+        tokenizer, path = AutoTokenizer.from_pretrained(args.target), Path(args.target)
+    model.to(device).eval().requires_grad_(False)
+    return Target(model, tokenizer, path, default_aux_layer_ids(model.config.num_hidden_layers))
+
+
+def load_drafter(args, target: Target):
+    dtype = next(target.model.parameters()).dtype
+    if args.drafter == "untrained":
+        dcfg = SimpleNamespace(num_layers=1, draft_vocab_size=args.draft_vocab_size)
+        dcfg.get = lambda name, default=None: getattr(dcfg, name, default)
+        torch.manual_seed(0)
+        return build_drafter(target, dcfg).to(dtype).eval()
+    from eagle3.export import attach_target_embedding, load_drafter as load_exported
+    drafter = load_exported(args.drafter, device=target.device)
+    if not getattr(drafter.config, "has_embedding", False):
+        attach_target_embedding(drafter, target)
+    return drafter.to(dtype).eval()
+
+
+def prompts_for(args, target: Target) -> list[list[int]]:
+    if target.tokenizer is None:
+        generator = torch.Generator().manual_seed(0)
+        return [torch.randint(0, target.vocab_size, (args.prompt_len,), generator=generator).tolist()
+                for _ in range(args.prompts)]
+    tok = target.tokenizer
+    texts = (PROMPTS * (args.prompts // len(PROMPTS) + 1))[:args.prompts]
+    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=True)["input_ids"] for t in texts]
+
+
+def bench(target, drafter, spec: Spec, prompts, args) -> dict:
+    decoder = SpecDecoder(target, drafter if spec.enabled else None, spec, max_context=args.max_context,
+                          cuda_graphs=args.cuda_graphs)
+    stop = [] if args.ignore_eos or target.tokenizer is None else [target.tokenizer.eos_token_id]
+    decoder.generate(prompts[0], args.warmup_tokens, stop_ids=stop)  # warm-up (allocator, kernels)
+    sync()
+    stats = []
+    started = time.perf_counter()
+    for prompt in prompts:
+        stats.append(decoder.generate(prompt, args.max_new_tokens, stop_ids=stop).stats)
+    sync()
+    elapsed = time.perf_counter() - started
+    summary = summarize(stats)
+    steps = max(summary["verify_steps"], 1)
+    return {"spec": spec.label, "tok_per_s": summary["completion_tokens"] / elapsed, "tau": summary["tau"],
+            "completion_tokens": summary["completion_tokens"], "verify_steps": summary["verify_steps"],
+            "step_ms": 1000 * elapsed / steps, "draft_ms_per_step": 1000 * summary["draft_time_s"] / steps,
+            "verify_ms_per_step": 1000 * summary["verify_time_s"] / steps,
+            "acceptance_per_position": summary["acceptance_per_position"]}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--target", help="HF model folder (with tokenizer)")
+    source.add_argument("--random-from", help="config.json: a random model with these shapes (timing only)")
+    parser.add_argument("--drafter", default="untrained", help="exported drafter folder, or 'untrained'")
+    parser.add_argument("--draft-vocab-size", type=int, default=8192)
+    parser.add_argument("--specs", default="off,d2,d4,d8,d6s3k2,d10s5k4")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available())
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=64, help="random prompts' length (--random-from)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--warmup-tokens", type=int, default=16)
+    parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load(args)
+    specs = [parse_spec(s) for s in args.specs.split(",")]
+    drafter = load_drafter(args, target) if any(s.enabled for s in specs) else None
+    prompts = prompts_for(args, target)
+    rows = []
+    for spec in specs:
+        rows.append(bench(target, drafter, spec, prompts, args))
+        base = rows[0]["tok_per_s"] if rows[0]["spec"] == "off" else None
+        row = rows[-1]
+        speedup = f"  x{row['tok_per_s'] / base:.2f}" if base else ""
+        print(f"{row['spec']:>10}: {row['tok_per_s']:8.1f} tok/s{speedup}  tau {row['tau']:.2f}  "
+              f"step {row['step_ms']:.2f} ms (draft {row['draft_ms_per_step']:.2f}, "
+              f"verify {row['verify_ms_per_step']:.2f})", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
