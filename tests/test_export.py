@@ -96,14 +96,22 @@ def test_sglang_folder_has_exactly_the_engine_keys_and_config(drafter, tiny_targ
     assert torch.equal(tensors["midlayer.hidden_norm.weight"], drafter.layers[0].hidden_norm.weight)
 
 
-def test_multi_layer_drafter_exports_layers_i(tiny_target, make_cfg, tmp_path):
+def test_multi_layer_drafter_exports_layers_i_in_each_engines_names(tiny_target, make_cfg, tmp_path):
+    """Layers after the first: vLLM names their input norm input_layernorm, SGLang hidden_norm
+    (SGLang's LlamaDecoderLayer fuses the residual add into hidden_norm; same function)."""
     two_layers = randomise(build_drafter(tiny_target, make_cfg("target=tiny-llama", "drafter.num_layers=2").drafter))
-    folder = export.export_sglang(two_layers, tmp_path / "two", RECIPE, engine="vllm")
-    tensors = load_file(str(folder / "model.safetensors"))
-    assert not any(k.startswith("midlayer.") for k in tensors)
-    assert tensors["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * 64
-    assert tensors["layers.1.self_attn.q_proj.weight"].shape[1] == 64 and "layers.1.hidden_norm.weight" not in tensors
-    assert_same_weights(export.attach_target_embedding(export.load_drafter(folder), tiny_target), two_layers)
+    for engine, later, absent in (("vllm", "input_layernorm", "hidden_norm"),
+                                  ("sglang", "hidden_norm", "input_layernorm")):
+        folder = export.export_sglang(two_layers, tmp_path / engine, RECIPE, engine=engine)
+        tensors = load_file(str(folder / "model.safetensors"))
+        assert not any(k.startswith("midlayer.") for k in tensors)
+        assert tensors["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * 64
+        assert tensors["layers.1.self_attn.q_proj.weight"].shape[1] == 64
+        assert torch.equal(tensors[f"layers.1.{later}.weight"], two_layers.layers[1].input_layernorm.weight)
+        assert f"layers.1.{absent}.weight" not in tensors and len(tensors) == 5 + 10 + 9
+        loaded = export.attach_target_embedding(export.load_drafter(folder, aux_convention=engine), tiny_target)
+        assert_same_weights(loaded, two_layers)
+        assert torch.equal(draft_step(loaded), draft_step(two_layers))
 
 
 # ---------------------------------------------------------------- refusing to write

@@ -46,10 +46,16 @@ UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_
 
 
 def layer_prefixes(num_layers: int, style: str) -> list[str]:
-    """`midlayer` for a single layer in the SGLang layout, else `layers.{i}`."""
-    if style == "sglang" and num_layers == 1:
+    """`midlayer` for a single layer in the engines' layout (both load it), else `layers.{i}`."""
+    if style in ENGINES and num_layers == 1:
         return ["midlayer"]
     return [f"layers.{i}" for i in range(num_layers)]
+
+
+def later_norm(style: str) -> str:
+    """The pre-attention norm of layers after the first. SGLang names it hidden_norm (fusing the
+    residual add into it), vLLM and this module input_layernorm; the function is the same."""
+    return "hidden_norm" if style == "sglang" else "input_layernorm"
 
 
 def expected_shapes(config: LlamaConfig, style: str, include_embedding: bool = False) -> dict[str, tuple]:
@@ -67,11 +73,10 @@ def expected_shapes(config: LlamaConfig, style: str, include_embedding: bool = F
             f"{prefix}.mlp.gate_proj.weight": ((inter, hidden), None),
             f"{prefix}.mlp.up_proj.weight": ((inter, hidden), None),
             f"{prefix}.mlp.down_proj.weight": ((hidden, inter), None),
-            f"{prefix}.input_layernorm.weight": ((hidden,), None),
             f"{prefix}.post_attention_layernorm.weight": ((hidden,), None),
         })
-        if index == 0:
-            shapes[f"{prefix}.hidden_norm.weight"] = ((hidden,), None)
+        norms = ["input_layernorm", "hidden_norm"] if index == 0 else [later_norm(style)]
+        shapes.update({f"{prefix}.{norm}.weight": ((hidden,), None) for norm in norms})
     shapes.update({"norm.weight": ((hidden,), None), "lm_head.weight": ((config.draft_vocab_size, hidden), None),
                    "d2t": ((config.draft_vocab_size,), torch.int64), "t2d": ((config.vocab_size,), torch.bool)})
     if include_embedding:
@@ -110,15 +115,17 @@ def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
 
 def engine_tensors(drafter: Eagle3Drafter, style: str, dtype: torch.dtype | None = None,
                    include_embedding: bool = False) -> dict[str, torch.Tensor]:
-    """The drafter's weights under the engine's names (`layers.0.` -> `midlayer.` for SGLang)."""
+    """The drafter's weights under the engine's names (`layers.0.` -> `midlayer.` for one layer)."""
     state = drafter.state_dict() if include_embedding else drafter.trainable_state_dict()
-    renamed = dict(zip(layer_prefixes(drafter.config.num_hidden_layers, "ours"),
-                       layer_prefixes(drafter.config.num_hidden_layers, style)))
+    prefixes = layer_prefixes(drafter.config.num_hidden_layers, style)
     tensors = {}
     for name, tensor in state.items():
-        match = re.match(r"(layers\.\d+)\.(.*)", name)
+        match = re.fullmatch(r"layers\.(\d+)\.(.*)", name)
         if match:
-            name = f"{renamed[match.group(1)]}.{match.group(2)}"
+            index, rest = int(match.group(1)), match.group(2)
+            if index > 0 and rest == "input_layernorm.weight":
+                rest = f"{later_norm(style)}.weight"
+            name = f"{prefixes[index]}.{rest}"
         tensor = tensor.detach().cpu()
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
@@ -232,14 +239,15 @@ def resolve_export_dtype(name: str | None, drafter: Eagle3Drafter) -> torch.dtyp
 
 def export_sglang(drafter: Eagle3Drafter, out_dir: str | Path, recipe: dict, engine: str = "sglang",
                   dtype: str | None = None, include_embedding: bool = False) -> Path:
-    """The SGLang folder (engine="vllm": the same folder with custom aux ids in vLLM's convention)."""
+    """The SGLang folder; engine="vllm": the same folder with custom aux ids in vLLM's convention
+    (and, for several layers, vLLM's norm names)."""
     torch_dtype = resolve_export_dtype(dtype, drafter)
     if engine == "sglang" and drafter.config.num_hidden_layers != 1:
-        log.warning("SGLang loads single-layer EAGLE-3 drafters only; this one has %d layers (vLLM loads it)",
+        log.warning("SGLang releases before multi-layer EAGLE-3 support refuse this %d-layer drafter",
                     drafter.config.num_hidden_layers)
-    tensors = engine_tensors(drafter, "sglang", torch_dtype, include_embedding)
+    tensors = engine_tensors(drafter, engine, torch_dtype, include_embedding)
     config = sglang_config(drafter, recipe, engine, torch_dtype)
-    return write_folder(tensors, config, expected_shapes(drafter.config, "sglang", include_embedding), Path(out_dir))
+    return write_folder(tensors, config, expected_shapes(drafter.config, engine, include_embedding), Path(out_dir))
 
 
 def export_speculators(drafter: Eagle3Drafter, out_dir: str | Path, recipe: dict, speculative_tokens: int = 3,
@@ -294,6 +302,9 @@ def normalise_names(tensors: dict[str, torch.Tensor], config: LlamaConfig) -> di
         name = name.removeprefix("model.")
         if name.startswith("midlayer."):
             name = "layers.0." + name.removeprefix("midlayer.")
+        match = re.fullmatch(r"layers\.(\d+)\.hidden_norm\.weight", name)
+        if match and int(match.group(1)) > 0:  # SGLang's name for a later layer's input norm
+            name = f"layers.{match.group(1)}.input_layernorm.weight"
         if name.endswith("rotary_emb.inv_freq"):
             continue  # a derived buffer some checkpoints carry
         out.update(split_stacked(name, tensor, config))
