@@ -11,8 +11,10 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+import yaml
 from mlflow.tracking import MlflowClient
 
 from eagle3.bench import aggregate, baseline_output, job_identity, percentile, tokenize_prompts
@@ -278,11 +280,17 @@ def test_killed_server_marks_the_job_failed(make_cfg, tmp_path, tiny_drafter):
     killed = {}
 
     def kill_when_serving():
-        pid_file = folder / "spec" / "engine.pid"
+        """SIGKILL the spec server's process group once it has generated tokens (the suite is running)."""
+        spec = folder / "spec"
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not (folder / "spec" / "requests.json").exists():
-            if pid_file.exists() and "POST /generate" in (folder / "spec" / "engine.log").read_text(errors="ignore"):
-                killed["pid"] = int(pid_file.read_text())
+        while time.monotonic() < deadline and not (spec / "requests.json").exists():
+            try:
+                port = yaml.safe_load((spec / "engine_config.yaml").read_text())["serve"]["port"]
+                stats = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=5).json()
+            except (OSError, httpx.HTTPError, TypeError, KeyError):
+                stats = {}
+            if stats.get("completion_tokens", 0) > 0:
+                killed["pid"] = int((spec / "engine.pid").read_text())
                 os.killpg(killed["pid"], signal.SIGKILL)
                 return
             time.sleep(0.2)
@@ -298,3 +306,104 @@ def test_killed_server_marks_the_job_failed(make_cfg, tmp_path, tiny_drafter):
         os.killpg(killed["pid"], 0)
     run = MlflowClient(tracking_uri=cfg.tracking.uri).get_run(result["run_id"])
     assert run.info.status == "FAILED" and run.data.tags["status"] == "failed"
+
+
+# ---------------------------------------------------------------- local vs vLLM acceptance
+
+
+AGREE_VOCAB = 256
+AGREE_PROMPTS = 12
+
+
+def peaked_target_folder(test_root) -> Path:
+    """The vLLM-compatible tiny Llama (head_dim 32) with its tied embeddings scaled x50: the random
+    model's near-flat next-token distributions become peaked (as in test_train), so greedy decoding
+    has no near-ties for two engines' float32 kernels to break differently. Saved as an HF folder
+    so both engines load the same weights (target=hf)."""
+    from eagle3.common import compose
+    from eagle3.target import load_target
+
+    folder = test_root / "targets" / "tiny-hd32-peaked"
+    if (folder / "config.json").exists():
+        return folder
+    target = load_target(compose([f"paths.root={test_root}", *VLLM_TINY]), device="cpu")
+    target.model.get_input_embeddings().weight.data.mul_(50.0)
+    partial = folder.with_name(folder.name + ".partial")
+    target.model.save_pretrained(partial)
+    target.tokenizer.save_pretrained(partial)
+    partial.rename(folder)
+    return folder
+
+
+def agree_overrides(target_folder) -> list[str]:
+    return ["target=hf", f"target.path={target_folder}", "target.aux_layer_ids=[1,2,3]", "target.dtype=float32",
+            f"drafter.draft_vocab_size={AGREE_VOCAB}"]
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(test_root):
+    """A drafter trained with eagle3.train (Lightning, TTT, online hidden states) on the target's own
+    greedy continuations of the first vicuna prompts, exported by eagle3.export: (target, drafter)."""
+    from eagle3.common import compose
+    from eagle3.export import export_drafter
+    from eagle3.target import load_target
+    from eagle3.train import DrafterData, fit, load_trained_drafter
+
+    target_folder = peaked_target_folder(test_root)
+    out = test_root / "drafters" / "tiny-hd32-peaked-trained"
+    if (out / "vllm" / "config.json").exists():
+        return target_folder, out
+    cfg = compose([f"paths.root={test_root}", *agree_overrides(target_folder), "train.hidden_states=online",
+                   "train.ttt_length=4", "train.max_length=128", "train.batch_size=4", "train.bucket_batches=1",
+                   "train.epochs=30", "train.lr=1e-2", "train.warmup_ratio=0.05", "train.checkpoint_every_n_steps=1000",
+                   "trainer.accelerator=cpu", "trainer.progress_bar=false", "tracking.enabled=false",
+                   f"bench.limit={AGREE_PROMPTS}"])
+    target = load_target(cfg, device="cpu")
+    items = []
+    for index, ids in enumerate(tokenize_prompts(target.tokenizer, load_suite(cfg.bench))):
+        prompt = torch.tensor([ids])
+        with torch.no_grad():
+            full = target.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=64,
+                                         do_sample=False, pad_token_id=0)[0]
+        mask = torch.zeros(len(full), dtype=torch.long)
+        mask[len(ids):] = 1
+        items.append({"id": str(index), "input_ids": full, "loss_mask": mask})
+    with torch.no_grad():
+        predicted = torch.cat([target.model(i["input_ids"][None]).logits[0].argmax(-1) for i in items])
+    top = predicted.bincount(minlength=target.vocab_size).topk(AGREE_VOCAB).indices.sort().values
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[top] = True
+    data = DrafterData(items, items[:4], cfg.train, cfg.seed, pad_id=0)
+    fit(cfg, target, data, test_root / "drafters" / "tiny-hd32-peaked-train", top - torch.arange(AGREE_VOCAB), t2d)
+    drafter = load_trained_drafter(test_root / "drafters" / "tiny-hd32-peaked-train", target, which="final")
+    drafter.config.target_num_layers = target.num_layers
+    export_drafter(cfg, drafter, {"note": "trained on the bench prompts' greedy continuations"}, out)
+    return target_folder, out
+
+
+@pytest.mark.slow
+def test_local_and_vllm_measure_the_same_tau(make_cfg, tmp_path, trained_drafter):
+    """Same target weights, same trained drafter, same prompt ids, greedy, a depth-4 chain: the local
+    engine's τ and vLLM's τ (from its /metrics counters) agree within TOLERANCE (see below)."""
+    from eagle3.bench import run_job
+
+    target_folder, drafter = trained_drafter
+    common = [*agree_overrides(target_folder), "spec.depth=4", "bench.limit=4", "bench.max_new_tokens=48",
+              "bench.ignore_eos=true", f"drafter.path={drafter}"]
+    local = run_job(make_cfg(*common, "serve=local"), tmp_path / "local")
+    vllm = run_job(make_cfg(*common, "serve=vllm"), tmp_path / "vllm")
+    assert local["status"] == "ok", local.get("error")
+    assert vllm["status"] == "ok", vllm.get("error")
+    assert local["output_tokens"] == vllm["output_tokens"] == 4 * 48
+    assert local["accept_length"] > 1.5  # the trained drafter really is accepted
+    # TOLERANCE: both engines verify the same chains greedily, so per step they accept the same
+    # tokens up to (a) the last step of each request, cut at max_new_tokens (at most one step of
+    # depth-1 = 3 drafts per request, counted by one engine and not the other) and (b) a float32
+    # argmax flip between vLLM's CPU attention kernel and PyTorch SDPA, which the peaked target
+    # makes rare. (a) bounds the difference by 3 drafts * 4 requests / total steps ~ 3*4/(4*48/τ);
+    # we allow that bound plus 0.05 for (b).
+    steps = local["output_tokens"] / local["accept_length"]
+    tolerance = 3 * 4 / steps + 0.05
+    print(f"tau local {local['accept_length']:.3f} vllm {vllm['accept_length']:.3f} tolerance {tolerance:.3f}; "
+          f"per position local {local['accept_per_pos']} vllm {vllm['accept_per_pos']}")
+    assert abs(local["accept_length"] - vllm["accept_length"]) <= tolerance

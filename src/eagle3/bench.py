@@ -131,7 +131,7 @@ def run_requests(engine: EngineProcess, requests: list[list[int]], bcfg, timeout
             except (httpx.HTTPError, json.JSONDecodeError, KeyError) as err:
                 for other in futures:
                     other.cancel()
-                engine.check_alive()  # raises EngineFailed with the log when the server died
+                engine.check_alive(grace_s=5)  # raises EngineFailed with the log when the server died
                 raise EngineFailed(f"request to {engine.launch.engine} failed: {type(err).__name__}: {err}",
                                    engine.log_tail()) from err
             bar.update()
@@ -162,7 +162,7 @@ def aggregate(records: list[dict], wall_s: float, acceptance: dict) -> dict:
     metrics = {"tokens_per_s": tokens / wall_s, "output_tokens": tokens, "requests": len(records),
                "wall_s": wall_s, "decode_tokens_per_s": decode_tok_s, "step_s": tau / decode_tok_s,
                "request_tokens_per_s_mean": sum(r["tok_per_s"] for r in records) / len(records),
-               "accept_length": tau, "accept_per_pos": acceptance.get("accept_per_pos", [])}
+               **acceptance, "accept_length": tau, "accept_per_pos": acceptance.get("accept_per_pos", [])}
     for q in PERCENTILES:
         metrics[f"ttft_p{q}_ms"] = _ms(percentile(ttfts, q))
         metrics[f"itl_p{q}_ms"] = _ms(percentile(itls, q))
@@ -203,7 +203,7 @@ def measure(cfg: DictConfig, spec: Spec, drafter_path, target_path, requests: li
         engine.check_alive()
         delta = counter_delta(before, read_counters(scfg.engine, engine.base_url))
     except httpx.HTTPError as err:
-        engine.check_alive()
+        engine.check_alive(grace_s=5)
         raise EngineFailed(f"{scfg.engine} stats request failed: {err}", engine.log_tail()) from err
     finally:
         engine.stop(scfg.stop_timeout_s)

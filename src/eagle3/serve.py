@@ -259,7 +259,14 @@ class EngineProcess:
         raise EngineFailed(f"{self.launch.engine} server not healthy after {timeout_s:.0f}s (log: {self.log_path})",
                            self.log_tail())
 
-    def check_alive(self) -> None:
+    def check_alive(self, grace_s: float = 0.0) -> None:
+        """Raise EngineFailed if the server is gone; grace_s waits for a dying one (a dropped
+        connection can arrive before its process is reaped)."""
+        if grace_s and self.alive():
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
         if not self.alive():
             raise EngineFailed(f"{self.launch.engine} server died (exit code {self.proc.returncode}; "
                                f"log: {self.log_path})", self.log_tail())
