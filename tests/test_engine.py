@@ -214,6 +214,5 @@ def test_smollm2_greedy_is_lossless_untrained_drafter(smollm2, name):
     for question in ["What is the capital of France?", "Write a haiku about the sea."]:
         prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                          tokenize=True, return_dict=True)["input_ids"]
-        expected = smollm2.model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24,
-                                          do_sample=False)[0, len(prompt):].tolist()
+        expected = reference_greedy(smollm2.model, prompt, 24)  # (generate's min_new_tokens would mask EOS)
         assert decoder.generate(prompt, 24).tokens == expected
