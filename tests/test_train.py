@@ -202,19 +202,23 @@ def final_state(folder: Path) -> dict:
     return torch.load(folder / CHECKPOINTS / "last.ckpt", weights_only=False)
 
 
-def test_resume_after_kill_is_exact(make_cfg, test_root, tmp_path):
+def test_resume_after_kill_is_exact(make_cfg, test_root, target, tmp_path):
+    """2 epochs of 3 steps, last.ckpt every 2 steps; SIGKILL at step 5 leaves the step-4 checkpoint
+    (one batch into epoch 2), the rerun resumes there; the result equals an uninterrupted run."""
     overrides = [f"paths.root={test_root}", *BASE, "train.epochs=2"]
     uninterrupted, killed = tmp_path / "uninterrupted", tmp_path / "killed"
-    done = run_script(tmp_path, uninterrupted, overrides)
-    assert done.returncode == 0, done.stderr[-3000:]
-    crashed = run_script(tmp_path, killed, overrides, kill_at=5)
+    recorder = Recorder()
+    synthetic_fit(compose(overrides), uninterrupted, [recorder], target, n_train=12)
+    crashed = run_script(tmp_path, killed, overrides, kill_at=5, n_train=12)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
     assert torch.load(killed / CHECKPOINTS / "last.ckpt", weights_only=False)["global_step"] == 4
-    resumed = run_script(tmp_path, killed, overrides)  # finds last.ckpt and resumes mid-epoch
+    resumed = run_script(tmp_path, killed, overrides, n_train=12)  # finds last.ckpt, resumes mid-epoch
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr
+    assert torch.load(killed / "rank0.pt")["ids"] == [i for batch in recorder.ids[4:] for i in batch]
+    assert sorted(recorder.ids[0]) != sorted(recorder.ids[3])  # epochs are shuffled differently
     a, b = final_state(uninterrupted), final_state(killed)
-    assert a["global_step"] == b["global_step"] == 12
+    assert a["global_step"] == b["global_step"] == 6
     for key, value in a["state_dict"].items():
         assert torch.equal(value, b["state_dict"][key]), key
     for opt_a, opt_b in zip(a["optimizer_states"], b["optimizer_states"]):
@@ -222,10 +226,8 @@ def test_resume_after_kill_is_exact(make_cfg, test_root, tmp_path):
             for name, tensor in state.items():
                 assert torch.equal(tensor, opt_b["state"][param][name]), (param, name)
     assert a["lr_schedulers"] == b["lr_schedulers"]
-    # the resumed run trained only on the batches the killed one had not finished
-    ids_resumed = torch.load(killed / "rank0.pt")["ids"]
-    ids_all = torch.load(uninterrupted / "rank0.pt")["ids"]
-    assert ids_resumed == ids_all[4 * 4:]
+    # the resumed run trained exactly on the batches the killed one had not checkpointed
+    assert torch.load(killed / "rank0.pt")["ids"] == [i for batch in recorder.ids[4:] for i in batch]
 
 
 def test_ddp_two_processes_gloo(make_cfg, test_root, tmp_path):

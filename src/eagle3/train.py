@@ -149,12 +149,14 @@ class BucketBatchSampler:
         self.lengths, self.batch_size, self.bucket_batches = lengths, batch_size, bucket_batches
         self.seed, self.shuffle, self.rank, self.world = seed, shuffle, rank, world
         self.epoch, self.skip = 0, {}
+        self.sampler = self  # Lightning calls set_epoch on `batch_sampler.sampler`, not on the batch sampler
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def resume(self, epoch: int, done: int) -> None:
-        self.skip = {epoch: done}
+        # Lightning creates the first iterator of a resumed fit before it calls set_epoch
+        self.epoch, self.skip = epoch, {epoch: done}
 
     def all_batches(self, epoch: int) -> list[list[int]]:
         generator = torch.Generator().manual_seed(self.seed + epoch)
@@ -216,8 +218,11 @@ class DrafterData(L.LightningDataModule):
 
     def state_dict(self) -> dict:
         """The data position: batches of the current epoch already trained on (saved in checkpoints)."""
-        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
-        return {"epoch": self.trainer.current_epoch, "batches_done": progress.processed}
+        done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        epoch = self.trainer.current_epoch
+        if self.train_sampler is not None and done >= len(self.train_sampler):  # saved at the epoch's end
+            epoch, done = epoch + 1, 0
+        return {"epoch": epoch, "batches_done": done}
 
     def load_state_dict(self, state: dict) -> None:
         self.pending_resume = (state["epoch"], state["batches_done"])
