@@ -407,3 +407,15 @@ def test_local_and_vllm_measure_the_same_tau(make_cfg, tmp_path, trained_drafter
     print(f"tau local {local['accept_length']:.3f} vllm {vllm['accept_length']:.3f} tolerance {tolerance:.3f}; "
           f"per position local {local['accept_per_pos']} vllm {vllm['accept_per_pos']}")
     assert abs(local["accept_length"] - vllm["accept_length"]) <= tolerance
+
+
+def test_sweep_without_a_drafter_names_the_command(test_root, tmp_path):
+    """No drafter trained for this config: every job fails before launching anything, the summary
+    lists them, the sweep exits 1 naming the command that makes one."""
+    out, sweep_dir = run_sweep(test_root, tmp_path, "spec.depth=16,10", "target=tiny-llama",
+                               "drafter.draft_vocab_size=77")  # a config nothing trained
+    assert out.returncode == 1
+    assert "all 2 bench jobs failed" in out.stderr and "python -m eagle3.pipeline" in out.stderr
+    rows = list(csv.DictReader(open(sweep_dir / "summary.csv")))
+    assert [(r["spec"], r["status"]) for r in rows] == [("d16", "failed"), ("d10", "failed")]
+    assert not list(sweep_dir.glob("*/baseline")) and not list(sweep_dir.glob("*/spec"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,11 @@ class BenchSweepCallback(Callback):
         results = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/bench_result.json"),
                                                              key=lambda p: _job_number(p.parent.name))]
         summarize(config, results, sweep_dir, parent_run_id(sweep_dir))
+        if results and all(r.get("status") != "ok" for r in results):
+            # partial failures leave the exit status 0 (the summary lists them); none succeeding is an error
+            print(f"eagle3 error: all {len(results)} bench jobs failed; first: {results[0].get('error')}",
+                  file=sys.stderr)
+            sys.exit(1)
 
 
 def _job_number(name: str) -> int:
