@@ -197,6 +197,8 @@ def test_custom_aux_ids_are_written_in_each_engines_convention(drafter, tmp_path
     sglang_ids = json.loads((sglang / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     vllm_ids = json.loads((vllm / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert sglang_ids == [0, 1, 2] and vllm_ids == [1, 2, 3]
+    assert json.loads((vllm / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert "eagle_aux_hidden_state_layer_ids" not in json.loads((sglang / "config.json").read_text())
     # What each engine captures from those ids (their sources): SGLang layers_to_capture = id + 1,
     # both capturing the input of that decoder layer = HF hidden_states[id].
     assert [i + 1 for i in sglang_ids] == vllm_ids == [1, 2, 3]
@@ -474,3 +476,55 @@ def test_registry_name_follows_the_target(make_cfg):
     assert export.registry_name(make_cfg("target=hf", "target.path=meta-llama/Llama-3.1-8B-Instruct")) == \
         "eagle3-Llama-3.1-8B-Instruct"
     assert export.registry_name(make_cfg("export.registry_name=mine")) == "mine"
+
+
+SGLANG_PYTHON = VLLM_PYTHON.parents[2] / ".venv-sglang" / "bin" / "python"
+
+# Runs SGLang's own LlamaForCausalLM.set_eagle3_layers_to_capture (lifted out of the installed
+# source: the parser-only venv cannot import the model module) on a folder's eagle_config ids.
+SGLANG_CAPTURE = """
+import ast, json, sys, typing
+from types import SimpleNamespace as NS
+import sglang, pathlib
+source = (pathlib.Path(sglang.__file__).parent / "srt/models/llama.py").read_text()
+cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "LlamaForCausalLM")
+fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "set_eagle3_layers_to_capture")
+scope = {"Optional": typing.Optional, "List": typing.List}
+exec(compile(ast.Module([fn], []), "llama.py", "exec"), scope)
+config = json.load(open(sys.argv[1] + "/config.json"))
+me = NS(pp_group=NS(is_last_rank=True), model=NS(), config=NS(num_hidden_layers=int(sys.argv[2])))
+scope["set_eagle3_layers_to_capture"](me, (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
+print(json.dumps(me.model.layers_to_capture))
+"""
+
+# vLLM's own reading of the draft config (the ids are then matched against decoder layer indices
+# whose *inputs* are captured, i.e. HF hidden_states[i]).
+VLLM_CAPTURE = """
+import json, sys
+from types import SimpleNamespace as NS
+from transformers import AutoConfig
+from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+spec = NS(draft_model_config=NS(hf_config=AutoConfig.from_pretrained(sys.argv[1])))
+default = [2, int(sys.argv[2]) // 2, int(sys.argv[2]) - 3]
+for ids in (get_eagle3_aux_layers_from_config(spec),  # the newer GPU runner
+            GPUModelRunner._get_eagle3_aux_layers_from_config(NS(speculative_config=spec))):  # CPU + legacy GPU
+    print(json.dumps(list(ids) if ids else default))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("aux_ids, num_layers", [([1, 2, 3], 4), ([2, 15, 27], 30)])
+def test_engines_own_code_captures_our_aux_layers(drafter, tmp_path, aux_ids, num_layers):
+    """Each engine, reading the folder written for it, captures exactly the HF hidden_states we trained on."""
+    for python in (SGLANG_PYTHON, VLLM_PYTHON):
+        if not python.exists():
+            pytest.fail(f"{python} missing: run `make setup`")
+    drafter.config.aux_layer_ids, drafter.config.target_num_layers = aux_ids, num_layers
+    for engine, python, script in (("sglang", SGLANG_PYTHON, SGLANG_CAPTURE), ("vllm", VLLM_PYTHON, VLLM_CAPTURE)):
+        folder = export.export_sglang(drafter, tmp_path / engine, RECIPE, engine=engine)
+        out = subprocess.run([str(python), "-c", script, str(folder), str(num_layers)],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        captured = [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("[")]
+        assert captured == [aux_ids] * (2 if engine == "vllm" else 1), engine

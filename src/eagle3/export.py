@@ -186,6 +186,8 @@ def sglang_config(drafter: Eagle3Drafter, recipe: dict, engine: str, dtype: torc
     hf_ids = config.aux_layer_ids
     if not is_default_aux(hf_ids, getattr(config, "target_num_layers", None)):
         out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": engine_aux_ids(hf_ids, engine)}
+        if engine == "vllm":  # vLLM's newer GPU runner reads only the top-level key (or eagle_config.layer_ids)
+            out["eagle_aux_hidden_state_layer_ids"] = engine_aux_ids(hf_ids, engine)
     out[RECIPE_KEY] = recipe_block(drafter, recipe, engine)
     return out
 
