@@ -420,3 +420,38 @@ def test_openai_endpoint_down_is_one_clear_error(make_cfg, own_artifacts):
     cfg = regen_cfg(make_cfg, own_artifacts, "data.regen.backend=openai", "data.regen.base_url=http://127.0.0.1:9/v1")
     with pytest.raises(Eagle3Error, match="cannot list models at http://127.0.0.1:9/v1/models"):
         data.run(cfg)
+
+
+def app_command(stage, cfg_overrides):
+    return [sys.executable, "-m", f"eagle3.{stage}", *cfg_overrides]
+
+
+def kill_when(proc, ready, timeout=600):
+    """SIGKILL the process as soon as ready() holds; fail if it finished first."""
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, "the run finished before it could be interrupted"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    proc.kill()  # SIGKILL: no cleanup code runs
+    proc.wait()
+
+
+def test_kill_9_during_regeneration_resumes_without_loss_or_duplicates(make_cfg, own_artifacts, tiny_target,
+                                                                      test_root, tmp_path):
+    overrides = [f"paths.root={test_root}", f"paths.artifacts={own_artifacts}", "target=tiny-llama",
+                 "tracking.enabled=false", "data=file", f"data.source={FIXTURES / 'conversations.jsonl'}",
+                 "data.val_fraction=0.2", "drafter.draft_vocab_size=256", "data.regenerate=true",
+                 "data.regen.max_new_tokens=16", "data.regen.batch_size=1"]
+    cfg = make_cfg(*overrides[1:])
+    out = data.data_output(cfg)
+    turns_file = out.path / "regen" / "turns.jsonl"
+    proc = subprocess.Popen(app_command("data", overrides), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_when(proc, lambda: turns_file.exists() and turns_file.read_bytes().count(b"\n") >= 3)
+    written = turns_file.read_bytes().count(b"\n")
+    assert not out.complete and written < 17  # 17 user turns in all: the kill cut the run short
+    out = data.run(cfg)
+    assert out.complete and out.manifest()["counts"]["regen_turns_resumed"] >= 3
+    source = [c for s in data.conversations_for(cfg.data, {}).values() for c in s]
+    check_regenerated(out, tiny_target, source, max_new_tokens=16)
+    assert len(turn_records(out.path)) == 17

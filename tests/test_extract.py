@@ -157,3 +157,35 @@ def test_disk_estimate_and_refusal(tmp_path, capsys):
     assert "4.6 kB/token" in capsys.readouterr().out
     with pytest.raises(Eagle3Error, match="train.hidden_states=online"):
         extract.check_disk(tmp_path, 10 ** 13, 10 ** 13, 576, torch.bfloat16, 1.1)
+
+
+def test_kill_9_during_extraction_resumes_with_verified_shards(make_cfg, own_artifacts, test_root, tiny_target):
+    overrides = [f"paths.artifacts={own_artifacts}", "target=tiny-llama", "tracking.enabled=false", "data.limit=24",
+                 "data.max_length=1024", "drafter.draft_vocab_size=256", "extract.shard_tokens=1024",
+                 "extract.batch_tokens=2048"]
+    cfg = make_cfg(*overrides)
+    data.run(cfg)  # ShareGPT, so the extraction has enough shards to be cut short
+    out = extract.extract_output(cfg)
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3.extract", f"paths.root={test_root}", *overrides],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not list(out.path.glob("train/*.safetensors")):
+        assert proc.poll() is None and time.time() < deadline, "extraction ended before it could be interrupted"
+        time.sleep(0.02)
+    proc.kill()  # SIGKILL: no cleanup code runs
+    proc.wait()
+    at_kill = len(list((out.path / "train").glob("*.safetensors")))
+    assert not out.complete and not (out.path / "index.json").exists()
+    out = extract.run(cfg)
+    counts = out.manifest()["counts"]
+    assert out.complete and at_kill <= counts["shards_resumed"] < counts["shards"]
+    splits = data.load_splits(data.data_output(cfg).path)
+    plans = [p for s in ("train", "val") for p in extract.plan_shards(s, splits[s][:], cfg.extract.shard_tokens)]
+    for plan in plans:
+        extract.check_shard(out.path / plan.file, plan, 64, full=True)
+    shards = extract.ShardDataset(out.path, "train")
+    assert [shards[i]["id"] for i in range(len(shards))] == splits["train"]["id"]  # none lost, none twice
+    for i in (0, len(shards) // 2, len(shards) - 1):
+        aux, last = reference_states(tiny_target, splits["train"][i]["input_ids"])
+        assert_bf16_equal(shards[i]["aux_hidden"], aux)
+        assert_bf16_equal(shards[i]["last_hidden"], last)
