@@ -112,29 +112,46 @@ def plan_shards(split: str, rows, shard_tokens: int) -> list[ShardPlan]:
 
 
 def extract_shard(target, plan: ShardPlan, batch_tokens: int, dtype: torch.dtype,
-                  progress: tqdm) -> dict[str, torch.Tensor]:
+                  progress: tqdm | None = None) -> dict[str, torch.Tensor]:
+    """The shard's tensors. States are gathered on the target's device and copied to the host once
+    per shard, so the accelerator never waits on a per-batch copy."""
     lengths = [len(ids) for ids in plan.input_ids]
     offsets = torch.tensor([0] + lengths).cumsum(0)
-    hidden = target.hidden_size
-    aux_all = torch.empty(int(offsets[-1]), 3 * hidden, dtype=dtype)
-    last_all = torch.empty(int(offsets[-1]), hidden, dtype=dtype)
+    hidden, device = target.hidden_size, target.device
+    aux_all = torch.empty(int(offsets[-1]), 3 * hidden, dtype=dtype, device=device)
+    last_all = torch.empty(int(offsets[-1]), hidden, dtype=dtype, device=device)
     pad_id = target.tokenizer.pad_token_id or 0
     for batch in length_batches(lengths, batch_tokens):
         ids = right_padded([plan.input_ids[i] for i in batch], pad_id)
         aux, last = hidden_states(target, ids)
-        valid = torch.zeros(ids.shape, dtype=torch.bool)
-        for row, i in enumerate(batch):
-            valid[row, :lengths[i]] = True
+        # flat positions of the real tokens (padding is never stored); index tensors built on the
+        # host keep the device free of synchronising boolean masks
+        source = torch.cat([torch.arange(lengths[i]) + row * ids.shape[1] for row, i in enumerate(batch)])
         dest = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in batch])
-        valid = valid.to(aux.device)
-        aux_all[dest] = aux[valid].to(dtype).cpu()  # padding positions never leave the GPU
-        last_all[dest] = last[valid].to(dtype).cpu()
-        progress.update(int(valid.sum()))
-    return {"aux_hidden": aux_all, "last_hidden": last_all,
+        source, dest = source.to(device, non_blocking=True), dest.to(device, non_blocking=True)
+        aux_all.index_copy_(0, dest, aux.flatten(0, 1).index_select(0, source).to(dtype))
+        last_all.index_copy_(0, dest, last.flatten(0, 1).index_select(0, source).to(dtype))
+        if progress is not None:
+            progress.update(sum(lengths[i] for i in batch))
+    return {"aux_hidden": aux_all.cpu(), "last_hidden": last_all.cpu(),
             "input_ids": torch.tensor([t for ids in plan.input_ids for t in ids], dtype=torch.int32),
             "loss_mask": torch.tensor([m for mask in plan.loss_masks for m in mask], dtype=torch.int8),
             "offsets": offsets.to(torch.int64),
             "rows": torch.arange(plan.first_row, plan.first_row + len(lengths), dtype=torch.int64)}
+
+
+def extract_shards(target, plans: list[ShardPlan], root: Path, batch_tokens: int, dtype: torch.dtype,
+                   verify: bool, progress: tqdm | None = None) -> int:
+    """Compute and write `plans`; the next shard computes while the last one is saved. Returns bytes written."""
+    written = 0
+    with ThreadPoolExecutor(max_workers=1) as writer:
+        pending: Future | None = None
+        for plan in plans:
+            tensors = extract_shard(target, plan, batch_tokens, dtype, progress)
+            written += pending.result() if pending else 0
+            pending = writer.submit(write_shard, tensors, plan, root, target.hidden_size, verify)
+        written += pending.result() if pending else 0
+    return written
 
 
 class ShardInvalid(Exception):
@@ -291,15 +308,9 @@ def extract_all(cfg: DictConfig, target, plans: list[ShardPlan], root: Path) -> 
     todo = [p for p in plans if not shard_in_place(root, p, target.hidden_size)]
     check_disk(root, sum(p.tokens for p in todo), sum(p.tokens for p in plans), target.hidden_size, dtype,
                ecfg.disk_margin)
-    started, written = time.time(), 0
+    started = time.time()
     progress = tqdm(total=sum(p.tokens for p in todo), desc="extract", unit=" tok", unit_scale=True)
-    with ThreadPoolExecutor(max_workers=1) as writer:  # the next shard computes while this one is saved
-        pending: Future | None = None
-        for plan in todo:
-            tensors = extract_shard(target, plan, ecfg.batch_tokens, dtype, progress)
-            written += pending.result() if pending else 0
-            pending = writer.submit(write_shard, tensors, plan, root, target.hidden_size, ecfg.verify)
-        written += pending.result() if pending else 0
+    written = extract_shards(target, todo, root, ecfg.batch_tokens, dtype, ecfg.verify, progress)
     progress.close()
     seconds = time.time() - started
     tokens = sum(p.tokens for p in todo)
