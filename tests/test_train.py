@@ -242,3 +242,77 @@ def test_ddp_two_processes_gloo(make_cfg, test_root, tmp_path):
     for key, value in ranks[0]["state"].items():  # gradients were all-reduced: identical weights
         assert torch.equal(value, ranks[1]["state"][key]), key
     assert "gloo" in done.stderr.lower() or "distributed_backend=gloo" in done.stdout.lower()
+
+
+FIXTURES = TESTS / "fixtures"
+
+
+def stage_cfg(make_cfg, artifacts: Path, *overrides: str):
+    return make_cfg("target=tiny-llama", "data=file", f"data.source={FIXTURES / 'conversations.jsonl'}",
+                    "data.val_fraction=0.2", "drafter.draft_vocab_size=256", f"paths.artifacts={artifacts}",
+                    "train.ttt_length=2", "train.max_length=64", "train.batch_size=4", "train.epochs=2",
+                    "train.lr=1e-2", "trainer.accelerator=cpu", "trainer.progress_bar=false", "trainer.log_every_n_steps=1", *overrides)
+
+
+def test_end_to_end_offline_with_mlflow_and_guard_rails(make_cfg, test_root, tmp_path):
+    """data -> extract -> train on the shipped conversation fixture; the train folder, its MLflow run
+    (metrics in the stage's run, measured tau next to tau_hat), a no-op rerun, and the guard rails."""
+    import mlflow
+    from safetensors.torch import load_file
+
+    from eagle3 import data, extract
+    from eagle3.train import run, train_output
+
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()
+    (artifacts / "targets").symlink_to(test_root / "artifacts" / "targets")
+    cfg = stage_cfg(make_cfg, artifacts, "train.eval_prompts=2", "train.eval_max_new_tokens=6")
+    data.run(cfg)
+    shards = extract.run(cfg)
+    out = run(cfg)
+    manifest = out.manifest()
+    assert manifest["complete"] and manifest["upstream"] == {"data": data.data_output(cfg).hash,
+                                                             "extract": shards.hash}
+    assert out.hash == train_output(cfg).hash and "eval_prompts" not in manifest["config"]["train"]
+    counts = manifest["counts"]
+    assert counts["tokenizer_hash"] == data.data_output(cfg).manifest()["counts"]["tokenizer_hash"]
+    for name in ("drafter.safetensors", "best.safetensors", "drafter_config.json"):
+        assert (out.path / name).exists(), name
+    runs = mlflow.search_runs(experiment_names=[cfg.tracking.experiment],
+                              filter_string=f"tags.artifact_hash = '{out.hash}'", output_format="list")
+    assert len(runs) == 1 and runs[0].data.tags["stage"] == "train"
+    metrics = runs[0].data.metrics
+    assert metrics["val/tau_hat"] >= 1.0 and "train/loss" in metrics and metrics["val/tau_measured"] >= 1.0
+    history = mlflow.tracking.MlflowClient(cfg.tracking.uri).get_metric_history(runs[0].info.run_id, "val/tau_hat")
+    assert len(history) == 2 and counts["tau_hat"] == pytest.approx(max(m.value for m in history))
+
+    assert run(cfg).hash == out.hash  # complete: a no-op, no second MLflow run
+    assert len(mlflow.search_runs(experiment_names=[cfg.tracking.experiment], output_format="list",
+                                  filter_string="tags.stage = 'train'")) == 1
+    target = load_target(cfg, device="cpu")
+    drafter = load_trained_drafter(out.path, target)
+    best = load_file(str(out.path / "best.safetensors"))
+    for name, tensor in drafter.trainable_state_dict().items():
+        assert torch.equal(tensor, best[name]), name
+
+    # guard rails: each refuses before the first step
+    with pytest.raises(Eagle3Error, match="drafter.hidden_size=32 but the target's hidden size is 64"):
+        run(stage_cfg(make_cfg, artifacts, "drafter.hidden_size=32"))
+    with pytest.raises(Eagle3Error, match="flex needs a GPU"):
+        run(stage_cfg(make_cfg, artifacts, "train.attention=flex"))
+    # shards whose manifest names other data (as shards of another target would); a copied folder
+    foreign = tmp_path / "foreign_shards"
+    import shutil
+    shutil.copytree(shards.path, foreign)
+    shard_manifest = json.loads((foreign / "manifest.json").read_text())
+    shard_manifest["upstream"]["data"] = "0123456789ab"
+    (foreign / "manifest.json").write_text(json.dumps(shard_manifest))
+    with pytest.raises(Eagle3Error, match="were extracted from data 0123456789ab"):
+        run(stage_cfg(make_cfg, artifacts, f"train.shards={foreign}", "train.epochs=3"))
+    # a data stage built with another tokenizer (simulated: its recorded tokenizer hash edited)
+    data_out = data.data_output(cfg)
+    data_manifest = data_out.manifest()
+    data_manifest["counts"]["tokenizer_hash"] = "another-tokenizer"
+    data_out.manifest_path.write_text(json.dumps(data_manifest))
+    with pytest.raises(Eagle3Error, match="built with another tokenizer"):
+        run(stage_cfg(make_cfg, artifacts, "train.epochs=3"))
