@@ -343,6 +343,12 @@ def test_register_and_resolve_models_uri(drafter, tiny_target, make_cfg, tmp_pat
     for engine in ("sglang", "vllm"):
         folder = export.resolve_drafter_path(uri_cfg, engine)
         assert folder.name == engine and folder.is_relative_to(tmp_path / "artifacts" / "registry")
+        assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    cached = tmp_path / "artifacts" / "registry" / "registry-test" / "1"
+    assert sorted(p.name for p in cached.iterdir()) == ["drafter"]
+    stamp = (cached / "drafter" / "sglang" / "model.safetensors").stat().st_mtime_ns
+    export.resolve_drafter_path(uri_cfg)  # a second resolve reuses the download
+    assert (cached / "drafter" / "sglang" / "model.safetensors").stat().st_mtime_ns == stamp
     loaded = export.attach_target_embedding(export.load_drafter(export.resolve_drafter_path(uri_cfg)), tiny_target)
     assert_same_weights(loaded, drafter)
     latest = export.load_drafter("models:/registry-test/latest", tracking_uri=cfg.tracking.uri)

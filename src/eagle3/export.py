@@ -466,20 +466,25 @@ def download_registered(uri: str, tracking_uri: str | None = None, dst: Path | N
         source = client.get_model_version(name, version).source
     except (MlflowException, ValueError) as err:
         raise Eagle3Error(f"{uri} is not in the model registry at {client.tracking_uri} ({err})") from None
-    if dst is not None and (dst / "config.json").exists():
-        return dst
-    if dst is not None:
-        dst.mkdir(parents=True, exist_ok=True)
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dst) if dst else None,
-                                                    tracking_uri=tracking_uri))
+    if dst is None:
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, tracking_uri=tracking_uri))
+    if dst.exists():  # downloaded before (versions are immutable)
+        return next(dst.iterdir())
+    partial = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(partial), tracking_uri=tracking_uri)
+    partial.rename(dst)
+    return next(dst.iterdir())
 
 
 def register_export(cfg: DictConfig, folder: Path, recipe: dict, run) -> str:
-    """Log the export folder to the stage's MLflow run and register it; returns the version."""
+    """Log the export's engine folders to the stage's MLflow run and register them; returns the version."""
     import mlflow
     from eagle3.tracking import client, flatten
 
-    mlflow.log_artifacts(str(folder), artifact_path="drafter")
+    for engine_dir in sorted(p for p in folder.iterdir() if (p / "config.json").exists()):
+        mlflow.log_artifacts(str(engine_dir), artifact_path=f"drafter/{engine_dir.name}")
     name = registry_name(cfg)
     registry = client(cfg)
     if not registry.search_registered_models(filter_string=f"name='{name}'"):
