@@ -7,8 +7,10 @@ Runs without Hydra (plain argparse), so it also runs on a bare GPU box:
     # timing only: a random model with a target's shapes (acceptance is meaningless there)
     python benchmarks/bench_engine.py --random-from path/to/config.json --device cuda --dtype bfloat16
 
-Per config it prints tok/s, tau, verify steps and the mean draft / verify time per step,
-and `--json` writes all rows. Speedup is against the engine's own spec=off, same run.
+Per config it prints tok/s, tau, verify steps and the mean draft / verify time per step
+(CUDA events on a GPU), the tok/s a drafter with tau = 3, 4, 5 would reach at this step
+cost, and whether the greedy tokens equal spec=off's; `--json` writes all rows. Speedup is
+against the engine's own spec=off, same run. `--no-fused` times the step-by-step path.
 """
 
 from __future__ import annotations
@@ -84,14 +86,16 @@ def prompts_for(args, target: Target) -> list[list[int]]:
 
 def bench(target, drafter, spec: Spec, prompts, args) -> dict:
     decoder = SpecDecoder(target, drafter if spec.enabled else None, spec, max_context=args.max_context,
-                          cuda_graphs=args.cuda_graphs)
+                          cuda_graphs=args.cuda_graphs, fused=args.fused)
     stop = [] if args.ignore_eos or target.tokenizer is None else [target.tokenizer.eos_token_id]
     decoder.generate(prompts[0], args.warmup_tokens, stop_ids=stop)  # warm-up (allocator, kernels)
     sync()
-    stats = []
+    stats, tokens = [], []
     started = time.perf_counter()
     for prompt in prompts:
-        stats.append(decoder.generate(prompt, args.max_new_tokens, stop_ids=stop).stats)
+        result = decoder.generate(prompt, args.max_new_tokens, stop_ids=stop)
+        stats.append(result.stats)
+        tokens.append(result.tokens)
     sync()
     elapsed = time.perf_counter() - started
     summary = summarize(stats)
@@ -100,7 +104,9 @@ def bench(target, drafter, spec: Spec, prompts, args) -> dict:
             "completion_tokens": summary["completion_tokens"], "verify_steps": summary["verify_steps"],
             "step_ms": 1000 * elapsed / steps, "draft_ms_per_step": 1000 * summary["draft_time_s"] / steps,
             "verify_ms_per_step": 1000 * summary["verify_time_s"] / steps,
-            "acceptance_per_position": summary["acceptance_per_position"]}
+            "acceptance_per_position": summary["acceptance_per_position"],
+            "projected_tok_per_s": {tau: 1000 * tau / (elapsed * 1000 / steps) for tau in (3, 4, 5)},
+            "tokens": tokens}
 
 
 def sync() -> None:
@@ -125,6 +131,8 @@ def main() -> None:
     parser.add_argument("--warmup-tokens", type=int, default=16)
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
+                        help="greedy steps on the device path (FusedGreedy); --no-fused: step by step")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
@@ -139,10 +147,14 @@ def main() -> None:
         rows.append(bench(target, drafter, spec, prompts, args))
         base = rows[0]["tok_per_s"] if rows[0]["spec"] == "off" else None
         row = rows[-1]
+        if base:  # greedy: same tokens as spec=off, up to low-precision ties between query shapes
+            row["same_tokens_as_off"] = sum(a == b for a, b in zip(row["tokens"], rows[0]["tokens"]))
         speedup = f"  x{row['tok_per_s'] / base:.2f}" if base else ""
+        projected = " ".join(f"{v:.0f}" for v in row["projected_tok_per_s"].values())
         print(f"{row['spec']:>10}: {row['tok_per_s']:8.1f} tok/s{speedup}  tau {row['tau']:.2f}  "
               f"step {row['step_ms']:.2f} ms (draft {row['draft_ms_per_step']:.2f}, "
-              f"verify {row['verify_ms_per_step']:.2f})", flush=True)
+              f"verify {row['verify_ms_per_step']:.2f})  tau=3/4/5 -> {projected} tok/s  "
+              f"same as off {row.get('same_tokens_as_off', '-')}/{len(prompts)}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 

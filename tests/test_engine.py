@@ -72,6 +72,20 @@ def test_greedy_is_lossless_fitted_drafter(tiny_target, fitted, references, name
     assert max(accepted) >= min(2, spec(name).depth - 1) and sum(accepted) > len(accepted) // 2
 
 
+@pytest.mark.parametrize("name", ["off", "d2", "d8s4k3", "d10s5k4"])
+def test_fused_steps_match_step_by_step(tiny_target, fitted, references, name):
+    """The device-side greedy step (static shapes, one host read; what the CUDA graphs replay)
+    commits exactly what the step-by-step path commits, step for step."""
+    fused, plain = SpecDecoder(tiny_target, fitted, spec(name)), SpecDecoder(tiny_target, fitted, spec(name),
+                                                                              fused=False)
+    assert fused.fused is not None and plain.fused is None
+    for prompt, expected in references:
+        a, b = fused.generate(prompt, NEW_TOKENS), plain.generate(prompt, NEW_TOKENS)
+        assert a.tokens == b.tokens == expected
+        assert a.stats.accepted_per_step == b.stats.accepted_per_step
+        assert a.stats.verify_steps == b.stats.verify_steps and a.stats.draft_time_s > 0
+
+
 def test_full_tree_accepts_at_least_the_chain(tiny_target, fitted, references):
     """A tree that keeps every candidate contains the chain's drafts, so it accepts no less."""
     from engine_helpers import SPECS

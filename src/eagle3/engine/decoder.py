@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from eagle3.common import Eagle3Error, log
+from eagle3.engine.fused import FusedGreedy
 from eagle3.engine.runners import DrafterRunner, TargetRunner
 from eagle3.engine.sampling import greedy_path, probabilities, sampled_path
 from eagle3.engine.tree import DraftTree, ancestor_mask, keep_best, root_only, subtree
@@ -72,7 +73,9 @@ class SpecDecoder:
     """Draft with `drafter` (None only with spec=off), verify with `target`, keep what matches."""
 
     def __init__(self, target: Target, drafter, spec: Spec, max_context: int | None = None,
-                 cuda_graphs: bool = False, seed: int = 0):
+                 cuda_graphs: bool = False, seed: int = 0, fused: bool = True):
+        """fused: greedy steps run as FusedGreedy (static shapes, one host read per step, one CUDA
+        graph per phase); False keeps every step on the step-by-step path below (same tokens)."""
         if spec.enabled and drafter is None:
             raise Eagle3Error(f"spec {spec.label} needs a drafter; use spec=off for plain decoding")
         self.target, self.spec = target, spec
@@ -84,6 +87,7 @@ class SpecDecoder:
                             if self.drafter is not None else None)
         self.device = target.device
         self.generator = torch.Generator().manual_seed(seed)
+        self.fused = FusedGreedy(self) if fused else None
         if cuda_graphs and self.device.type == "cuda":
             self.capture_graphs()
 
@@ -108,7 +112,10 @@ class SpecDecoder:
         finish = self._finished(out, budget, stop_ids, on_tokens, [root])
         position = len(prompt_ids)
         while finish is None:
-            new, h_last = self.step(root, position, h_last, temperature, top_p, stats)
+            if not sampling and self.fused is not None and self.fused.fits(position):
+                new, h_last = self.fused.step(root, position, h_last, stats)
+            else:
+                new, h_last = self.step(root, position, h_last, temperature, top_p, stats)
             out += new
             position += len(new)
             root = new[-1]
@@ -298,6 +305,8 @@ class SpecDecoder:
         if self.drafter_run is not None:
             shapes = [("extend", self.spec.depth)] + [("step", w) for w in {1, self.spec.topk}]
             self.drafter_run.capture(shapes, pool)
+        if self.fused is not None:
+            self.fused.capture(pool)
         torch.cuda.synchronize()
         log.info("captured CUDA graphs: target %s, drafter %s", sorted(self.target_run.graphs),
                  sorted(self.drafter_run.graphs) if self.drafter_run else [])

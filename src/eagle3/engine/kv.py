@@ -20,9 +20,9 @@ class SlotKV:
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_len: int,
                  dtype: torch.dtype, device: torch.device, batch: int = 1):
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # one buffer for all layers' K and V, so moving an accepted path is two copies, not 4 per layer
+        self.buffer = torch.zeros((2, num_layers, batch, kv_heads, max_len, head_dim), dtype=dtype, device=device)
+        self.keys, self.values = list(self.buffer[0]), list(self.buffer[1])
         self.max_len = max_len
         self.slots = torch.zeros(1, dtype=torch.long, device=device)
         self.kv_len = max_len
@@ -37,12 +37,11 @@ class SlotKV:
         self.values[layer].index_copy_(2, self.slots, value.to(self.values[layer].dtype))
         return self.keys[layer][:, :, :self.kv_len], self.values[layer][:, :, :self.kv_len]
 
-    def keep(self, start: int, sources: torch.Tensor) -> None:
-        """Move the entries at slots `sources` to slots start, start+1, ... (accepted tree path)."""
-        dest = torch.arange(start, start + sources.numel(), device=sources.device)
-        for buffers in (self.keys, self.values):
-            for buf in buffers:
-                buf.index_copy_(2, dest, buf.index_select(2, sources))
+    def keep(self, start, sources: torch.Tensor) -> None:
+        """Move the entries at slots `sources` to slots start, start+1, ... (accepted tree path);
+        `start` is an int or a device scalar tensor (inside a CUDA graph)."""
+        dest = start + torch.arange(sources.numel(), device=sources.device)
+        self.buffer.index_copy_(4, dest, self.buffer.index_select(4, sources))
 
 
 class TargetKV(SlotKV):

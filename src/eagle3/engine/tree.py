@@ -47,13 +47,10 @@ def subtree(nodes: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, de
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """[q, q] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
-    size = parents.numel()
-    rows = torch.arange(size, device=parents.device)
-    mask = torch.zeros(size, size, dtype=torch.bool, device=parents.device)
-    current = rows
-    mask[rows, current] = True
+    """[q, q] bool: entry (i, j) is True when node j is node i or one of its ancestors.
+    Built from comparisons only (no index writes), so it can sit inside a CUDA graph."""
+    chain = [torch.arange(parents.numel(), device=parents.device)]
     for _ in range(max_depth):
-        current = parents[current]
-        mask[rows, current] = True
-    return mask
+        chain.append(parents[chain[-1]])
+    lineage = torch.stack(chain, dim=1)  # [q, max_depth + 1]: each node, its parent, ...
+    return (lineage[:, :, None] == chain[0][None, None, :]).any(dim=1)

@@ -1,0 +1,174 @@
+"""Greedy decode steps with static shapes, kept on the device from draft to commit.
+
+The same work as SpecDecoder.step for temperature 0 (see decoder.py for positions and
+slots), written without host reads: the step's position is a device scalar, every mask
+is built from comparisons at the caches' full width, the acceptance walk is tensor
+algebra over the ancestor mask, and the accepted path's K/V moves with one gather per
+cache. Each phase (draft, verify, extend) is one function of the static buffers below,
+run eagerly or replayed as one CUDA graph; the host reads one small tensor per step.
+
+Greedy acceptance on the device: node i is accepted when its token is the target's
+argmax at its parent and so is every ancestor's; siblings carry distinct tokens, so the
+accepted nodes form one chain from the root and its deepest node ends the path.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from eagle3.engine.runners import Graphed
+from eagle3.engine.tree import ancestor_mask, keep_best, subtree
+
+
+class FusedGreedy:
+    def __init__(self, decoder):
+        self.decoder, self.spec, self.device = decoder, decoder.spec, decoder.device
+        self.size = self.spec.depth if self.spec.enabled else 1  # verified nodes per step (root included)
+        self.drafter_run = decoder.drafter_run
+        self.root = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.position = torch.zeros((), dtype=torch.long, device=self.device)
+        self.hidden = None
+        if self.drafter_run is not None:
+            self.hidden = torch.zeros(1, self.drafter_run.drafter.config.hidden_size, dtype=self.drafter_run.dtype,
+                                      device=self.device)
+        self.phases = [self.draft, self.verify] + ([self.extend] if self.drafter_run is not None else [])
+        self.graphs: list[Graphed] | None = None
+
+    def fits(self, position: int) -> bool:
+        return position + self.size <= self.decoder.max_context
+
+    # ------------------------------------------------------------ the host side
+
+    def step(self, root: int, position: int, h_last, stats) -> tuple[list[int], torch.Tensor | None]:
+        """One greedy step from (root, position, drafter hidden); returns (committed tokens, new hidden)."""
+        self.root.fill_(root)
+        self.position.fill_(position)
+        if self.hidden is not None and h_last is not self.hidden:
+            self.hidden.copy_(h_last)
+        marks = [self._mark()]
+        for index, phase in enumerate(self.phases):
+            self.graphs[index]() if self.graphs else phase()
+            marks.append(self._mark())
+        packed = self.packed.tolist()  # the one device -> host read of the step
+        accepted = packed[0]
+        draft_s, verify_s = self._durations(marks)
+        stats.verify_steps += 1
+        stats.accepted_per_step.append(accepted)
+        stats.draft_time_s += draft_s
+        stats.verify_time_s += verify_s
+        return packed[1:accepted + 2], self.hidden
+
+    def capture(self, pool) -> None:
+        """One CUDA graph per phase; each is replayed once so the next phase captures on real values."""
+        graphs = []
+        for phase in self.phases:
+            graphs.append(Graphed(phase, [], pool))
+            graphs[-1].graph.replay()
+        torch.cuda.synchronize()
+        self.graphs = graphs
+
+    def _mark(self):
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def _durations(marks) -> tuple[float, float]:
+        """(draft + extend, verify) seconds; events are complete once the step's read returned."""
+        if isinstance(marks[0], float):
+            spans = [b - a for a, b in zip(marks, marks[1:])]
+        else:
+            spans = [a.elapsed_time(b) / 1000 for a, b in zip(marks, marks[1:])]
+        return spans[0] + sum(spans[2:]), spans[1]
+
+    # ------------------------------------------------------------ the device side (static shapes)
+
+    def draft(self) -> None:
+        """The EAGLE-2 tree of SpecDecoder.draft, greedy: -> self.tokens / parents / depths [size]."""
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        if self.drafter_run is None:
+            self.tokens, self.parents, self.depths = self.root.clone(), zero, zero.clone()
+            return
+        k, steps, run = self.spec.topk, self.spec.steps, self.drafter_run
+        drafter, position = run.drafter, self.position
+        columns = torch.arange(run.kv.max_len, device=self.device)
+        prefix = columns < position
+        tokens, parents, depths = [self.root], [zero], [zero.clone()]
+        scores = [torch.zeros(1, device=self.device)]
+        slot_of = torch.zeros(1 + k + (steps - 1) * k * k, dtype=torch.long, device=self.device)
+        frontier, frontier_hidden, count = zero.clone(), self.hidden, 1
+        for step in range(steps):
+            if step > 0:  # the drafter on the frontier (nodes at depth `step`), k rows
+                width = frontier.numel()
+                slots = position + (step - 1) * k + torch.arange(width, device=self.device)
+                slot_of = slot_of.index_copy(0, frontier, slots)
+                every_parent = torch.cat(parents)
+                lineage = [frontier]
+                for _ in range(step - 1):
+                    lineage.append(every_parent[lineage[-1]])
+                ancestor_slots = slot_of[torch.stack(lineage, dim=1)]  # [width, step]
+                mask = prefix[None] | (columns[None, :, None] == ancestor_slots[:, None, :]).any(dim=-1)
+                ids = torch.cat(tokens)[frontier]
+                rows_position = position + (step - 1) + torch.zeros(width, dtype=torch.long, device=self.device)
+                frontier_hidden, logits = run._forward("step", ids, frontier_hidden, rows_position, slots, mask)
+            else:
+                logits = drafter.logits(self.hidden)
+            base = torch.cat(scores)[frontier]
+            top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+            child_tokens, child_scores = drafter.to_target_ids(top.indices), base[:, None] + top.values
+            per_row, width = child_tokens.shape[1], child_tokens.numel()
+            tokens.append(child_tokens.reshape(-1))
+            scores.append(child_scores.reshape(-1))
+            parents.append(frontier[:, None].expand(-1, per_row).reshape(-1))
+            depths.append(torch.full((width,), step + 1, dtype=torch.long, device=self.device))
+            best = torch.sort(child_scores.reshape(-1), descending=True, stable=True).indices[:k]
+            frontier_hidden = frontier_hidden[best // per_row]
+            frontier = count + best
+            count += width
+        all_scores, all_parents = torch.cat(scores), torch.cat(parents)
+        nodes = keep_best(all_scores, all_parents, self.spec.depth - 1)
+        tree = subtree(nodes, torch.cat(tokens), all_parents, torch.cat(depths))
+        self.tokens, self.parents, self.depths = tree.tokens, tree.parents, tree.depths
+
+    def verify(self) -> None:
+        """Target forward over the tree, greedy acceptance, the path's K/V to slots position..;
+        -> self.accepted (0-d), self.bonus, self.new [size] (committed tokens first), self.path_aux."""
+        run, q, position = self.decoder.target_run, self.size, self.position
+        index = torch.arange(q, device=self.device)
+        ancestors = ancestor_mask(self.parents, self.spec.steps if self.spec.enabled else 0)
+        columns = torch.arange(run.kv.max_len, device=self.device)
+        relative = columns - position
+        in_tree = (relative >= 0) & (relative < q)
+        mask = (columns < position)[None] | (ancestors[:, relative.clamp(0, q - 1)] & in_tree[None])
+        logits, aux = run._forward(self.tokens, position + self.depths, position + index, mask)
+        argmax = logits.argmax(dim=-1)
+        matches = (self.tokens == argmax[self.parents]) | (index == 0)
+        accepted = ~(ancestors & ~matches[None, :]).any(dim=-1)
+        depth_first = torch.where(accepted, self.depths * (q + 1) + (q - index), -1)
+        best = depth_first.argmax()
+        self.accepted, self.bonus = self.depths[best], argmax[best]
+        path_first = torch.argsort((~ancestors[best]).long() * q + index)  # path nodes in order, then the rest
+        run.kv.keep(position, position + path_first)  # the rest lands past the commit: masked, then overwritten
+        self.new = torch.where(index == self.accepted, self.bonus, self.tokens[path_first].roll(-1))
+        self.path_aux = aux[path_first]
+        self.packed = torch.cat([self.accepted.view(1), self.new])
+        if self.drafter_run is None:
+            self.commit()
+
+    def extend(self) -> None:
+        """The drafter's cache takes (aux of each accepted node, the token after it); rows past
+        the path are causal-masked junk that the next step overwrites."""
+        run, position = self.drafter_run, self.position
+        rows = position + torch.arange(self.size, device=self.device)
+        mask = torch.arange(run.kv.max_len, device=self.device)[None, :] <= rows[:, None]
+        hidden, _ = run._forward("extend", self.new, self.path_aux, rows, rows, mask)
+        self.hidden.copy_(hidden.index_select(0, self.accepted.view(1)))
+        self.commit()
+
+    def commit(self) -> None:
+        self.root.copy_(self.bonus.view(1))
+        self.position.add_(self.accepted + 1)
