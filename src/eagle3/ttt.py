@@ -103,7 +103,9 @@ def flex(q, k, v, length: int, steps: int) -> torch.Tensor:
                                    device=q.device)
     run = flex_attention
     if q.device.type == "cuda":
-        _compiled_flex = _compiled_flex or torch.compile(flex_attention, dynamic=False)
+        # default (automatic) dynamic shapes: the KV length grows every unroll step and T varies
+        # by batch; dynamic=False would recompile per shape and fall back to eager past the limit
+        _compiled_flex = _compiled_flex or torch.compile(flex_attention)
         run = _compiled_flex
     return run(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 

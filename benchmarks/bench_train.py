@@ -1,0 +1,157 @@
+"""Training-step throughput and peak memory of the TTT unroll (forward + backward + AdamW).
+
+    python benchmarks/bench_train.py                      # CPU grid: tiny-llama, smollm2-135m x T=512,1024 x sdpa
+    python benchmarks/bench_train.py --config-json c.json --device cuda --lengths 2048 --paths sdpa flex
+    python benchmarks/bench_train.py --check-flex --device cuda   # sdpa vs flex: loss and gradients
+
+Shapes come from a target's config.json (`--config-json`) or from eagle3's target loader
+(`--targets`, CPU). Inputs are random (aux/final states, token ids): throughput and memory
+depend on shapes only. Each (target, T, path) runs in its own process so the CPU peak RSS
+(ru_maxrss) is that configuration's alone; on CUDA the peak is max_memory_allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+
+class Section(dict):
+    """A dict read both as cfg.get(name) and cfg.name (what drafter_config expects)."""
+    __getattr__ = dict.get
+
+
+def target_config(name: str | None, config_json: str | None) -> dict:
+    if config_json:
+        return json.loads(Path(config_json).read_text())
+    from eagle3.common import compose
+    from eagle3.target import resolve_target_path
+    cfg = compose([f"target={name}"])
+    return json.loads((Path(resolve_target_path(cfg.target, Path(cfg.paths.artifacts))) / "config.json").read_text())
+
+
+def make_drafter(config: dict, draft_vocab: int, device: str):
+    from eagle3.drafter import Eagle3Drafter, drafter_config
+    layers = config["num_hidden_layers"]
+    dcfg = Section(num_layers=1, draft_vocab_size=draft_vocab)
+    drafter = Eagle3Drafter(drafter_config(config, dcfg, [2, layers // 2, layers - 3])).to(device)
+    generator = torch.Generator().manual_seed(0)
+    chosen = torch.randperm(config["vocab_size"], generator=generator)[:draft_vocab].sort().values
+    t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
+    t2d[chosen] = True
+    drafter.set_vocab_map((chosen - torch.arange(draft_vocab)).to(device), t2d.to(device))
+    return drafter
+
+
+def random_batch(config: dict, length: int, device: str) -> dict:
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    return {"input_ids": torch.randint(0, vocab, (1, length), device=device),
+            "loss_mask": torch.ones(1, length, dtype=torch.long, device=device),
+            "aux_hidden": torch.randn(1, length, 3 * hidden, device=device),
+            "last_hidden": torch.randn(1, length, hidden, device=device)}
+
+
+def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: str, draft_vocab: int) -> dict:
+    from eagle3.ttt import ttt_loss
+    drafter = make_drafter(config, draft_vocab, device)
+    head = torch.randn(config["vocab_size"], config["hidden_size"], device=device) * 0.05
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
+    batch = random_batch(config, length, device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+
+    def step():
+        with autocast:
+            loss, _ = ttt_loss(drafter, batch, head, ttt, 0.8, attention=path)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up (and compilation on GPU)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - started) / steps
+    peak = (torch.cuda.max_memory_allocated() if device == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {"T": length, "path": path, "ttt": ttt, "s_per_step": round(seconds, 4),
+            "tokens_per_s": round(length / seconds, 1), "peak_GiB": round(peak / 2 ** 30, 3),
+            "peak_kind": "cuda max_memory_allocated" if device == "cuda" else "process max RSS"}
+
+
+def check_flex(config: dict, length: int, ttt: int, device: str, draft_vocab: int) -> dict:
+    """sdpa vs flex on the same random inputs (float32): loss and every gradient."""
+    from eagle3.ttt import ttt_loss
+    drafter = make_drafter(config, draft_vocab, device)
+    head = torch.randn(config["vocab_size"], config["hidden_size"], device=device) * 0.05
+    batch = random_batch(config, length, device)
+    results = {}
+    for path in ("sdpa", "flex"):
+        drafter.zero_grad()
+        loss, metrics = ttt_loss(drafter, batch, head, ttt, 0.8, attention=path)
+        loss.backward()
+        results[path] = (loss.detach(), metrics, {n: p.grad.clone() for n, p in drafter.named_parameters()
+                                                   if p.grad is not None})
+    worst = max(float((results["flex"][2][n] - g).abs().max() / g.abs().max().clamp(min=1e-12))
+                for n, g in results["sdpa"][2].items())
+    return {"T": length, "loss_sdpa": float(results["sdpa"][0]), "loss_flex": float(results["flex"][0]),
+            "max_rel_grad_diff": worst, "tau_hat_equal": results["sdpa"][1]["tau_hat"] == results["flex"][1]["tau_hat"],
+            "grads_compared": len(results["sdpa"][2])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", nargs="+", default=["tiny-llama", "smollm2-135m"])
+    parser.add_argument("--config-json", help="a target's config.json instead of --targets")
+    parser.add_argument("--lengths", nargs="+", type=int, default=[512, 1024])
+    parser.add_argument("--paths", nargs="+", default=["sdpa"], help="sdpa and/or flex (flex trains on GPU only)")
+    parser.add_argument("--ttt", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--draft-vocab", type=int, default=32000)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--check-flex", action="store_true")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one configuration, JSON out
+    args = parser.parse_args()
+    if args.one:
+        name, length, path = args.one.split(",")
+        config = target_config(name if name != "-" else None, args.config_json)
+        print(json.dumps({"target": name, **measure(config, int(length), path, args.ttt, args.steps, args.device,
+                                                   args.draft_vocab)}))
+        return
+    names = ["-"] if args.config_json else args.targets
+    if args.check_flex:
+        for name in names:
+            config = target_config(name if name != "-" else None, args.config_json)
+            for length in args.lengths:
+                print(json.dumps({"target": name, **check_flex(config, length, args.ttt, args.device,
+                                                              args.draft_vocab)}), flush=True)
+        return
+    for name in names:
+        for length in args.lengths:
+            for path in args.paths:
+                command = [sys.executable, __file__, f"--one={name},{length},{path}", "--ttt", str(args.ttt),
+                           "--steps", str(args.steps), "--draft-vocab", str(args.draft_vocab),
+                           "--device", args.device] + (["--config-json", args.config_json] if args.config_json else [])
+                done = subprocess.run(command, capture_output=True, text=True)
+                lines = done.stdout.strip().splitlines()
+                print(lines[-1] if done.returncode == 0 and lines else
+                      json.dumps({"target": name, "T": length, "path": path, "error": done.stderr.strip()[-300:]}),
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
