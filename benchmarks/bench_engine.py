@@ -98,6 +98,8 @@ def bench(target, drafter, spec: Spec, prompts, args) -> dict:
         tokens.append(result.tokens)
     sync()
     elapsed = time.perf_counter() - started
+    if args.profile and spec.label in args.profile.split(","):
+        profile(decoder, prompts[0], stop, spec.label, args)
     summary = summarize(stats)
     steps = max(summary["verify_steps"], 1)
     return {"spec": spec.label, "tok_per_s": summary["completion_tokens"] / elapsed, "tau": summary["tau"],
@@ -107,6 +109,17 @@ def bench(target, drafter, spec: Spec, prompts, args) -> dict:
             "acceptance_per_position": summary["acceptance_per_position"],
             "projected_tok_per_s": {tau: 1000 * tau / (elapsed * 1000 / steps) for tau in (3, 4, 5)},
             "tokens": tokens}
+
+
+def profile(decoder, prompt, stop, label: str, args) -> None:
+    """The GPU kernels of one short generation, by total time (where a step's time goes)."""
+    from torch.profiler import ProfilerActivity
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        decoder.generate(prompt, 32, stop_ids=stop)
+        sync()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    if args.json:
+        Path(args.json).with_suffix(f".profile_{label}.txt").write_text(table)
 
 
 def sync() -> None:
@@ -135,6 +148,7 @@ def main() -> None:
                         help="greedy steps on the device path (FusedGreedy); --no-fused: step by step")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--profile", default="", help="comma-separated spec labels to profile (torch.profiler)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

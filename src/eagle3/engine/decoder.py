@@ -306,7 +306,11 @@ class SpecDecoder:
             shapes = [("extend", self.spec.depth)] + [("step", w) for w in {1, self.spec.topk}]
             self.drafter_run.capture(shapes, pool)
         if self.fused is not None:
-            self.fused.capture(pool)
+            try:
+                self.fused.capture(pool)
+            except RuntimeError as error:  # keep serving on the step-by-step graphs
+                log.warning("fused step graphs failed to capture (%s); using the step-by-step path", error)
+                self.fused = None
         torch.cuda.synchronize()
         log.info("captured CUDA graphs: target %s, drafter %s", sorted(self.target_run.graphs),
                  sorted(self.drafter_run.graphs) if self.drafter_run else [])
