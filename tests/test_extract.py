@@ -45,8 +45,8 @@ def assert_bf16_equal(stored: torch.Tensor, reference: torch.Tensor):
     handful of values one bf16 step away)."""
     expected = reference.to(torch.bfloat16)
     assert stored.dtype == torch.bfloat16 and stored.shape == expected.shape
-    torch.testing.assert_close(stored.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
-    assert (stored == expected).float().mean() > 0.999
+    torch.testing.assert_close(stored.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
+    assert (stored == expected).float().mean() > 0.99  # a wrong layer or order matches ~0%
 
 
 def test_length_batches_and_shard_plan():
@@ -189,3 +189,28 @@ def test_kill_9_during_extraction_resumes_with_verified_shards(make_cfg, own_art
         aux, last = reference_states(tiny_target, splits["train"][i]["input_ids"])
         assert_bf16_equal(shards[i]["aux_hidden"], aux)
         assert_bf16_equal(shards[i]["last_hidden"], last)
+
+
+@pytest.mark.slow
+def test_smollm2_sharegpt_end_to_end(make_cfg, own_artifacts, smollm2):
+    """A handful of real ShareGPT conversations through data -> extract; one stored sample's states
+    equal a fresh SmolLM2 forward's hidden_states[2, 15, 27] and the final hidden state."""
+    cfg = make_cfg(f"paths.artifacts={own_artifacts}", "target=smollm2-135m", "target.dtype=float32",
+                   "data.limit=5", "data.max_length=256", "data.val_fraction=0.2", "extract.shard_tokens=512")
+    out = extract.run(cfg)
+    splits = data.load_splits(data.data_output(cfg).path)
+    counts = data.data_output(cfg).manifest()["counts"]  # a long first prompt can leave no answer at 256 tokens
+    assert len(splits["train"]) + len(splits["val"]) + counts.get("dropped_no_assistant_tokens", 0) == 5
+    assert len(splits["train"]) >= 2
+    shards = extract.ShardDataset(out.path, "train")
+    item, row = shards[1], splits["train"][1]
+    assert item["id"] == row["id"] and item["input_ids"].tolist() == row["input_ids"]
+    assert item["aux_hidden"].shape == (len(row["input_ids"]), 3 * 576)
+    with torch.no_grad():
+        hs = smollm2.model(torch.tensor([row["input_ids"]]), output_hidden_states=True).hidden_states
+    assert_bf16_equal(item["aux_hidden"], torch.cat([hs[2], hs[15], hs[27]], dim=-1)[0])
+    assert_bf16_equal(item["last_hidden"], hs[30][0])
+    # the loss mask covers the assistant turns: decoded, they are the conversation's answers
+    tok = smollm2.tokenizer
+    masked = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+    assert masked.count("<|im_end|>") >= 1 and "<|im_start|>" not in masked

@@ -1,0 +1,147 @@
+"""Extraction throughput against a bare target forward over the same batches, and data-stage rows/s.
+
+    python benchmarks/bench_extract.py extract --target smollm2-135m --batch 16x1024 --shards 4
+    python benchmarks/bench_extract.py extract --target smollm2-shape   # random weights, SmolLM2's shape:
+                                                                        # same speed, no weights to ship
+    python benchmarks/bench_extract.py data --limit 2000                # ShareGPT -> tokenized dataset, CPU
+
+`extract` times (a) `model.model(ids)` over every batch (the bare forward, no lm_head) and (b) the
+real extraction path (`eagle3.extract.extract_shards`: capture, gather, host copy, safetensors write,
+verification, rename) over the same batches, and prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from eagle3 import extract  # noqa: E402
+from eagle3.target import Target  # noqa: E402
+
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                     rope_theta=100000.0, tie_word_embeddings=True)
+
+
+def load_bench_target(name: str, device: str, dtype: str) -> Target:
+    if name == "smollm2-shape":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).to(device=device, dtype=getattr(torch, dtype))
+        layers = SMOLLM2_SHAPE["num_hidden_layers"]
+        return Target(model.eval().requires_grad_(False), SimpleNamespace(pad_token_id=2), Path("random"),
+                      [2, layers // 2, layers - 3])
+    from eagle3.common import compose
+    from eagle3.target import load_target
+    return load_target(compose([f"target={name}", f"target.dtype={dtype}", f"target.device={device}"]))
+
+
+def synthetic_plans(rows: int, length: int, shards: int, vocab: int) -> list[extract.ShardPlan]:
+    """`shards` shards of `rows` sequences of `length` random tokens: one batch per shard at batch
+    tokens = rows * length."""
+    generator = torch.Generator().manual_seed(0)
+    plans = []
+    for number in range(shards):
+        ids = torch.randint(3, vocab, (rows, length), generator=generator).tolist()
+        plans.append(extract.ShardPlan("train", number, number * rows, ids, [[1] * length] * rows,
+                                       [f"s{number}-{r}" for r in range(rows)]))
+    return plans
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def time_bare(target: Target, plans, batch_tokens: int) -> float:
+    started = time.perf_counter()
+    for plan in plans:
+        lengths = [len(ids) for ids in plan.input_ids]
+        for batch in extract.length_batches(lengths, batch_tokens):
+            ids = extract.right_padded([plan.input_ids[i] for i in batch], 0).to(target.device)
+            target.model.model(input_ids=ids, use_cache=False)
+    synchronize(target.device)
+    return time.perf_counter() - started
+
+
+def time_extract(target: Target, plans, batch_tokens: int, verify: bool) -> tuple[float, int]:
+    with tempfile.TemporaryDirectory(dir=".") as root:
+        (Path(root) / "train").mkdir()
+        started = time.perf_counter()
+        written = extract.extract_shards(target, plans, Path(root), batch_tokens, torch.bfloat16, verify)
+        synchronize(target.device)
+        return time.perf_counter() - started, written
+
+
+def bench_extract(args) -> dict:
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    target = load_bench_target(args.target, str(device), dtype)
+    rows, length = map(int, args.batch.split("x"))
+    plans = synthetic_plans(rows, length, args.shards, target.vocab_size)
+    batch_tokens = rows * length
+    time_bare(target, plans[:1], batch_tokens)  # warm-up (kernels, allocator)
+    tokens = args.shards * rows * length
+    bare = min(time_bare(target, plans, batch_tokens) for _ in range(args.repeats))
+    timed = [time_extract(target, plans, batch_tokens, args.verify) for _ in range(args.repeats)]
+    seconds, written = min(timed)
+    return {"bench": "extract", "target": args.target, "device": str(torch.cuda.get_device_name(device)
+            if device.type == "cuda" else "cpu"), "dtype": dtype, "batch": args.batch, "shards": args.shards,
+            "tokens": tokens, "verify": args.verify, "bare_tok_s": round(tokens / bare),
+            "extract_tok_s": round(tokens / seconds), "ratio": round(bare / seconds, 3),
+            "bytes_per_token": round(written / tokens, 1)}
+
+
+def bench_data(args) -> dict:
+    from eagle3 import data
+    from eagle3.common import compose
+    with tempfile.TemporaryDirectory() as root:
+        artifacts = Path(root) / "artifacts"
+        artifacts.mkdir()
+        overrides = [f"target={args.target}", f"paths.artifacts={artifacts}", "tracking.enabled=false"]
+        if args.limit:
+            overrides.append(f"data.limit={args.limit}")
+        if args.targets_from:
+            (artifacts / "targets").symlink_to(Path(args.targets_from).resolve())
+        started = time.perf_counter()
+        out = data.run(compose(overrides))
+        seconds = time.perf_counter() - started
+        counts = out.manifest()["counts"]
+    return {"bench": "data", "target": args.target, "limit": args.limit, "rows_read": counts["rows"],
+            "conversations": counts["train_conversations"] + counts["val_conversations"],
+            "tokens": counts["train_tokens"] + counts["val_tokens"], "seconds": round(seconds, 2),
+            "rows_per_s": round(counts["rows"] / seconds, 1),
+            "conversations_per_s": round((counts["train_conversations"] + counts["val_conversations"]) / seconds, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="bench", required=True)
+    ext = sub.add_parser("extract")
+    ext.add_argument("--target", default="tiny-llama", help="tiny-llama | smollm2-135m | smollm2-shape")
+    ext.add_argument("--batch", default="16x1024", help="ROWSxLENGTH per forward")
+    ext.add_argument("--shards", type=int, default=4, help="shards (one batch each) per timed pass")
+    ext.add_argument("--repeats", type=int, default=3, help="timed passes; the fastest counts")
+    ext.add_argument("--device", default="auto")
+    ext.add_argument("--dtype", default="auto", help="compute dtype: auto = bfloat16 on GPU, float32 on CPU")
+    ext.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True)
+    dat = sub.add_parser("data")
+    dat.add_argument("--target", default="tiny-llama")
+    dat.add_argument("--limit", type=int, default=None, help="conversations after filtering (default all)")
+    dat.add_argument("--targets-from", default=None, help="an artifacts/targets folder with converted targets")
+    args = parser.parse_args()
+    print(json.dumps(bench_extract(args) if args.bench == "extract" else bench_data(args)))
+
+
+if __name__ == "__main__":
+    main()
