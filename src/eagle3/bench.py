@@ -101,8 +101,7 @@ def _has_output(event: dict) -> bool:
 
 def _merge(last: dict, event: dict) -> dict:
     """Keep the newest meta_info (cumulative) and the usage block (vLLM's final chunk)."""
-    merged = {**last, **{k: v for k, v in event.items() if v is not None}}
-    return merged
+    return {**last, **{k: v for k, v in event.items() if v is not None}}
 
 
 def _counts(body: dict) -> dict:
