@@ -90,7 +90,11 @@ def load_trained_drafter(train_dir: str | Path, target: Target, which: str = "be
                           "run `python -m eagle3.train`")
     config = LlamaConfig.from_dict(json.loads((train_dir / DRAFTER_CONFIG).read_text()))
     drafter = Eagle3Drafter(config)
-    drafter.load_state_dict(load_file(str(weights)), strict=False)
+    missing, unexpected = drafter.load_state_dict(load_file(str(weights)), strict=False)
+    missing = [k for k in missing if not k.startswith("embed_tokens.")]  # the embedding is the target's
+    if missing or unexpected:
+        raise Eagle3Error(f"{weights} does not fit the drafter in {DRAFTER_CONFIG}: missing {missing}, "
+                          f"unexpected {unexpected}")
     drafter.embed_tokens.weight.data.copy_(target.model.get_input_embeddings().weight.data.float())
     return drafter.to(target.device)
 
@@ -488,9 +492,23 @@ def datasets_for(cfg: DictConfig, data_dir: Path) -> tuple[Dataset, Dataset]:
         return TokenDataset(splits["train"]), TokenDataset(splits["val"])
     if cfg.train.hidden_states != "offline":
         raise Eagle3Error(f"train.hidden_states={cfg.train.hidden_states}: use offline or online")
+    from eagle3.data import load_splits
     from eagle3.extract import ShardDataset
-    shards = shards_output(cfg)
-    return ShardDataset(shards.path, split="train"), ShardDataset(shards.path, split="val")
+    shards, splits = shards_output(cfg), load_splits(data_dir)
+    return tuple(with_lengths(ShardDataset(shards.path, split=name), splits[name]) for name in ("train", "val"))
+
+
+def with_lengths(shard_set, split):
+    """Sequence lengths for bucketing without reading hidden states: shard j of the index holds the
+    data split's rows first_row .. first_row + samples - 1, in order."""
+    if getattr(shard_set, "lengths", None) is None:
+        row_lengths = [len(ids) for ids in split["input_ids"]]
+        shard_set.lengths = [row_lengths[shard["first_row"] + j] for shard in shard_set.shards
+                             for j in range(shard["samples"])]
+        if shard_set.lengths and len(shard_set[0]["input_ids"]) != shard_set.lengths[0]:
+            raise Eagle3Error(f"the shards at {shard_set.root} do not line up with the data split's rows: "
+                              "rerun `python -m eagle3.extract`")
+    return shard_set
 
 
 def evaluation_for(cfg: DictConfig, val_set: Dataset) -> dict:
