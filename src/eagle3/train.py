@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import LlamaConfig
 
 from eagle3.artifacts import StageOutput, stage_output, to_plain
-from eagle3.common import Eagle3Error, app, log
+from eagle3.common import Eagle3Error, app, log, resolve_device
 from eagle3.drafter import Eagle3Drafter, build_drafter
 from eagle3.target import Target, capture_hidden_states, load_target, target_key
 from eagle3.ttt import tau_hat, ttt_loss
@@ -532,6 +532,15 @@ def evaluation_for(cfg: DictConfig, val_set: Dataset) -> dict:
     return {"prompts": prompts, "spec": resolve_spec(cfg.spec), "max_new_tokens": cfg.train.eval_max_new_tokens}
 
 
+def target_device(cfg: DictConfig) -> str:
+    """Offline the target only lends its embedding and lm_head: CPU. Online it runs in every step:
+    this rank's GPU (and so the GPU dtype), when there is one."""
+    if cfg.train.hidden_states != "online" or cfg.trainer.accelerator == "cpu":
+        return "cpu"
+    device = resolve_device(cfg.target.device)
+    return f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if device.type == "cuda" else str(device)
+
+
 def run(cfg: DictConfig, callbacks=()) -> StageOutput:
     """Train the drafter this config describes (a no-op when its output is complete)."""
     from eagle3.data import data_output, load_vocab_map
@@ -546,7 +555,7 @@ def run(cfg: DictConfig, callbacks=()) -> StageOutput:
         raise Eagle3Error(f"no complete data stage output at {data.path}: run `python -m eagle3.data` first")
     if cfg.train.hidden_states == "offline":
         check_shards(cfg, shards_output(cfg), data.hash)
-    target = load_target(cfg, device="cpu")
+    target = load_target(cfg, device=target_device(cfg))
     d2t, t2d = load_vocab_map(data.path)
     train_set, val_set = datasets_for(cfg, data.path)
     check_inputs(cfg, target, data.manifest(), d2t, t2d, train_set[0] if len(train_set) else None)
