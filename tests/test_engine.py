@@ -86,6 +86,44 @@ def test_fused_steps_match_step_by_step(tiny_target, fitted, references, name):
         assert a.stats.verify_steps == b.stats.verify_steps and a.stats.draft_time_s > 0
 
 
+HOST_READS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "is_nonzero", "equal", "_unique2"}
+
+
+@pytest.mark.parametrize("name", ["off", "d6", "d10s5k4"])
+def test_fused_phases_are_graph_safe(tiny_target, untrained, references, name):
+    """What a CUDA graph can replay: no op in the fused phases reads a value on the host or makes
+    a data-dependent shape, and no tensor moves between devices."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bad = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if name in HOST_READS or (name == "_to_copy" and "device" in (kwargs or {})):
+                self.bad.append(name)
+            return func(*args, **(kwargs or {}))
+
+    decoder = SpecDecoder(tiny_target, untrained, spec(name))
+    prompt, _ = references[0]
+    decoder.generate(prompt, 3)
+    fused = decoder.fused
+    fused.root.fill_(prompt[-1])
+    fused.position.fill_(len(prompt))
+    watch = Watch()
+    with torch.inference_mode(), watch:
+        for phase in fused.phases:
+            phase()
+    assert watch.bad == []
+    assert int(fused.position) == len(prompt) + int(fused.accepted[0]) + 1 and fused.root.tolist() == fused.bonus.tolist()
+    caught = Watch()
+    with caught:  # the mistake it guards against: a 0-d tensor index is read on the host
+        torch.arange(4)[torch.tensor(2)]
+    assert caught.bad == ["_local_scalar_dense"]
+
+
 def test_full_tree_accepts_at_least_the_chain(tiny_target, fitted, references):
     """A tree that keeps every candidate contains the chain's drafts, so it accepts no less."""
     from engine_helpers import SPECS

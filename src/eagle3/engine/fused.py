@@ -64,7 +64,7 @@ class FusedGreedy:
         """One CUDA graph per phase; each is replayed once so the next phase captures on real values."""
         graphs = []
         for phase in self.phases:
-            graphs.append(Graphed(phase, [], pool))
+            graphs.append(Graphed(phase, [], pool))  # phases replay in capture order: one pool is safe
             graphs[-1].graph.replay()
         torch.cuda.synchronize()
         self.graphs = graphs
@@ -136,7 +136,7 @@ class FusedGreedy:
 
     def verify(self) -> None:
         """Target forward over the tree, greedy acceptance, the path's K/V to slots position..;
-        -> self.accepted (0-d), self.bonus, self.new [size] (committed tokens first), self.path_aux."""
+        -> self.accepted [1], self.bonus [1], self.new [size] (committed tokens first), self.path_aux."""
         run, q, position = self.decoder.target_run, self.size, self.position
         index = torch.arange(q, device=self.device)
         ancestors = ancestor_mask(self.parents, self.spec.steps if self.spec.enabled else 0)
@@ -148,14 +148,14 @@ class FusedGreedy:
         argmax = logits.argmax(dim=-1)
         matches = (self.tokens == argmax[self.parents]) | (index == 0)
         accepted = ~(ancestors & ~matches[None, :]).any(dim=-1)
-        depth_first = torch.where(accepted, self.depths * (q + 1) + (q - index), -1)
-        best = depth_first.argmax()
+        depth_first = (self.depths * (q + 1) + (q - index) + 1) * accepted - 1  # deepest first, then earliest
+        best = depth_first.argmax(dim=0, keepdim=True)  # [1]: a 0-d index would be read on the host
         self.accepted, self.bonus = self.depths[best], argmax[best]
-        path_first = torch.argsort((~ancestors[best]).long() * q + index)  # path nodes in order, then the rest
+        path_first = torch.argsort((~ancestors[best][0]).long() * q + index)  # path nodes in order, then the rest
         run.kv.keep(position, position + path_first)  # the rest lands past the commit: masked, then overwritten
         self.new = torch.where(index == self.accepted, self.bonus, self.tokens[path_first].roll(-1))
         self.path_aux = aux[path_first]
-        self.packed = torch.cat([self.accepted.view(1), self.new])
+        self.packed = torch.cat([self.accepted, self.new])
         if self.drafter_run is None:
             self.commit()
 
@@ -166,9 +166,9 @@ class FusedGreedy:
         rows = position + torch.arange(self.size, device=self.device)
         mask = torch.arange(run.kv.max_len, device=self.device)[None, :] <= rows[:, None]
         hidden, _ = run._forward("extend", self.new, self.path_aux, rows, rows, mask)
-        self.hidden.copy_(hidden.index_select(0, self.accepted.view(1)))
+        self.hidden.copy_(hidden.index_select(0, self.accepted))
         self.commit()
 
     def commit(self) -> None:
-        self.root.copy_(self.bonus.view(1))
-        self.position.add_(self.accepted + 1)
+        self.root.copy_(self.bonus)
+        self.position.add_(self.accepted[0] + 1)

@@ -22,7 +22,8 @@ class SlotKV:
                  dtype: torch.dtype, device: torch.device, batch: int = 1):
         # one buffer for all layers' K and V, so moving an accepted path is two copies, not 4 per layer
         self.buffer = torch.zeros((2, num_layers, batch, kv_heads, max_len, head_dim), dtype=dtype, device=device)
-        self.keys, self.values = list(self.buffer[0]), list(self.buffer[1])
+        self.keys = [self.buffer[0, layer] for layer in range(num_layers)]
+        self.values = [self.buffer[1, layer] for layer in range(num_layers)]
         self.max_len = max_len
         self.slots = torch.zeros(1, dtype=torch.long, device=device)
         self.kv_len = max_len
