@@ -72,7 +72,7 @@ def test_greedy_is_lossless_fitted_drafter(tiny_target, fitted, references, name
     assert max(accepted) >= min(2, spec(name).depth - 1) and sum(accepted) > len(accepted) // 2
 
 
-@pytest.mark.parametrize("name", ["off", "d2", "d8s4k3", "d10s5k4"])
+@pytest.mark.parametrize("name", ["off", "d2", "d6", "d8s4k3", "d10s5k4"])
 def test_fused_steps_match_step_by_step(tiny_target, fitted, references, name):
     """The device-side greedy step (static shapes, one host read; what the CUDA graphs replay)
     commits exactly what the step-by-step path commits, step for step."""

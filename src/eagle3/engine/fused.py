@@ -93,6 +93,8 @@ class FusedGreedy:
         if self.drafter_run is None:
             self.tokens, self.parents, self.depths = self.root.clone(), zero, zero.clone()
             return
+        if self.spec.topk == 1:
+            return self.draft_chain()
         k, steps, run = self.spec.topk, self.spec.steps, self.drafter_run
         drafter, position = run.drafter, self.position
         columns = torch.arange(run.kv.max_len, device=self.device)
@@ -133,6 +135,21 @@ class FusedGreedy:
         nodes = keep_best(all_scores, all_parents, self.spec.depth - 1)
         tree = subtree(nodes, torch.cat(tokens), all_parents, torch.cat(depths))
         self.tokens, self.parents, self.depths = tree.tokens, tree.parents, tree.depths
+
+    def draft_chain(self) -> None:
+        """topk = 1: the tree is a chain, node i at depth i in slot position + i - 1; each step sees
+        the prefix and the slots before its own (no scores, lineage or selection to keep)."""
+        run, position = self.drafter_run, self.position
+        columns = torch.arange(run.kv.max_len, device=self.device)
+        tokens, hidden = [self.root], self.hidden
+        logits = run.drafter.logits(hidden)
+        for step in range(self.spec.steps):
+            if step > 0:
+                slot = (position + (step - 1)).view(1)
+                hidden, logits = run._forward("step", tokens[-1], hidden, slot, slot, (columns <= slot)[None])
+            tokens.append(run.drafter.to_target_ids(logits.float().topk(1, dim=-1).indices.view(1)))
+        index = torch.arange(self.size, device=self.device)
+        self.tokens, self.parents, self.depths = torch.cat(tokens), (index - 1).clamp_min(0), index
 
     def verify(self) -> None:
         """Target forward over the tree, greedy acceptance, the path's K/V to slots position..;
