@@ -74,13 +74,23 @@ def time_bare(target: Target, plans, batch_tokens: int) -> float:
     return time.perf_counter() - started
 
 
-def time_extract(target: Target, plans, batch_tokens: int, verify: bool) -> tuple[float, int]:
+def time_extract(target: Target, plans, batch_tokens: int, verify: bool, writers: int) -> tuple[float, int]:
     with tempfile.TemporaryDirectory(dir=".") as root:
         (Path(root) / "train").mkdir()
         started = time.perf_counter()
-        written = extract.extract_shards(target, plans, Path(root), batch_tokens, torch.bfloat16, verify)
+        written = extract.extract_shards(target, plans, Path(root), batch_tokens, torch.bfloat16, verify,
+                                         writers=writers)
         synchronize(target.device)
         return time.perf_counter() - started, written
+
+
+def time_capture_only(target: Target, plans, batch_tokens: int) -> float:
+    """extract_shard alone: capture, gather, one host copy per shard; nothing written."""
+    started = time.perf_counter()
+    for plan in plans:
+        extract.extract_shard(target, plan, batch_tokens, torch.bfloat16)
+    synchronize(target.device)
+    return time.perf_counter() - started
 
 
 def bench_extract(args) -> dict:
@@ -93,11 +103,13 @@ def bench_extract(args) -> dict:
     time_bare(target, plans[:1], batch_tokens)  # warm-up (kernels, allocator)
     tokens = args.shards * rows * length
     bare = min(time_bare(target, plans, batch_tokens) for _ in range(args.repeats))
-    timed = [time_extract(target, plans, batch_tokens, args.verify) for _ in range(args.repeats)]
+    capture = min(time_capture_only(target, plans, batch_tokens) for _ in range(args.repeats))
+    timed = [time_extract(target, plans, batch_tokens, args.verify, args.writers) for _ in range(args.repeats)]
     seconds, written = min(timed)
     return {"bench": "extract", "target": args.target, "device": str(torch.cuda.get_device_name(device)
             if device.type == "cuda" else "cpu"), "dtype": dtype, "batch": args.batch, "shards": args.shards,
-            "tokens": tokens, "verify": args.verify, "bare_tok_s": round(tokens / bare),
+            "tokens": tokens, "verify": args.verify, "writers": args.writers, "bare_tok_s": round(tokens / bare),
+            "capture_only_tok_s": round(tokens / capture), "capture_ratio": round(bare / capture, 3),
             "extract_tok_s": round(tokens / seconds), "ratio": round(bare / seconds, 3),
             "bytes_per_token": round(written / tokens, 1)}
 
@@ -135,6 +147,7 @@ def main() -> None:
     ext.add_argument("--device", default="auto")
     ext.add_argument("--dtype", default="auto", help="compute dtype: auto = bfloat16 on GPU, float32 on CPU")
     ext.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True)
+    ext.add_argument("--writers", type=int, default=2, help="shard-writing threads (extract.writers)")
     dat = sub.add_parser("data")
     dat.add_argument("--target", default="tiny-llama")
     dat.add_argument("--limit", type=int, default=None, help="conversations after filtering (default all)")

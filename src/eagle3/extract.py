@@ -32,7 +32,7 @@ from eagle3.common import Eagle3Error, app, log, resolve_device, resolve_dtype
 FORMAT = "eagle3-hidden-shard-v1"
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # How fast extraction runs, not what it writes: outside the hash.
-EXECUTION_ONLY = ("batch_tokens", "verify", "disk_margin")
+EXECUTION_ONLY = ("batch_tokens", "verify", "disk_margin", "writers")
 
 
 def extract_output(cfg: DictConfig) -> StageOutput:
@@ -133,24 +133,44 @@ def extract_shard(target, plan: ShardPlan, batch_tokens: int, dtype: torch.dtype
         last_all.index_copy_(0, dest, last.flatten(0, 1).index_select(0, source).to(dtype))
         if progress is not None:
             progress.update(sum(lengths[i] for i in batch))
-    return {"aux_hidden": aux_all.cpu(), "last_hidden": last_all.cpu(),
+    return {"aux_hidden": to_host(aux_all), "last_hidden": to_host(last_all),
             "input_ids": torch.tensor([t for ids in plan.input_ids for t in ids], dtype=torch.int32),
             "loss_mask": torch.tensor([m for mask in plan.loss_masks for m in mask], dtype=torch.int8),
             "offsets": offsets.to(torch.int64),
             "rows": torch.arange(plan.first_row, plan.first_row + len(lengths), dtype=torch.int64)}
 
 
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy into pinned host memory on CUDA (the writer waits for it, the GPU does not)."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+def copies_done(device: torch.device):
+    """An event the writer waits on before reading the host copies (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 def extract_shards(target, plans: list[ShardPlan], root: Path, batch_tokens: int, dtype: torch.dtype,
-                   verify: bool, progress: tqdm | None = None) -> int:
-    """Compute and write `plans`; the next shard computes while the last one is saved. Returns bytes written."""
+                   verify: bool, progress: tqdm | None = None, writers: int = 1) -> int:
+    """Compute and write `plans`: shards compute while up to `writers` earlier ones are saved
+    (disk is the bottleneck on a fast GPU). Returns bytes written."""
     written = 0
-    with ThreadPoolExecutor(max_workers=1) as writer:
-        pending: Future | None = None
+    with ThreadPoolExecutor(max_workers=writers) as pool:
+        pending: list[Future] = []
         for plan in plans:
             tensors = extract_shard(target, plan, batch_tokens, dtype, progress)
-            written += pending.result() if pending else 0
-            pending = writer.submit(write_shard, tensors, plan, root, target.hidden_size, verify)
-        written += pending.result() if pending else 0
+            if len(pending) >= writers:  # bound host memory: at most `writers` shards in flight
+                written += pending.pop(0).result()
+            pending.append(pool.submit(write_shard, tensors, plan, root, target.hidden_size, verify,
+                                       copies_done(target.device)))
+        written += sum(f.result() for f in pending)
     return written
 
 
@@ -186,8 +206,11 @@ def check_shard(path: Path, plan: ShardPlan, hidden: int, full: bool) -> None:
             raise ShardInvalid("non-finite hidden states")
 
 
-def write_shard(tensors: dict[str, torch.Tensor], plan: ShardPlan, root: Path, hidden: int, verify: bool) -> int:
+def write_shard(tensors: dict[str, torch.Tensor], plan: ShardPlan, root: Path, hidden: int, verify: bool,
+                copied=None) -> int:
     """Save under a temporary name, verify, rename into place; returns the file's bytes."""
+    if copied is not None:
+        copied.synchronize()
     final = root / plan.file
     tmp = final.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata={"format": FORMAT, "split": plan.split, "ids": json.dumps(plan.ids)})
@@ -310,7 +333,7 @@ def extract_all(cfg: DictConfig, target, plans: list[ShardPlan], root: Path) -> 
                ecfg.disk_margin)
     started = time.time()
     progress = tqdm(total=sum(p.tokens for p in todo), desc="extract", unit=" tok", unit_scale=True)
-    written = extract_shards(target, todo, root, ecfg.batch_tokens, dtype, ecfg.verify, progress)
+    written = extract_shards(target, todo, root, ecfg.batch_tokens, dtype, ecfg.verify, progress, ecfg.writers)
     progress.close()
     seconds = time.time() - started
     tokens = sum(p.tokens for p in todo)
