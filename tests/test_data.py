@@ -208,8 +208,8 @@ def test_vocab_map_matches_brute_force_counts():
         data.build_vocab_map(ids, masks, target_vocab=12, draft_vocab=13)
 
 
-def test_data_stage_output_manifest_mlflow_and_idempotence(make_cfg, tiny_target):
-    cfg = file_cfg(make_cfg)
+def test_data_stage_output_manifest_mlflow_and_idempotence(make_cfg, tiny_target, own_artifacts):
+    cfg = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}")
     out = data.run(cfg)
     assert out.complete and out.path == data.data_output(cfg).path
     splits = data.load_splits(out.path)
@@ -234,9 +234,9 @@ def test_data_stage_output_manifest_mlflow_and_idempotence(make_cfg, tiny_target
     stamp = (out.path / "vocab_map.safetensors").stat().st_mtime_ns
     assert data.run(cfg).path == out.path
     assert (out.path / "vocab_map.safetensors").stat().st_mtime_ns == stamp  # second run is a no-op
-    other = data.data_output(file_cfg(make_cfg, "drafter.draft_vocab_size=128"))
+    other = data.data_output(file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "drafter.draft_vocab_size=128"))
     assert other.hash != out.hash
-    same = data.data_output(file_cfg(make_cfg, "data.regen.concurrency=3"))
+    same = data.data_output(file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "data.regen.concurrency=3"))
     assert same.hash == out.hash  # execution-only settings do not change the output
 
 
