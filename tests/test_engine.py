@@ -86,6 +86,18 @@ def test_fused_steps_match_step_by_step(tiny_target, fitted, references, name):
         assert a.stats.verify_steps == b.stats.verify_steps and a.stats.draft_time_s > 0
 
 
+def test_fused_steps_across_cache_widths(tiny_target, fitted):
+    """Attention reads a power-of-two window of the caches; a generation that crosses 256 slots
+    switches windows mid-way and still commits what the step-by-step path commits."""
+    prompt = list(range(1000, 1240))
+    for name in ["d6", "d10s5k4"]:
+        fused, plain = SpecDecoder(tiny_target, fitted, spec(name)), SpecDecoder(tiny_target, fitted, spec(name),
+                                                                                  fused=False)
+        a, b = fused.generate(prompt, 30), plain.generate(prompt, 30)
+        assert a.tokens == b.tokens and a.stats.accepted_per_step == b.stats.accepted_per_step
+        assert fused.fused.widths[:2] == [256, 512] and fused.fused.width == 512
+
+
 HOST_READS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "is_nonzero", "equal", "_unique2"}
 
 

@@ -34,7 +34,12 @@ class FusedGreedy:
             self.hidden = torch.zeros(1, self.drafter_run.drafter.config.hidden_size, dtype=self.drafter_run.dtype,
                                       device=self.device)
         self.phases = [self.draft, self.verify] + ([self.extend] if self.drafter_run is not None else [])
-        self.graphs: list[Graphed] | None = None
+        self.graphs: dict[int, list[Graphed]] = {}  # cache width -> one graph per phase
+        # attention reads only the cache slots in use, rounded up to a power of two (a graph each)
+        self.reach = self.size if self.drafter_run is None else max(self.size, self.spec.steps * self.spec.topk)
+        self.widths = sorted({min(2 ** n, decoder.max_context + self.reach)
+                              for n in range(8, max(8, (decoder.max_context + self.reach - 1).bit_length()) + 1)})
+        self.width = self.widths[-1]
 
     def fits(self, position: int) -> bool:
         return position + self.size <= self.decoder.max_context
@@ -47,9 +52,11 @@ class FusedGreedy:
         self.position.fill_(position)
         if self.hidden is not None and h_last is not self.hidden:
             self.hidden.copy_(h_last)
+        self.width = next(w for w in self.widths if w >= position + self.reach)
+        graphs = self.graphs.get(self.width)
         marks = [self._mark()]
         for index, phase in enumerate(self.phases):
-            self.graphs[index]() if self.graphs else phase()
+            graphs[index]() if graphs else phase()
             marks.append(self._mark())
         packed = self.packed.tolist()  # the one device -> host read of the step
         accepted = packed[0]
@@ -61,13 +68,19 @@ class FusedGreedy:
         return packed[1:accepted + 2], self.hidden
 
     def capture(self, pool) -> None:
-        """One CUDA graph per phase; each is replayed once so the next phase captures on real values."""
-        graphs = []
-        for phase in self.phases:
-            graphs.append(Graphed(phase, [], pool))  # phases replay in capture order: one pool is safe
-            graphs[-1].graph.replay()
+        """One CUDA graph per phase and width; each is replayed once so the next phase captures on
+        real values (phases of one width replay in capture order, widths never interleave within a step)."""
+        for width in self.widths:
+            self.width, graphs = width, []
+            for phase in self.phases:
+                graphs.append(Graphed(phase, [], pool))
+                graphs[-1].graph.replay()
+            self.graphs[width] = graphs
         torch.cuda.synchronize()
-        self.graphs = graphs
+
+    def span(self, kv) -> int:
+        """Cache slots attention reads this step: the step's width, within this cache."""
+        return min(self.width, kv.max_len)
 
     def _mark(self):
         if self.device.type != "cuda":
@@ -97,7 +110,7 @@ class FusedGreedy:
             return self.draft_chain()
         k, steps, run = self.spec.topk, self.spec.steps, self.drafter_run
         drafter, position = run.drafter, self.position
-        columns = torch.arange(run.kv.max_len, device=self.device)
+        columns = torch.arange(self.span(run.kv), device=self.device)
         prefix = columns < position
         tokens, parents, depths = [self.root], [zero], [zero.clone()]
         scores = [torch.zeros(1, device=self.device)]
@@ -140,7 +153,7 @@ class FusedGreedy:
         """topk = 1: the tree is a chain, node i at depth i in slot position + i - 1; each step sees
         the prefix and the slots before its own (no scores, lineage or selection to keep)."""
         run, position = self.drafter_run, self.position
-        columns = torch.arange(run.kv.max_len, device=self.device)
+        columns = torch.arange(self.span(run.kv), device=self.device)
         tokens, hidden = [self.root], self.hidden
         logits = run.drafter.logits(hidden)
         for step in range(self.spec.steps):
@@ -157,7 +170,7 @@ class FusedGreedy:
         run, q, position = self.decoder.target_run, self.size, self.position
         index = torch.arange(q, device=self.device)
         ancestors = ancestor_mask(self.parents, self.spec.steps if self.spec.enabled else 0)
-        columns = torch.arange(run.kv.max_len, device=self.device)
+        columns = torch.arange(self.span(run.kv), device=self.device)
         relative = columns - position
         in_tree = (relative >= 0) & (relative < q)
         mask = (columns < position)[None] | (ancestors[:, relative.clamp(0, q - 1)] & in_tree[None])
@@ -181,7 +194,7 @@ class FusedGreedy:
         the path are causal-masked junk that the next step overwrites."""
         run, position = self.drafter_run, self.position
         rows = position + torch.arange(self.size, device=self.device)
-        mask = torch.arange(run.kv.max_len, device=self.device)[None, :] <= rows[:, None]
+        mask = torch.arange(self.span(run.kv), device=self.device)[None, :] <= rows[:, None]
         hidden, _ = run._forward("extend", self.new, self.path_aux, rows, rows, mask)
         self.hidden.copy_(hidden.index_select(0, self.accepted))
         self.commit()
