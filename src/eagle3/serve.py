@@ -369,9 +369,10 @@ def acceptance_from_counters(delta: dict) -> dict:
     drafts = delta.get("num_drafts", 0)
     if not drafts:
         return {}
-    per_pos = [n / drafts for n in delta.get("accepted_per_pos", [])]
-    return {"accept_length": 1 + delta["num_accepted_tokens"] / drafts, "accept_per_pos": per_pos,
-            "num_drafts": drafts, "draft_acceptance_rate": delta["num_accepted_tokens"] / max(delta["num_draft_tokens"], 1)}
+    accepted = delta["num_accepted_tokens"]
+    return {"accept_length": 1 + accepted / drafts, "num_drafts": drafts,
+            "accept_per_pos": [n / drafts for n in delta.get("accepted_per_pos", [])],
+            "draft_acceptance_rate": accepted / max(delta["num_draft_tokens"], 1)}
 
 
 # ---------------------------------------------------------------- the app
