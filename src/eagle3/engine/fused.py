@@ -29,6 +29,8 @@ class FusedGreedy:
         self.drafter_run = decoder.drafter_run
         self.root = torch.zeros(1, dtype=torch.long, device=self.device)
         self.position = torch.zeros((), dtype=torch.long, device=self.device)
+        # what the host reads (accepted count, committed tokens): one buffer that every width's graphs write
+        self.packed = torch.zeros(1 + self.size, dtype=torch.long, device=self.device)
         self.hidden = None
         if self.drafter_run is not None:
             self.hidden = torch.zeros(1, self.drafter_run.drafter.config.hidden_size, dtype=self.drafter_run.dtype,
@@ -185,7 +187,7 @@ class FusedGreedy:
         run.kv.keep(position, position + path_first)  # the rest lands past the commit: masked, then overwritten
         self.new = torch.where(index == self.accepted, self.bonus, self.tokens[path_first].roll(-1))
         self.path_aux = aux[path_first]
-        self.packed = torch.cat([self.accepted, self.new])
+        self.packed.copy_(torch.cat([self.accepted, self.new]))
         if self.drafter_run is None:
             self.commit()
 
