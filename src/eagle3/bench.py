@@ -8,6 +8,7 @@ suite, batch size, max tokens) and cached like a stage artifact.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import platform
 import time
@@ -322,6 +323,7 @@ def main(cfg: DictConfig) -> None:
 
     from eagle3 import sweep
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request in the job log
     hydra_cfg = HydraConfig.get()
     folder = Path(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:
