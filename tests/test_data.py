@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from omegaconf import OmegaConf
 
 from eagle3 import data
 from eagle3.common import Eagle3Error

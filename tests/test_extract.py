@@ -1,8 +1,6 @@
 """Extraction: packed shards equal a direct forward, resume at shard granularity, verification."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time

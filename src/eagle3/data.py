@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
