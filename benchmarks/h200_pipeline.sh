@@ -7,12 +7,18 @@
 #   step train  : install, regenerate the slice, train online, export       (~8 min on one H200)
 #   step bench  : HF generate, HF prompt lookup, engine spec=off and spec shapes on the 3 suites
 #   step ddp    : the same training for a fixed sample budget on 1 GPU, then on all GPUs (scaling)
+#   step ddp-random : the same scaling run on a random model with SmolLM2's shapes and ShareGPT's own
+#                 answers (.carry/ddp: tokenizer, config, convs.jsonl), when there is no time to carry
+#                 the weights: throughput only, its tau_hat means nothing
 # EXTRA holds more Hydra overrides (smaller runs, CPU rehearsals).
 set -euo pipefail
 step=${1:?part-a|train|bench|ddp}
 root=${E3_ROOT:-/tmp/e3}
 out=${OUT:-/tmp/e3-out}
-mkdir -p "$out"
+logs=$root/logs/$step
+mkdir -p "$out" "$logs"
+# $OUT takes at most 8 files: logs travel as one archive, written even when a stage fails
+trap 'tar -czf "$out/$step-logs.tgz" -C "$root/logs" "$step"' EXIT
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 overrides=(experiment=smollm2-h200 tracking.enabled=false export.register=false "paths.root=$root"
            "data.source=$PWD/.carry/b/first_turns.jsonl" ${EXTRA:-})
@@ -27,31 +33,50 @@ install() {
 timed() {  # name, command...: run, log to $out/name.log, record seconds
   local name=$1; shift
   local started=$SECONDS
-  "$@" 2>&1 | tee "$out/$name.log" | grep -v -E "it/s\]|s/it\]" || { echo "$name failed"; return 1; }
-  echo "$name $((SECONDS - started))s" | tee -a "$out/times.txt"
+  "$@" 2>&1 | tee "$logs/$name.log" | grep -v -E "it/s\]|s/it\]" || { echo "$name failed"; return 1; }
+  echo "$name $((SECONDS - started))s" | tee -a "$logs/times.txt"
 }
 
 case $step in
   part-a) cp .carry/a/whl.part.aa /tmp/ ;;
   train)
     install
-    nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" || true
+    nvidia-smi --query-gpu=name,memory.total --format=csv > "$logs/gpu.txt" || true
     timed data python3 -m eagle3.data "${overrides[@]}"
     timed train python3 -m eagle3.train "${overrides[@]}"
     timed export python3 -m eagle3.export "${overrides[@]}"
-    find "$root/artifacts" -name manifest.json | tar -czf "$out/manifests.tgz" -T -
-    tar -czf "$out/data.tgz" -C "$root/artifacts" data ;;   # the regenerated slice, for the ddp step
+    find "$root/artifacts" -name manifest.json -exec cp --parents {} "$logs" \;
+    tar -czf "$out/data.tgz" -C "$root/artifacts" data   # the regenerated slice, for the ddp step
+    tar -czf - -C "$root/artifacts" export | split -b 15M - "$out/drafter.tgz." ;;  # files of <= 16 MB
   bench)
     drafter=$(ls -d "$root"/artifacts/export/*/sglang | head -1)
     suites=.carry/b/suite_vicuna.jsonl,.carry/b/suite_humaneval.jsonl,.carry/b/suite_gsm8k.jsonl
     timed e2e python3 benchmarks/e2e_bench.py --target "$root/artifacts/targets/smollm2-135m" --drafter "$drafter" \
       --suites "$suites" --prompts "${PROMPTS:-12}" --specs "${SPECS:-off,d16,d10s5k4,d4,d6,d8,d6s3k2}" \
-      --json "$out/e2e.json" ${BENCH_ARGS:-} ;;
+      --json "$logs/e2e.json" ${BENCH_ARGS:-} ;;
   ddp)  # needs .carry/b/data.tgz (the train step's data.tgz); each run trains from scratch in its own folder
     install
     for devices in 1 ${DEVICES:-2}; do
       mkdir -p "$root/ddp$devices" && tar -xzf .carry/b/data.tgz -C "$root/ddp$devices"
       timed "train_${devices}gpu" python3 -m eagle3.train "${overrides[@]}" "trainer.devices=$devices" \
         trainer.strategy=ddp "paths.artifacts=$root/ddp$devices"
+    done ;;
+  ddp-random)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    python3 -c "
+import torch, shutil; from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0); LlamaForCausalLM(LlamaConfig.from_pretrained('.carry/ddp/smol')).save_pretrained('/tmp/smol-rand')
+[shutil.copy(f'.carry/ddp/smol/{f}', '/tmp/smol-rand/') for f in ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja')]"
+    random=(target=hf target.name=smollm2-random target.path=/tmp/smol-rand target.dtype=bfloat16 target.device=cuda
+            "data.source=$PWD/.carry/ddp/convs.jsonl" data.regenerate=false data.limit=null data.max_length=1024
+            data.filters.max_turns=1 drafter.draft_vocab_size=8192 train.hidden_states=online train.max_length=1024
+            train.batch_size=16 train.epochs=1 trainer.accelerator=gpu trainer.precision=bf16-mixed
+            trainer.progress_bar=false tracking.enabled=false "paths.root=$root")
+    timed data python3 -m eagle3.data "${random[@]}" "paths.artifacts=$root/d1"
+    for devices in 1 ${DEVICES:-2}; do
+      mkdir -p "$root/d$devices" && cp -rn "$root/d1/data" "$root/d$devices/"
+      timed "train_${devices}gpu" timeout "${TRAIN_TIMEOUT:-110}" python3 -m eagle3.train "${random[@]}" \
+        "paths.artifacts=$root/d$devices" "trainer.devices=$devices" trainer.strategy=ddp || true
+      find "$root/d$devices/train" -name manifest.json -exec cp {} "$logs/train_${devices}gpu_manifest.json" \;
     done ;;
 esac

@@ -18,6 +18,7 @@ import functools
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import lightning as L
@@ -439,6 +440,28 @@ def checkpoint_callbacks(folder: Path, every_n_steps: int) -> list[Callback]:
     ]
 
 
+class Throughput(Callback):
+    """Sequences and tokens per second over the fit, all ranks together (start-up excluded,
+    validation included): the numbers compared across device counts."""
+
+    def on_train_start(self, trainer, module) -> None:
+        self.started, self.sequences, self.tokens = time.perf_counter(), 0, 0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.sequences += batch["input_ids"].shape[0]
+        self.tokens += int(batch["input_ids"].numel())
+
+    def on_train_end(self, trainer, module) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - self.started
+        world = trainer.world_size
+        self.result = {"train/seconds": seconds, "train/samples_per_s": self.sequences * world / seconds,
+                       "train/tokens_per_s": self.tokens * world / seconds, "train/devices": world}
+        if trainer.logger is not None:
+            trainer.logger.log_metrics(self.result, step=trainer.global_step)
+
+
 def build_trainer(cfg: DictConfig, folder: Path, logger, callbacks=()) -> L.Trainer:
     trainer_cfg = cfg.trainer
     return L.Trainer(
@@ -464,14 +487,15 @@ def fit(cfg: DictConfig, target: Target, datamodule: DrafterData, folder: Path, 
     drafter = build_drafter(target, cfg.drafter).float()
     drafter.set_vocab_map(d2t.to(drafter.d2t.device), t2d.to(drafter.t2d.device))
     module = DrafterModule(drafter, target.model.get_output_embeddings().weight, cfg.train, target, evaluation)
-    trainer = build_trainer(cfg, folder, logger, callbacks)
+    throughput = Throughput()
+    trainer = build_trainer(cfg, folder, logger, [throughput, *callbacks])
     last = folder / CHECKPOINTS / "last.ckpt"
     if last.exists():
         log.info("resuming from %s", last)
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
     if trainer.is_global_zero:
         write_weights(folder, drafter)
-    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return {**{k: float(v) for k, v in trainer.callback_metrics.items()}, **getattr(throughput, "result", {})}
 
 
 def write_weights(folder: Path, drafter: Eagle3Drafter) -> None:
@@ -576,7 +600,9 @@ def run(cfg: DictConfig, callbacks=()) -> StageOutput:
     counts = {"train_sequences": len(train_set), "val_sequences": len(val_set),
               "tau_hat": best_tau_hat(out.path, metrics), "val_loss": metrics.get("val/loss"),
               "tokenizer_hash": data.manifest().get("counts", {}).get("tokenizer_hash"),
-              "data_hash": data.hash}
+              "data_hash": data.hash, **{k.removeprefix("train/"): v for k, v in metrics.items()
+                                         if k in ("train/seconds", "train/samples_per_s", "train/tokens_per_s",
+                                                  "train/devices")}}
     out.finish(counts)
     log.info("train: wrote %s (val tau_hat %.3f)", out.path, counts["tau_hat"] or float("nan"))
     return out
