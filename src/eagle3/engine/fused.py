@@ -37,6 +37,7 @@ class FusedGreedy:
                                       device=self.device)
         self.phases = [self.draft, self.verify] + ([self.extend] if self.drafter_run is not None else [])
         self.graphs: dict[int, list[Graphed]] = {}  # cache width -> one graph per phase
+        self.held: dict[int, list] = {}
         # attention reads only the cache slots in use, rounded up to a power of two (a graph each)
         self.reach = self.size if self.drafter_run is None else max(self.size, self.spec.steps * self.spec.topk)
         self.widths = sorted({min(2 ** n, decoder.max_context + self.reach)
@@ -78,6 +79,9 @@ class FusedGreedy:
                 graphs.append(Graphed(phase, [], pool))
                 graphs[-1].graph.replay()
             self.graphs[width] = graphs
+            # keep this width's phase outputs alive, so no later capture reuses their memory
+            self.held[width] = [getattr(self, name, None) for name in
+                                ("tokens", "parents", "depths", "accepted", "bonus", "new", "path_aux")]
         torch.cuda.synchronize()
 
     def span(self, kv) -> int:
