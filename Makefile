@@ -31,7 +31,7 @@ info: $(VENV)/.eagle3-ready
 	$(BIN)/python -m eagle3.info
 
 quickstart: setup
-	$(BIN)/python -m eagle3.info
+	$(BIN)/python -m eagle3.pipeline experiment=quickstart
 
 test: setup
 	$(BIN)/python -m pytest -q
