@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -466,7 +467,7 @@ def test_export_run_exports_registers_and_is_idempotent(drafter, tiny_target, ma
 def test_export_app_command_line(drafter, make_cfg, tmp_path):
     """`python -m eagle3.export`: one-line error without a trained drafter, then export + register."""
     cfg, overrides = export_cfg(make_cfg, tmp_path)
-    command = ["python", "-m", "eagle3.export", f"paths.root={cfg.paths.root}", *overrides,
+    command = [sys.executable, "-m", "eagle3.export", f"paths.root={cfg.paths.root}", *overrides,
                f"tracking.uri={cfg.tracking.uri}", f"tracking.artifact_location={cfg.tracking.artifact_location}"]
     missing = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert missing.returncode == 1 and "run `python -m eagle3.train` first" in missing.stderr.strip().splitlines()[-1]
