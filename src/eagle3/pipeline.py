@@ -68,14 +68,14 @@ def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
     target = cfg.target.path or cfg.target.name
     if cfg.data.regenerate and cfg.data.regen.backend == "openai":
         launch = compose_launch(cfg, resolve_spec(compose([*user_overrides(), "spec=off"]).spec), None, target,
-                                port=30000)
+                                port=cfg.pipeline.plan_port)
         print(f"    data regeneration talks to {cfg.data.regen.base_url}; serve the target first with "
               f"`python -m eagle3.serve {overrides} spec=off`: {' '.join(launch.argv)}")
     drafter = stage_output(cfg, "export").path / ("vllm" if cfg.serve.engine == "vllm" else "sglang")
     for job in bench_jobs(cfg):
         job_cfg = compose([*user_overrides(), *job])
         spec = resolve_spec(job_cfg.spec)
-        launch = compose_launch(job_cfg, spec, drafter if spec.enabled else None, target, port=30000)
+        launch = compose_launch(job_cfg, spec, drafter if spec.enabled else None, target, port=cfg.pipeline.plan_port)
         print(f"    bench job {' '.join(job)} ({spec.label}, {job_cfg.serve.engine}): {' '.join(launch.argv)}")
     print("plan valid: every bench job's spec and engine command passed validation")
 
