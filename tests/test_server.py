@@ -4,7 +4,6 @@ consistent with the responses, bad requests answered 400 while the server keeps 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from eagle3.engine.server import Message, build_service, create_app
+from eagle3.serve import free_port
 from engine_helpers import reference_greedy
 
 
@@ -121,16 +121,10 @@ def test_malformed_json_and_chat_fields(server):
     assert reply.status_code == 400 and "prompt" in reply.json()["error"]["message"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_server_process_round_trip(test_root):
     """`python -m eagle3.engine.server` as the bench starts it: a real process on 127.0.0.1."""
-    port = free_port()
+    port = free_port("127.0.0.1")
     proc = subprocess.Popen([sys.executable, "-m", "eagle3.engine.server", f"paths.root={test_root}",
                              "target=tiny-llama", "spec=d10s5", "serve.drafter_fallback=untrained",
                              f"serve.port={port}", "engine.cpu_threads=1", "hydra.run.dir=" + str(test_root / "hydra"),

@@ -5,13 +5,9 @@ take a headless-Chromium screenshot of the runs comparison."""
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -19,15 +15,10 @@ import httpx
 from omegaconf import DictConfig
 
 from eagle3.common import Eagle3Error, app
+from eagle3.serve import EngineProcess, Launch, free_port
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--disable-quic", "--hide-scrollbars"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def server_command(uri: str, artifact_root: str, host: str, port: int) -> list[str]:
@@ -37,32 +28,13 @@ def server_command(uri: str, artifact_root: str, host: str, port: int) -> list[s
 
 @contextlib.contextmanager
 def mlflow_server(uri: str, artifact_root: str, log_path: Path, timeout_s: float = 120) -> Iterator[str]:
-    """An MLflow server on a free loopback port for the duration of the block; yields its base URL."""
-    port = free_port()
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(server_command(uri, artifact_root, "127.0.0.1", port), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, timeout_s, log_path)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise Eagle3Error(f"mlflow server exited with {proc.returncode}; log: {log_path}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise Eagle3Error(f"mlflow server not healthy after {timeout_s:.0f}s; log: {log_path}")
+    """An MLflow server on a free loopback port for the duration of the block; yields its base URL.
+    Started, health-polled and stopped like any engine (its own process group)."""
+    port = free_port("127.0.0.1")
+    launch = Launch("mlflow", server_command(uri, artifact_root, "127.0.0.1", port), {}, "127.0.0.1", port)
+    with EngineProcess(launch, log_path.parent, name=log_path.stem) as server:
+        server.wait_healthy(timeout_s)
+        yield server.base_url
 
 
 def search_runs(url: str, experiment_ids: list[str]) -> list[dict]:
