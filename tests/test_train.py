@@ -85,10 +85,15 @@ def target(test_root):
     return peaked_target(compose([f"paths.root={test_root}", "target=tiny-llama"]))
 
 
-def test_loss_decreases_and_tau_rises(make_cfg, target, tmp_path):
-    cfg = make_cfg(*BASE, "train.epochs=4", "train.lr=2e-2")
+def test_loss_decreases_and_tau_rises(make_cfg, target, tmp_path, caplog):
+    cfg = make_cfg(*BASE, "train.epochs=4", "train.lr=2e-2", "trainer.log_every_n_steps=5")
     recorder = Recorder()
-    metrics = synthetic_fit(cfg, tmp_path / "run", [recorder], target)
+    with caplog.at_level("INFO", logger="eagle3"):
+        metrics = synthetic_fit(cfg, tmp_path / "run", [recorder], target)
+    # progress bar off: a progress line every 5 of the 24 batches (6 per epoch), with its speed
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train: step")]
+    assert [m.split()[2] for m in progress] == ["5/24", "10/24", "15/24", "20/24"]
+    assert all(float(m.split("samples/s")[0].split()[-1]) > 0 for m in progress)
     per_epoch = len(recorder.train_loss) // 4
     first, last = recorder.train_loss[:per_epoch], recorder.train_loss[-per_epoch:]
     assert sum(last) / len(last) < 0.7 * sum(first) / len(first)

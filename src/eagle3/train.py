@@ -442,14 +442,34 @@ def checkpoint_callbacks(folder: Path, every_n_steps: int) -> list[Callback]:
 
 class Throughput(Callback):
     """Sequences and tokens per second over the fit, all ranks together (start-up excluded,
-    validation included): the numbers compared across device counts."""
+    validation included): the numbers compared across device counts. With `log_every` > 0
+    (the progress bar off: logs, batch jobs) rank 0 also logs a progress line every `log_every`
+    batches with the samples/s of that window, so a run cut short still tells its speed."""
+
+    def __init__(self, log_every: int = 0):
+        self.log_every = log_every
 
     def on_train_start(self, trainer, module) -> None:
         self.started, self.sequences, self.tokens = time.perf_counter(), 0, 0
+        self.window, self.batches = (self.started, 0), 0
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.sequences += batch["input_ids"].shape[0]
         self.tokens += int(batch["input_ids"].numel())
+        self.batches += 1
+        if self.log_every and trainer.is_global_zero and self.batches % self.log_every == 0:
+            self.log_progress(trainer, outputs)
+
+    def log_progress(self, trainer, outputs) -> None:
+        now, (since, sequences) = time.perf_counter(), self.window
+        rate = (self.sequences - sequences) * trainer.world_size / (now - since)
+        total, step = trainer.estimated_stepping_batches, trainer.global_step
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        tau = trainer.callback_metrics.get("train/tau_hat", torch.tensor(float("nan")))
+        eta = (now - self.started) / max(step, 1) * (total - step)
+        log.info("train: step %d/%d epoch %d loss %.4f tau_hat %.3f  %.1f samples/s  elapsed %.0fs eta %.0fs",
+                 step, total, trainer.current_epoch, float(loss), float(tau), rate, now - self.started, eta)
+        self.window = (now, self.sequences)
 
     def on_train_end(self, trainer, module) -> None:
         if torch.cuda.is_available():
@@ -487,7 +507,7 @@ def fit(cfg: DictConfig, target: Target, datamodule: DrafterData, folder: Path, 
     drafter = build_drafter(target, cfg.drafter).float()
     drafter.set_vocab_map(d2t.to(drafter.d2t.device), t2d.to(drafter.t2d.device))
     module = DrafterModule(drafter, target.model.get_output_embeddings().weight, cfg.train, target, evaluation)
-    throughput = Throughput()
+    throughput = Throughput(0 if cfg.trainer.progress_bar else cfg.trainer.log_every_n_steps)
     trainer = build_trainer(cfg, folder, logger, [throughput, *callbacks])
     last = folder / CHECKPOINTS / "last.ckpt"
     if last.exists():
