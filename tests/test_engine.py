@@ -160,6 +160,16 @@ def test_stop_ids_and_on_tokens(tiny_target, fitted, references):
     assert result.finish_reason == "stop" and result.tokens == seen == expected[:len(seen)] and len(seen) >= 10
 
 
+def test_request_generator_reproduces_and_leaves_the_running_one(tiny_target, fitted, references):
+    prompt, _ = references[0]
+    decoder = SpecDecoder(tiny_target, fitted, spec("d8s4k3"), seed=0)
+    state = decoder.generator.get_state()
+    draw = lambda seed: decoder.generate(prompt, 12, temperature=1.0,
+                                         generator=torch.Generator().manual_seed(seed)).tokens
+    assert draw(5) == draw(5) != draw(6)
+    assert torch.equal(decoder.generator.get_state(), state)
+
+
 def test_context_limits(tiny_target, fitted, references):
     prompt, expected = references[0]
     decoder = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), max_context=len(prompt) + 12)

@@ -18,13 +18,16 @@ from eagle3.serve import free_port
 from engine_helpers import reference_greedy
 
 
+def server_cfg(test_root):
+    from eagle3.common import compose
+    return compose([f"paths.root={test_root}", "target=tiny-llama", "spec.depth=4",
+                    "serve.drafter_fallback=untrained", "engine.max_context=64", "engine.cpu_threads=1"])
+
+
 @pytest.fixture(scope="module")
 def server(test_root):
-    from eagle3.common import compose
     before = torch.get_num_threads()
-    cfg = compose([f"paths.root={test_root}", "target=tiny-llama", "spec.depth=4",
-                   "serve.drafter_fallback=untrained", "engine.max_context=64", "engine.cpu_threads=1"])
-    service = build_service(cfg)
+    service = build_service(server_cfg(test_root))
     with TestClient(create_app(service)) as client:
         yield client, service
     torch.set_num_threads(before)
@@ -94,6 +97,49 @@ def test_streaming_matches_non_streaming(server):
     native = sse(client.post("/generate", json={"text": "Hi", "stream": True, "sampling_params": {
         "max_new_tokens": 5, "temperature": 0}}))
     assert "meta_info" in json.loads(native[-1])
+
+
+SEEDED = [("/generate", lambda seed: {"text": "Once upon a time", "sampling_params": {
+              "max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True, **seed}}, lambda r: r["text"]),
+          ("/v1/completions", lambda seed: {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0,
+                                            **seed}, lambda r: r["choices"][0]["text"]),
+          ("/v1/chat/completions", lambda seed: {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12,
+                                                 "temperature": 1.0, **seed},
+           lambda r: r["choices"][0]["message"]["content"])]
+
+
+def sampled(client, route: str, body, text, **seed) -> str:
+    reply = client.post(route, json=body(seed))
+    assert reply.status_code == 200, reply.text
+    return text(reply.json())
+
+
+@pytest.mark.parametrize("route, body, text", SEEDED)
+def test_seed_makes_sampling_reproducible(server, route, body, text):
+    client, _ = server
+    first = sampled(client, route, body, text, seed=7)
+    assert sampled(client, route, body, text, seed=7) == first
+    assert sampled(client, route, body, text, seed=8) != first
+    assert sampled(client, route, body, text) != sampled(client, route, body, text)  # unseeded: running generator
+
+
+def test_seed_reproduces_across_restarts(server, test_root):
+    client, _ = server
+    expected = [sampled(client, *case, seed=11) for case in SEEDED]
+    with TestClient(create_app(build_service(server_cfg(test_root)))) as restarted:
+        assert [sampled(restarted, *case, seed=11) for case in SEEDED] == expected
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, "7", True, 2 ** 64])
+@pytest.mark.parametrize("route, body, field", [
+    ("/generate", lambda seed: {"text": "hi", "sampling_params": {"seed": seed}}, "sampling_params.seed"),
+    ("/v1/completions", lambda seed: {"prompt": "hi", "seed": seed}, "seed"),
+    ("/v1/chat/completions", lambda seed: {"messages": [{"role": "user", "content": "hi"}], "seed": seed}, "seed"),
+])
+def test_bad_seed_is_400_naming_the_field(server, route, body, field, seed):
+    client, _ = server
+    reply = client.post(route, json=body(seed))
+    assert reply.status_code == 400 and f"{field}: " in reply.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("payload, field", [

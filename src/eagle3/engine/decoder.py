@@ -20,7 +20,7 @@ import torch
 from eagle3.common import Eagle3Error, log
 from eagle3.engine.fused import FusedGreedy
 from eagle3.engine.runners import DrafterRunner, TargetRunner
-from eagle3.engine.sampling import greedy_path, probabilities, sampled_path
+from eagle3.engine.sampling import Sampling, greedy_path, probabilities, sampled_path
 from eagle3.engine.tree import DraftTree, ancestor_mask, keep_best, root_only, subtree
 from eagle3.spec import Spec
 from eagle3.target import Target
@@ -95,16 +95,19 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 stop_ids=(), on_tokens: Callable[[list[int]], bool] | None = None) -> GenerationResult:
+                 stop_ids=(), on_tokens: Callable[[list[int]], bool] | None = None,
+                 generator: torch.Generator | None = None) -> GenerationResult:
         """Decode up to max_new_tokens after the prompt. on_tokens(new) is called after every
-        step with the newly committed tokens; returning True stops (stop strings, streaming)."""
+        step with the newly committed tokens; returning True stops (stop strings, streaming).
+        generator: this request's sampling generator (a per-request seed);
+        None draws from the decoder's running one (seeded once, engine.seed)."""
         self.check_prompt(prompt_ids)
         stats = RequestStats(prompt_tokens=len(prompt_ids),
                              draft_tokens_per_step=self.spec.depth - 1 if self.spec.enabled else 0)
         started = time.perf_counter()
         budget = min(max_new_tokens, self.max_context - len(prompt_ids))
-        sampling = temperature > 0
-        choose = (lambda logits: self.draw(logits, temperature, top_p)) if sampling else \
+        sampling = Sampling(temperature, top_p, generator or self.generator)
+        choose = (lambda logits: self.draw(logits, sampling)) if sampling.random else \
                  (lambda logits: int(logits.argmax()))
         root, h_last = self.prefill(prompt_ids, choose)
         stats.prefill_time_s = time.perf_counter() - started
@@ -112,10 +115,10 @@ class SpecDecoder:
         finish = self._finished(out, budget, stop_ids, on_tokens, [root])
         position = len(prompt_ids)
         while finish is None:
-            if not sampling and self.fused is not None and self.fused.fits(position):
+            if not sampling.random and self.fused is not None and self.fused.fits(position):
                 new, h_last = self.fused.step(root, position, h_last, stats)
             else:
-                new, h_last = self.step(root, position, h_last, temperature, top_p, stats)
+                new, h_last = self.step(root, position, h_last, sampling, stats)
             out += new
             position += len(new)
             root = new[-1]
@@ -145,17 +148,17 @@ class SpecDecoder:
         next_ids = torch.cat([ids[1:], torch.tensor([root], device=self.device)])
         return root, self.extend_drafter(next_ids, aux, 0)
 
-    def step(self, root: int, position: int, h_last, temperature: float, top_p: float, stats: RequestStats):
+    def step(self, root: int, position: int, h_last, sampling: Sampling, stats: RequestStats):
         """One draft + verify; returns (the committed tokens incl. the bonus, the drafter's last hidden)."""
         t0 = time.perf_counter()
         fits = position + self.spec.depth <= self.max_context
         root_t = torch.tensor([root], device=self.device)
         if self.drafter_run is not None and fits:
-            tree = self.draft(root_t, position, h_last, temperature, top_p)
+            tree = self.draft(root_t, position, h_last, sampling)
         else:
             tree = root_only(root_t)
         t1 = time.perf_counter()
-        path, bonus, path_aux = self.verify(tree, position, temperature, top_p)
+        path, bonus, path_aux = self.verify(tree, position, sampling)
         new = [int(t) for t in tree.tokens[path[1:]].tolist()] + [bonus] if len(path) > 1 else [bonus]
         t2 = time.perf_counter()
         if self.drafter_run is not None:  # (aux of each accepted node, the token after it)
@@ -166,7 +169,7 @@ class SpecDecoder:
         stats.verify_time_s += t2 - t1
         return new, h_last
 
-    def verify(self, tree: DraftTree, position: int, temperature: float, top_p: float):
+    def verify(self, tree: DraftTree, position: int, sampling: Sampling):
         """One target forward over the tree; keeps the accepted path's K/V.
         Returns (path node indices, bonus token, the path's aux states)."""
         q = tree.size
@@ -174,9 +177,9 @@ class SpecDecoder:
         mask = self.tree_mask(position, ancestor_mask(tree.parents, self.spec.steps), self.target_run)
         logits, aux = self.target_run.forward(tree.tokens, position + tree.depths, slots, mask)
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-        if temperature > 0:
-            probs = probabilities(logits, temperature, top_p)
-            path, bonus = sampled_path(tokens, parents, probs, tree.draft_probs, self.generator)
+        if sampling.random:
+            probs = probabilities(logits, sampling.temperature, sampling.top_p)
+            path, bonus = sampled_path(tokens, parents, probs, tree.draft_probs, sampling.generator)
         else:
             path, bonus = greedy_path(tokens, parents, logits.argmax(dim=-1).tolist())
         path_t = torch.tensor(path, device=self.device)
@@ -194,11 +197,10 @@ class SpecDecoder:
 
     # ------------------------------------------------------------ drafting
 
-    def draft(self, root: torch.Tensor, position: int, h_last: torch.Tensor, temperature: float,
-              top_p: float) -> DraftTree:
+    def draft(self, root: torch.Tensor, position: int, h_last: torch.Tensor, sampling: Sampling) -> DraftTree:
         """EAGLE-2 dynamic tree (a chain when topk=1): see tree.py."""
         k, steps, dev = self.spec.topk, self.spec.steps, self.device
-        sample_chain = temperature > 0 and self.spec.chain
+        sample_chain = sampling.random and self.spec.chain
         tokens, parents, depths, scores = [root], [torch.zeros(1, dtype=torch.long, device=dev)], \
             [torch.zeros(1, dtype=torch.long, device=dev)], [torch.zeros(1, device=dev)]
         slot_of = torch.full((1 + k + (steps - 1) * k * k,), -1, dtype=torch.long, device=dev)
@@ -217,7 +219,7 @@ class SpecDecoder:
             else:
                 logits = self.drafter_run.drafter.logits(h_last)
             base = torch.cat(scores)[frontier]
-            child_tokens, child_scores, q = self.propose(logits, base, temperature, top_p, sample_chain)
+            child_tokens, child_scores, q = self.propose(logits, base, sampling, sample_chain)
             width = child_tokens.numel()
             tokens.append(child_tokens.reshape(-1))
             scores.append(child_scores.reshape(-1))
@@ -234,12 +236,12 @@ class SpecDecoder:
         return subtree(nodes, torch.cat(tokens), all_parents, torch.cat(depths),
                        torch.cat(q_rows) if q_rows is not None else None)
 
-    def propose(self, logits, base, temperature, top_p, sample_chain):
+    def propose(self, logits, base, sampling: Sampling, sample_chain: bool):
         """Children of each frontier row: (target token ids [w, c], cumulative scores [w, c], q rows or None)."""
         drafter = self.drafter_run.drafter
         if sample_chain:
-            q_draft = probabilities(logits, temperature, top_p)
-            choice = torch.multinomial(q_draft.cpu(), 1, generator=self.generator).to(self.device)
+            q_draft = probabilities(logits, sampling.temperature, sampling.top_p)
+            choice = torch.multinomial(q_draft.cpu(), 1, generator=sampling.generator).to(self.device)
             score = base[:, None] + q_draft.gather(-1, choice).log()
             q_target = torch.zeros(q_draft.shape[0], self.target.vocab_size, device=self.device)
             q_target.index_add_(1, drafter.to_target_ids(torch.arange(q_draft.shape[-1], device=self.device)),
@@ -277,9 +279,9 @@ class SpecDecoder:
 
     # ------------------------------------------------------------ helpers
 
-    def draw(self, logits: torch.Tensor, temperature: float, top_p: float) -> int:
-        probs = probabilities(logits, temperature, top_p)
-        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+    def draw(self, logits: torch.Tensor, sampling: Sampling) -> int:
+        probs = probabilities(logits, sampling.temperature, sampling.top_p)
+        return int(torch.multinomial(probs.cpu(), 1, generator=sampling.generator))
 
     def _finished(self, out, budget, stop_ids, on_tokens, new) -> str | None:
         if any(t in stop_ids for t in new):

@@ -14,7 +14,21 @@ If no child is accepted the bonus token is drawn from the residual.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class Sampling:
+    """How one request chooses tokens: greedy at temperature 0, else drawn with `generator`."""
+    temperature: float
+    top_p: float
+    generator: torch.Generator
+
+    @property
+    def random(self) -> bool:
+        return self.temperature > 0
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

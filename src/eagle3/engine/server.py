@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
 from omegaconf import DictConfig
@@ -34,6 +35,10 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+# A per-request sampling seed (vLLM's and OpenAI's `seed`): an integer in torch.Generator's range.
+Seed = Annotated[int | None, Field(ge=0, lt=2 ** 64, strict=True)]
+
+
 class SamplingParams(Strict):
     max_new_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0)
@@ -41,6 +46,7 @@ class SamplingParams(Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    seed: Seed = None
 
 
 class GenerateRequest(Strict):
@@ -57,6 +63,7 @@ class CompletionRequest(Strict):
     temperature: float | None = Field(None, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
+    seed: Seed = None
     stream: bool = False
 
 
@@ -73,6 +80,7 @@ class ChatRequest(Strict):
     temperature: float | None = Field(None, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
+    seed: Seed = None
     stream: bool = False
 
 
@@ -134,8 +142,8 @@ class EngineService:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int | None, temperature: float | None, top_p: float,
                  stop: str | list[str] | None = None, stop_token_ids=(), ignore_eos: bool = False,
-                 on_text=None) -> Reply:
-        """Decode under the lock; on_text(delta) streams text as steps commit."""
+                 on_text=None, seed: int | None = None) -> Reply:
+        """Decode under the lock; on_text(delta) streams text as steps commit. seed: this request's own sampling generator (same seed, same text)."""
         self.decoder.check_prompt(prompt_ids)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         stop_ids = set(stop_token_ids or ())
@@ -157,7 +165,8 @@ class EngineService:
             result = self.decoder.generate(
                 prompt_ids, max_new_tokens or self.scfg.default_max_tokens,
                 self.scfg.default_temperature if temperature is None else temperature, top_p,
-                stop_ids=stop_ids, on_tokens=on_tokens)
+                stop_ids=stop_ids, on_tokens=on_tokens,
+                generator=torch.Generator().manual_seed(seed) if seed is not None else None)
             self.counters.add(result)
         text, _ = cut_at_stop(self.decode(result.tokens), stops)
         if on_text is not None and len(text) > len(sent[0]):
@@ -219,7 +228,7 @@ def create_app(service: EngineService):
         ids = req.input_ids if req.input_ids is not None else service.encode_text(req.text)
         sp = req.sampling_params
         run = lambda on_text=None: service.generate(ids, sp.max_new_tokens, sp.temperature, sp.top_p, sp.stop,
-                                                    sp.stop_token_ids, sp.ignore_eos, on_text)
+                                                    sp.stop_token_ids, sp.ignore_eos, on_text, sp.seed)
         if req.stream:
             return stream(run, lambda delta, reply: {"text": delta, **({"meta_info": meta(reply)} if reply else {})})
         reply = run()
@@ -229,7 +238,7 @@ def create_app(service: EngineService):
     def completions(req: CompletionRequest):
         ids = req.prompt if isinstance(req.prompt, list) else service.encode_text(req.prompt)
         run = lambda on_text=None: service.generate(ids, req.max_tokens, req.temperature, req.top_p, req.stop,
-                                                    on_text=on_text)
+                                                    on_text=on_text, seed=req.seed)
         make = lambda choices: openai_body("text_completion", service.model_name, choices)
         if req.stream:
             return stream(run, lambda delta, reply: make(
@@ -243,7 +252,7 @@ def create_app(service: EngineService):
         ids = service.encode_chat(req.messages)
         limit = req.max_completion_tokens or req.max_tokens
         run = lambda on_text=None: service.generate(ids, limit, req.temperature, req.top_p, req.stop,
-                                                    on_text=on_text)
+                                                    on_text=on_text, seed=req.seed)
         if req.stream:
             return stream(run, lambda delta, reply: openai_body("chat.completion.chunk", service.model_name, [
                 {"index": 0, "delta": {"role": "assistant", "content": delta} if delta else {},
@@ -325,7 +334,10 @@ def load_engine_drafter(cfg: DictConfig, target, spec):
         log.warning("no exported drafter for this config: serving an UNTRAINED drafter (acceptance ~1; "
                     "serve.drafter_fallback=untrained)")
         dtype = next(target.model.parameters()).dtype
-        return build_drafter(target, cfg.drafter).to(dtype).eval(), "untrained"
+        with torch.random.fork_rng(devices=[]):  # the same weights at every start: seeded requests reproduce
+            torch.manual_seed(cfg.seed)
+            drafter = build_drafter(target, cfg.drafter)
+        return drafter.to(dtype).eval(), "untrained"
     drafter = load_drafter(path, device=target.device)
     if getattr(drafter.config, "has_embedding", False):
         check_drafter_for_target(drafter, target)
