@@ -158,6 +158,9 @@ def test_stop_ids_and_on_tokens(tiny_target, fitted, references):
     seen = []
     result = decoder.generate(prompt, NEW_TOKENS, on_tokens=lambda new: seen.extend(new) or len(seen) >= 10)
     assert result.finish_reason == "stop" and result.tokens == seen == expected[:len(seen)] and len(seen) >= 10
+    seen = []  # a step that commits past max_new_tokens: on_tokens sees only what the result keeps
+    result = decoder.generate(prompt, 10, on_tokens=lambda new: seen.extend(new) or False)
+    assert 1 + sum(a + 1 for a in result.stats.accepted_per_step) > 10 and seen == result.tokens == expected[:10]
 
 
 def test_request_generator_reproduces_and_leaves_the_running_one(tiny_target, fitted, references):

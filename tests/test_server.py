@@ -3,7 +3,10 @@ consistent with the responses, bad requests answered 400 while the server keeps 
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import random
 import subprocess
 import sys
 import time
@@ -13,7 +16,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from eagle3.engine.server import Message, build_service, create_app
+from eagle3.engine.server import Message, build_service, create_app, streamable
 from eagle3.serve import free_port
 from engine_helpers import reference_greedy
 
@@ -97,6 +100,54 @@ def test_streaming_matches_non_streaming(server):
     native = sse(client.post("/generate", json={"text": "Hi", "stream": True, "sampling_params": {
         "max_new_tokens": 5, "temperature": 0}}))
     assert "meta_info" in json.loads(native[-1])
+
+
+def brute_force_streamable(text: str, stops: list[str], alphabet: str) -> str:
+    """By definition: after a stop string, the text before its first occurrence; else the longest
+    text that the final (cut) text starts with whatever characters come next."""
+    starts = [i for i in range(len(text)) for s in stops if text.startswith(s, i)]
+    if starts:
+        return text[:min(starts)]
+    longest = max(map(len, stops))
+    futures = ["".join(c) for n in range(longest + 1) for c in itertools.product(alphabet, repeat=n)]
+    finals = []
+    for future in futures:
+        whole = text + future
+        cut = [i for i in range(len(whole)) for s in stops if whole.startswith(s, i)]
+        finals.append(whole[:min(cut)] if cut else whole)
+    return os.path.commonprefix(finals)
+
+
+def test_streamable_holds_back_exactly_what_a_stop_string_may_remove():
+    rng, alphabet = random.Random(0), "abc"
+    word = lambda low, high: "".join(rng.choice(alphabet) for _ in range(rng.randint(low, high)))
+    for _ in range(400):
+        text, stops = word(0, 9), [word(1, 4) for _ in range(rng.randint(1, 3))]
+        safe, hit = streamable(text, stops)
+        assert safe == brute_force_streamable(text, stops, alphabet), (text, stops)
+        assert hit == any(s in text for s in stops)
+    assert streamable("ab\ufffd", []) == ("ab", False)  # an incomplete character waits for its bytes
+
+
+def test_streamed_chunks_equal_the_response_with_a_stop_across_tokens(server):
+    """Greedy, stop string from the middle of the output spanning two tokens: streamed chunks
+    never carry the start of the stop string, so they join to the non-streamed text."""
+    client, service = server
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    full = client.post("/generate", json={"text": "Once upon a time", "sampling_params": params}).json()
+    bounds = [len(service.decode(full["output_ids"][:k])) for k in range(1, len(full["output_ids"]))]
+    middle = bounds[len(bounds) // 2]
+    stop = full["text"][middle - 2:middle + 2]
+    first = full["text"].find(stop)
+    assert any(first < b < first + len(stop) for b in bounds)  # the stop string spans a token boundary
+    native = {"text": "Once upon a time", "sampling_params": {**params, "stop": stop}}
+    whole = client.post("/generate", json=native).json()["text"]
+    streamed = [json.loads(e)["text"] for e in sse(client.post("/generate", json={**native, "stream": True}))]
+    assert "".join(streamed) == whole == full["text"][:first]
+    openai = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0, "stop": [stop]}
+    whole = client.post("/v1/completions", json=openai).json()["choices"][0]["text"]
+    events = sse(client.post("/v1/completions", json={**openai, "stream": True}))[:-1]
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events) == whole
 
 
 SEEDED = [("/generate", lambda seed: {"text": "Once upon a time", "sampling_params": {

@@ -98,8 +98,8 @@ class SpecDecoder:
                  stop_ids=(), on_tokens: Callable[[list[int]], bool] | None = None,
                  generator: torch.Generator | None = None) -> GenerationResult:
         """Decode up to max_new_tokens after the prompt. on_tokens(new) is called after every
-        step with the newly committed tokens; returning True stops (stop strings, streaming).
-        generator: this request's sampling generator (a per-request seed);
+        step with the newly committed tokens (within max_new_tokens); returning True stops (stop
+        strings, streaming). generator: this request's sampling generator (a per-request seed);
         None draws from the decoder's running one (seeded once, engine.seed)."""
         self.check_prompt(prompt_ids)
         stats = RequestStats(prompt_tokens=len(prompt_ids),
@@ -286,7 +286,7 @@ class SpecDecoder:
     def _finished(self, out, budget, stop_ids, on_tokens, new) -> str | None:
         if any(t in stop_ids for t in new):
             return "stop"
-        if on_tokens is not None and on_tokens(new):
+        if on_tokens is not None and on_tokens(new[:budget - len(out) + len(new)]):  # not past the budget
             return "stop"
         return "length" if len(out) >= budget else None
 

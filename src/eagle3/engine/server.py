@@ -143,7 +143,8 @@ class EngineService:
     def generate(self, prompt_ids: list[int], max_new_tokens: int | None, temperature: float | None, top_p: float,
                  stop: str | list[str] | None = None, stop_token_ids=(), ignore_eos: bool = False,
                  on_text=None, seed: int | None = None) -> Reply:
-        """Decode under the lock; on_text(delta) streams text as steps commit. seed: this request's own sampling generator (same seed, same text)."""
+        """Decode under the lock; on_text(delta) streams text as steps commit, never text a stop
+        string may still remove. seed: this request's own sampling generator (same seed, same text)."""
         self.decoder.check_prompt(prompt_ids)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         stop_ids = set(stop_token_ids or ())
@@ -154,7 +155,7 @@ class EngineService:
 
         def on_tokens(new: list[int]) -> bool:
             produced.extend(new)
-            text, hit = cut_at_stop(self.decode(produced), stops)
+            text, hit = streamable(self.decode(produced), stops)
             if on_text is not None and len(text) > len(sent[0]):
                 on_text(text[len(sent[0]):])
                 sent[0] = text
@@ -187,6 +188,18 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     """Text before the first stop string (excluded, as SGLang and OpenAI do), and whether one occurred."""
     cuts = [text.find(s) for s in stops if s and s in text]
     return (text[:min(cuts)], True) if cuts else (text, False)
+
+
+def streamable(text: str, stops: list[str]) -> tuple[str, bool]:
+    """What of `text` may be streamed now, and whether a stop string occurred: the text before the
+    first stop string, or else the text less a tail that later tokens could still change (the start
+    of a stop string, or an incomplete character, which decodes as U+FFFD)."""
+    text, hit = cut_at_stop(text, stops)
+    if hit:
+        return text, True
+    settled = text.rstrip("\ufffd")
+    held = max((n for s in stops for n in range(1, len(s)) if settled.endswith(s[:n])), default=0)
+    return settled[:len(settled) - held], False
 
 
 # ---------------------------------------------------------------- the FastAPI app
