@@ -47,3 +47,10 @@ def tiny_target(test_root):
 def smollm2(test_root):
     from eagle3.target import load_target
     return load_target(compose([f"paths.root={test_root}", "target=smollm2-135m", "target.dtype=float32"]))
+
+
+@pytest.fixture(scope="session")
+def smollm2_trained_drafter(test_root):
+    """The exported SmolLM2 drafter trained by eagle3.train (engine_helpers.trained_smollm2_drafter)."""
+    from engine_helpers import trained_smollm2_drafter
+    return trained_smollm2_drafter(test_root)

@@ -1,8 +1,10 @@
 """Shared pieces of the engine tests: reference greedy decoding, a drafter fitted to the
-target (real TTT training on the target's own greedy rollouts, so drafts get accepted),
-specs and a chi-square p-value."""
+target (real TTT training on the target's own greedy rollouts, so drafts get accepted), a
+SmolLM2 drafter trained by eagle3.train, specs and a chi-square p-value."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
@@ -19,6 +21,8 @@ SPECS = {
     "d6": dict(enabled=True, depth=6, steps=None, topk=1),
     "d8s4k3": dict(enabled=True, depth=8, steps=4, topk=3),
     "d10s5k4": dict(enabled=True, depth=10, steps=5, topk=4),
+    "d4": dict(enabled=True, depth=4, steps=None, topk=1),
+    "d6s3k2": dict(enabled=True, depth=6, steps=3, topk=2),
 }
 
 
@@ -67,6 +71,66 @@ def fitted_drafter(target, dcfg, rollout_tokens: int = 96, steps: int = 150, see
         loss.backward()
         optimizer.step()
     return drafter.eval().requires_grad_(False)
+
+
+AGREE_VOCAB = 512
+AGREE_PROMPTS = 4
+AGREE_TOKENS = 32
+# SmolLM2 (a real model: varied greedy continuations, no near-ties) in float32 on both engines.
+# The tiny random Llama is no use here: its greedy output is one token repeated, which any drafter
+# predicts, so both engines would report the trivial tau = depth.
+AGREE_TARGET = ("target=smollm2-135m", "target.dtype=float32", f"drafter.draft_vocab_size={AGREE_VOCAB}")
+
+
+def agree_cfg(test_root: Path, *overrides: str):
+    """The SmolLM2 config the trained drafter belongs to (its prompts: the first AGREE_PROMPTS of the suite)."""
+    from eagle3.common import compose
+    return compose([f"paths.root={test_root}", *AGREE_TARGET, f"bench.limit={AGREE_PROMPTS}", *overrides])
+
+
+def agree_prompts(target, cfg) -> list[list[int]]:
+    from eagle3.bench import tokenize_prompts
+    from eagle3.suites import load_suite
+    return tokenize_prompts(target.tokenizer, load_suite(cfg.bench))
+
+
+def trained_smollm2_drafter(test_root: Path) -> Path:
+    """A drafter trained with eagle3.train (Lightning, TTT, online hidden states) on the target's own
+    greedy continuations of the first vicuna prompts (SmolLM2), exported by eagle3.export; made once
+    per test root."""
+    from eagle3.export import export_drafter
+    from eagle3.target import load_target
+    from eagle3.train import DrafterData, fit, load_trained_drafter
+
+    out = test_root / "drafters" / "smollm2-bench-trained"
+    if (out / "vllm" / "config.json").exists():
+        return out
+    train_dir = test_root / "drafters" / "smollm2-bench-train"
+    cfg = agree_cfg(test_root, "train.hidden_states=online", "train.ttt_length=4", "train.max_length=160",
+                    "train.batch_size=4", "train.bucket_batches=1", "train.epochs=15", "train.lr=3e-3",
+                    "train.warmup_ratio=0.05", "train.checkpoint_every_n_steps=1000", "trainer.accelerator=cpu",
+                    "trainer.progress_bar=false", "tracking.enabled=false")
+    target = load_target(cfg, device="cpu")
+    items = []
+    for index, ids in enumerate(agree_prompts(target, cfg)):
+        prompt = torch.tensor([ids])
+        with torch.no_grad():
+            full = target.model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                         max_new_tokens=AGREE_TOKENS + 8, pad_token_id=0)[0]
+        mask = torch.zeros(len(full), dtype=torch.long)
+        mask[len(ids):] = 1
+        items.append({"id": str(index), "input_ids": full, "loss_mask": mask})
+    with torch.no_grad():
+        predicted = torch.cat([target.model(i["input_ids"][None]).logits[0].argmax(-1) for i in items])
+    top = predicted.bincount(minlength=target.vocab_size).topk(AGREE_VOCAB).indices.sort().values
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[top] = True
+    data = DrafterData(items, items[:2], cfg.train, cfg.seed, pad_id=0)
+    fit(cfg, target, data, train_dir, top - torch.arange(AGREE_VOCAB), t2d)
+    drafter = load_trained_drafter(train_dir, target, which="final")
+    drafter.config.target_num_layers = target.num_layers
+    export_drafter(cfg, drafter, {"note": "trained on the bench prompts' greedy continuations"}, out)
+    return out
 
 
 def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:

@@ -22,6 +22,7 @@ from eagle3.common import Eagle3Error
 from eagle3.costmodel import StepCost, accept_length, fit_step_cost, predict
 from eagle3.suites import load_suite
 from eagle3.sweep import cost_model_rows, summarize
+from engine_helpers import AGREE_PROMPTS, AGREE_TARGET, AGREE_TOKENS
 
 
 # ---------------------------------------------------------------- suites
@@ -311,63 +312,13 @@ def test_killed_server_marks_the_job_failed(make_cfg, tmp_path, tiny_drafter):
 # ---------------------------------------------------------------- local vs vLLM acceptance
 
 
-AGREE_VOCAB = 512
-AGREE_PROMPTS = 4
-AGREE_TOKENS = 32
-# SmolLM2 (a real model: varied greedy continuations, no near-ties) in float32 on both engines.
-# The tiny random Llama is no use here: its greedy output is one token repeated, which any drafter
-# predicts, so both engines would report the trivial tau = depth.
-AGREE_TARGET = ("target=smollm2-135m", "target.dtype=float32", f"drafter.draft_vocab_size={AGREE_VOCAB}")
-
-
-@pytest.fixture(scope="session")
-def trained_drafter(test_root):
-    """A drafter trained with eagle3.train (Lightning, TTT, online hidden states) on the target's own
-    greedy continuations of the first vicuna prompts (SmolLM2), exported by eagle3.export."""
-    from eagle3.common import compose
-    from eagle3.export import export_drafter
-    from eagle3.target import load_target
-    from eagle3.train import DrafterData, fit, load_trained_drafter
-
-    out = test_root / "drafters" / "smollm2-bench-trained"
-    if (out / "vllm" / "config.json").exists():
-        return out
-    train_dir = test_root / "drafters" / "smollm2-bench-train"
-    cfg = compose([f"paths.root={test_root}", *AGREE_TARGET, "train.hidden_states=online",
-                   "train.ttt_length=4", "train.max_length=160", "train.batch_size=4", "train.bucket_batches=1",
-                   "train.epochs=15", "train.lr=3e-3", "train.warmup_ratio=0.05", "train.checkpoint_every_n_steps=1000",
-                   "trainer.accelerator=cpu", "trainer.progress_bar=false", "tracking.enabled=false",
-                   f"bench.limit={AGREE_PROMPTS}"])
-    target = load_target(cfg, device="cpu")
-    items = []
-    for index, ids in enumerate(tokenize_prompts(target.tokenizer, load_suite(cfg.bench))):
-        prompt = torch.tensor([ids])
-        with torch.no_grad():
-            full = target.model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                         max_new_tokens=AGREE_TOKENS + 8, pad_token_id=0)[0]
-        mask = torch.zeros(len(full), dtype=torch.long)
-        mask[len(ids):] = 1
-        items.append({"id": str(index), "input_ids": full, "loss_mask": mask})
-    with torch.no_grad():
-        predicted = torch.cat([target.model(i["input_ids"][None]).logits[0].argmax(-1) for i in items])
-    top = predicted.bincount(minlength=target.vocab_size).topk(AGREE_VOCAB).indices.sort().values
-    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
-    t2d[top] = True
-    data = DrafterData(items, items[:2], cfg.train, cfg.seed, pad_id=0)
-    fit(cfg, target, data, train_dir, top - torch.arange(AGREE_VOCAB), t2d)
-    drafter = load_trained_drafter(train_dir, target, which="final")
-    drafter.config.target_num_layers = target.num_layers
-    export_drafter(cfg, drafter, {"note": "trained on the bench prompts' greedy continuations"}, out)
-    return out
-
-
 @pytest.mark.slow
-def test_local_and_vllm_measure_the_same_tau(make_cfg, tmp_path, trained_drafter):
+def test_local_and_vllm_measure_the_same_tau(make_cfg, tmp_path, smollm2_trained_drafter):
     """Same target weights, same trained drafter, same prompt ids, greedy, a depth-4 chain: the local
     engine's τ and vLLM's τ (from its /metrics counters) agree within TOLERANCE (see below)."""
     from eagle3.bench import run_job
 
-    drafter = trained_drafter
+    drafter = smollm2_trained_drafter
     common = [*AGREE_TARGET, "spec.depth=4", f"bench.limit={AGREE_PROMPTS}", f"bench.max_new_tokens={AGREE_TOKENS}",
               "bench.ignore_eos=true", f"drafter.path={drafter}"]
     local = run_job(make_cfg(*common, "serve=local"), tmp_path / "local")

@@ -280,10 +280,7 @@ def test_top_p_restricts_to_the_nucleus(tiny_target, fitted, references):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["d4", "d6s3k2"])
 def test_smollm2_greedy_is_lossless_untrained_drafter(smollm2, name):
-    from engine_helpers import SPECS
     from eagle3.common import compose
-    SPECS["d4"], SPECS["d6s3k2"] = dict(enabled=True, depth=4, steps=None, topk=1), \
-        dict(enabled=True, depth=6, steps=3, topk=2)
     torch.manual_seed(0)
     drafter = build_drafter(smollm2, compose(["target=smollm2-135m"]).drafter).eval()
     decoder = SpecDecoder(smollm2, drafter, spec(name))
@@ -293,3 +290,22 @@ def test_smollm2_greedy_is_lossless_untrained_drafter(smollm2, name):
                                          tokenize=True, return_dict=True)["input_ids"]
         expected = reference_greedy(smollm2.model, prompt, 24)  # (generate's min_new_tokens would mask EOS)
         assert decoder.generate(prompt, 24).tokens == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["d4", "d6s3k2"])
+def test_smollm2_greedy_is_lossless_trained_drafter(smollm2, smollm2_trained_drafter, test_root, name):
+    """The drafter eagle3.train made (engine_helpers.trained_smollm2_drafter), loaded as the server
+    loads it: drafts are accepted (measured tau > 1.2) and the output is still the target's greedy decode."""
+    from eagle3.engine.server import load_engine_drafter
+    from engine_helpers import agree_cfg, agree_prompts
+    cfg = agree_cfg(test_root, f"drafter.path={smollm2_trained_drafter}")
+    drafter, _ = load_engine_drafter(cfg, smollm2, spec(name))
+    decoder = SpecDecoder(smollm2, drafter, spec(name))
+    stats = []
+    for prompt in agree_prompts(smollm2, cfg)[:3]:
+        expected = reference_greedy(smollm2.model, prompt, 24)
+        result = decoder.generate(prompt, 24)
+        assert result.tokens == expected
+        stats.append(result.stats)
+    assert summarize(stats)["tau"] > 1.2
