@@ -39,7 +39,7 @@ install() {
 }
 
 train_export() {  # train (resuming a cut run) for at most $1 s; export once training is complete
-  timed train timeout "$1" python3 -m eagle3.train "${overrides[@]}" || return 0
+  timed train timeout -k 20 "$1" python3 -m eagle3.train "${overrides[@]}" || return 0
   timed export python3 -m eagle3.export "${overrides[@]}"
   find "$root/artifacts" -name manifest.json -exec cp --parents {} "$logs" \;
 }
@@ -75,7 +75,7 @@ case $step in
   ddp)  # after the train step, on the same (warm) machine: its data and converted target, fresh drafters
     for devices in 1 ${DEVICES:-2}; do
       mkdir -p "$root/ddp$devices" && cp -al "$root/artifacts/targets" "$root/artifacts/data" "$root/ddp$devices/"
-      timed "train_${devices}gpu" timeout "${DDP_TIMEOUT:-150}" python3 -m eagle3.train "${overrides[@]}" \
+      timed "train_${devices}gpu" timeout -k 20 "${DDP_TIMEOUT:-150}" python3 -m eagle3.train "${overrides[@]}" \
         "trainer.devices=$devices" trainer.strategy=ddp trainer.log_every_n_steps=5 \
         "paths.artifacts=$root/ddp$devices" || true
       grep -h "train: step" "$logs/train_${devices}gpu.log" > "$out/ddp_${devices}gpu.txt" || true
@@ -94,7 +94,7 @@ torch.manual_seed(0); LlamaForCausalLM(LlamaConfig.from_pretrained('.carry/ddp/s
     timed data python3 -m eagle3.data "${random[@]}" "paths.artifacts=$root/d1"
     for devices in 1 ${DEVICES:-2}; do
       mkdir -p "$root/d$devices" && cp -rn "$root/d1/data" "$root/d$devices/"
-      timed "train_${devices}gpu" timeout "${DDP_TIMEOUT:-150}" python3 -m eagle3.train "${random[@]}" \
+      timed "train_${devices}gpu" timeout -k 20 "${DDP_TIMEOUT:-150}" python3 -m eagle3.train "${random[@]}" \
         "paths.artifacts=$root/d$devices" "trainer.devices=$devices" trainer.strategy=ddp || true
       grep -h "train: step" "$logs/train_${devices}gpu.log" > "$out/ddp_${devices}gpu.txt" || true
     done ;;

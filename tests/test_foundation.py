@@ -73,6 +73,25 @@ def test_converted_folder_matches_gguf_logits(smollm2):
     assert config["rope_theta"] == 100000 and "quantization_config" not in config
     assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast" and tok_config["model_max_length"] == 8192
     assert "<|im_start|>" in tok_config["chat_template"]
+    assert tok_config["clean_up_tokenization_spaces"] is False
+    tok = smollm2.tokenizer  # the GGUF's own ids (bos 1, eos 2, pad 2) whatever transformers version converted
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    assert (tok.eos_token_id, tok.pad_token_id) == (config["eos_token_id"], config["pad_token_id"]) == (2, 2)
+
+
+def test_special_tokens_follow_the_gguf_ids(tiny_target):
+    """transformers 5.17's GGUF tokenizer comes out with eos <|im_start|> and no pad (seen on the
+    H200 box); it cannot be installed beside this project's 5.19, so the bad tokenizer is made by hand."""
+    from transformers import AutoTokenizer
+    from eagle3.data import tokenizer_hash
+    from eagle3.target import set_special_tokens
+    good = AutoTokenizer.from_pretrained(tiny_target.path)
+    bad = AutoTokenizer.from_pretrained(tiny_target.path)
+    bad.eos_token, bad.pad_token = "<|im_start|>", None
+    assert tokenizer_hash(bad) != tokenizer_hash(good)
+    set_special_tokens(bad, {"bos_token_id": 1, "eos_token_id": 2, "unk_token_id": 0, "pad_token_id": 2})
+    assert (bad.eos_token_id, bad.pad_token_id) == (2, 2)
+    assert tokenizer_hash(bad) == tokenizer_hash(good)
 
 
 def test_stage_output_hash_manifest_and_resume(tmp_path):

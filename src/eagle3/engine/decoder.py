@@ -298,6 +298,7 @@ class SpecDecoder:
                 return out[:i + 1]
         return out
 
+    @torch.no_grad()  # a drafter fresh from training still requires grad; captured kernels write caches in place
     def capture_graphs(self) -> None:
         """CUDA graphs for every fixed-shape forward: verify (q = depth, and 1), draft steps
         (q = 1..topk frontier rows) and the drafter extend (padded to depth)."""

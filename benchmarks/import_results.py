@@ -1,0 +1,142 @@
+"""Bring a GPU machine's results into the MLflow store, so the UI shows them beside local runs.
+
+The lent GPU machines run the stages with tracking off (no mlflow there); what comes back is
+a folder of JSON and log files (benchmarks/results/<name>/: e2e.json from e2e_bench.py,
+engine_*.json from bench_engine.py, *_progress.log from the train stage's progress lines,
+*_manifest.json from the stage outputs, gpu.txt). This logs one parent run named after the
+folder with a child run per bench row, engine-step row, training and DDP run:
+
+    python benchmarks/import_results.py benchmarks/results/h200-2026-11-30 [hydra overrides]
+
+Importing a folder again replaces its earlier import (runs tagged import_source=<folder name>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from eagle3.common import compose
+from eagle3.tracking import client, flatten
+
+PROGRESS = re.compile(r"train: step (\d+)/\d+ epoch \d+ loss ([\d.]+) tau_hat ([\d.]+)\s+([\d.]+) samples/s")
+
+
+def progress_rows(path: Path) -> list[dict]:
+    """The train stage's progress lines: step, loss, tau_hat, samples/s of the window."""
+    rows = [PROGRESS.search(line) for line in path.read_text().splitlines()]
+    return [{"step": int(m[1]), "train/loss": float(m[2]), "train/tau_hat": float(m[3]),
+             "train/samples_per_s": float(m[4])} for m in rows if m]
+
+
+def e2e_runs(data: dict) -> list[tuple[str, dict, dict, dict]]:
+    """(name, params, metrics, per-position curve) per suite x method; speedup against spec=off."""
+    off = {r["suite"]: r["tok_per_s"] for r in data["rows"] if r["method"] == "off"}
+    runs = []
+    for row in data["rows"]:
+        metrics = {k: float(row[k]) for k in ("tok_per_s", "tau", "wall_s", "tokens", "match_hf",
+                                              "draft_ms_per_step", "verify_ms_per_step") if k in row}
+        if row["suite"] in off:
+            metrics["speedup_vs_off"] = row["tok_per_s"] / off[row["suite"]]
+        params = {"bench.suite": row["suite"], "method": row["method"], "prompts": row["prompts"],
+                  "max_new_tokens": data["args"]["max_new_tokens"], "dtype": data["args"]["dtype"]}
+        runs.append((f"{row['suite']} {row['method']}", params, metrics, row.get("acceptance_per_position", [])))
+    return runs
+
+
+def engine_runs(data: dict, path_name: str) -> list[tuple[str, dict, dict, dict]]:
+    runs = []
+    for row in data["rows"]:
+        metrics = {k: float(row[k]) for k in ("tok_per_s", "step_ms", "draft_ms_per_step", "verify_ms_per_step")}
+        metrics.update({f"projected_tok_per_s_tau{t}": v for t, v in row["projected_tok_per_s"].items()})
+        params = {"spec": row["spec"], "engine_path": path_name, "weights": "random (SmolLM2 shapes)"}
+        runs.append((f"engine-step {row['spec']} {path_name}", params, metrics, []))
+    return runs
+
+
+def log_child(mlflow, parent, name: str, params: dict, metrics: dict, curve=(), steps=(), tags=None):
+    inherited = {k: v for k, v in parent.data.tags.items() if not k.startswith("mlflow.")}
+    run = mlflow.create_run(parent.info.experiment_id, run_name=name,
+                            tags={**inherited, "mlflow.parentRunId": parent.info.run_id, **(tags or {})})
+    run_id = run.info.run_id
+    for key, value in params.items():
+        mlflow.log_param(run_id, key, str(value)[:500])
+    for key, value in metrics.items():
+        mlflow.log_metric(run_id, key, value)
+    for position, rate in enumerate(curve):
+        mlflow.log_metric(run_id, "acceptance_per_position", rate, step=position)
+    for row in steps:
+        for key, value in row.items():
+            if key != "step":
+                mlflow.log_metric(run_id, key, value, step=row["step"])
+    mlflow.set_terminated(run_id)
+    return run_id
+
+
+def replace_earlier(mlflow, experiment_id: str, source: str) -> int:
+    old = mlflow.search_runs([experiment_id], f"tags.import_source = '{source}'", max_results=10_000)
+    for run in old:
+        mlflow.delete_run(run.info.run_id)
+    return len(old)
+
+
+def import_folder(folder: Path, overrides: list[str]) -> dict:
+    cfg = compose(overrides)
+    mlflow = client(cfg)
+    experiment_id = mlflow.get_experiment_by_name(cfg.tracking.experiment).experiment_id
+    replaced = replace_earlier(mlflow, experiment_id, folder.name)
+    machine = (folder / "gpu.txt").read_text().splitlines()[1:] if (folder / "gpu.txt").exists() else []
+    tags = {"import_source": folder.name, "stage": "import", "machine": ", ".join(machine) or "unknown"}
+    parent = mlflow.create_run(experiment_id, run_name=folder.name, tags=tags)
+    children = []
+    if (folder / "train_manifest.json").exists():
+        manifest = json.loads((folder / "train_manifest.json").read_text())
+        counts = {f"final/{k}": float(v) for k, v in manifest["counts"].items() if isinstance(v, (int, float))}
+        params = flatten({k: manifest["config"][k] for k in ("train", "drafter")})
+        steps = progress_rows(folder / "train_progress.log") if (folder / "train_progress.log").exists() else []
+        children.append(log_child(mlflow, parent, "train", params, counts, steps=steps, tags={"stage": "train"}))
+    for devices in (1, 2, 4, 8):
+        log = folder / f"ddp_{devices}gpu_progress.log"
+        if log.exists():
+            steps = progress_rows(log)
+            children.append(log_child(mlflow, parent, f"ddp {devices} gpu", {"trainer.devices": devices},
+                                      ddp_rate(steps, devices), steps=steps, tags={"stage": "train"}))
+    if (folder / "e2e.json").exists():
+        for name, params, metrics, curve in e2e_runs(json.loads((folder / "e2e.json").read_text())):
+            children.append(log_child(mlflow, parent, name, params, metrics, curve, tags={"stage": "bench"}))
+    for path_name in ("step_by_step", "fused"):
+        path = folder / f"engine_{path_name}.json"
+        if path.exists():
+            for name, params, metrics, curve in engine_runs(json.loads(path.read_text()), path_name):
+                children.append(log_child(mlflow, parent, name, params, metrics, tags={"stage": "engine"}))
+    mlflow.set_terminated(parent.info.run_id)
+    return {"parent": parent.info.run_id, "children": len(children), "replaced": replaced,
+            "uri": cfg.tracking.uri}
+
+
+def ddp_rate(steps: list[dict], devices: int) -> dict:
+    """Samples/s from the first to the last progress line (start-up excluded). Each line's rate
+    covers the steps since the line before, and every step takes batch_size x devices samples,
+    so the whole span's rate is the step-weighted harmonic mean of the line rates."""
+    if len(steps) < 2:
+        return {}
+    pairs = list(zip(steps, steps[1:]))
+    done = sum(b["step"] - a["step"] for a, b in pairs)
+    return {"samples_per_s": done / sum((b["step"] - a["step"]) / b["train/samples_per_s"] for a, b in pairs),
+            "devices": float(devices)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides (tracking.*, paths.root)")
+    args = parser.parse_args()
+    summary = import_folder(args.folder, args.overrides)
+    print(f"imported {args.folder.name}: parent run {summary['parent']}, {summary['children']} child runs "
+          f"({summary['replaced']} earlier runs replaced) into {summary['uri']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""benchmarks/import_results.py: a GPU machine's result folder lands in a real MLflow store
+(sqlite), one child run per result row, with values equal to the files'."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-11-30"
+
+
+def run_import(tmp_path: Path) -> str:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "import_results.py"), str(RESULTS),
+                           f"paths.root={tmp_path}"], capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+def test_import_logs_every_row_and_replaces_on_reimport(tmp_path):
+    e2e = json.loads((RESULTS / "e2e.json").read_text())["rows"]
+    engine = sum(len(json.loads((RESULTS / f"engine_{p}.json").read_text())["rows"])
+                 for p in ("step_by_step", "fused"))
+    assert "35 child runs (0 earlier" in run_import(tmp_path)  # train + 2 ddp + 24 bench + 8 engine
+    assert len(e2e) + engine + 3 == 35
+    assert "36 earlier runs replaced" in run_import(tmp_path)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    experiment = client.get_experiment_by_name("eagle3").experiment_id
+    runs = {r.info.run_name: r for r in client.search_runs([experiment], max_results=1000)}
+    assert len(runs) == 36
+    parent = runs[RESULTS.name].info.run_id
+    assert all(r.data.tags["mlflow.parentRunId"] == parent for n, r in runs.items() if n != RESULTS.name)
+    row = next(r for r in e2e if r["suite"] == "gsm8k" and r["method"] == "d6s3k2")
+    off = next(r for r in e2e if r["suite"] == "gsm8k" and r["method"] == "off")
+    metrics = runs["gsm8k d6s3k2"].data.metrics
+    assert metrics["tok_per_s"] == row["tok_per_s"] and metrics["tau"] == row["tau"]
+    assert metrics["speedup_vs_off"] == row["tok_per_s"] / off["tok_per_s"]
+    curve = client.get_metric_history(runs["gsm8k d6s3k2"].info.run_id, "acceptance_per_position")
+    assert [m.value for m in sorted(curve, key=lambda m: m.step)] == row["acceptance_per_position"]
+    progress = (RESULTS / "train_progress.log").read_text().count("train: step")
+    assert len(client.get_metric_history(runs["train"].info.run_id, "train/tau_hat")) == progress
+    assert runs["train"].data.metrics["final/tau_hat"] == json.loads(
+        (RESULTS / "train_manifest.json").read_text())["counts"]["tau_hat"]
+    assert runs["ddp 2 gpu"].data.metrics["devices"] == 2.0
