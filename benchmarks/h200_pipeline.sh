@@ -14,6 +14,10 @@
 #   step ddp-random : the same scaling run on a random model with SmolLM2's shapes and ShareGPT's own
 #                 answers (.carry/ddp: tokenizer, config, convs.jsonl), on a fresh machine
 # EXTRA holds more Hydra overrides (smaller runs, CPU rehearsals).
+# The working tree travels as it is, edits in progress too: to run the committed code, snapshot it
+# (`mkdir .snap && git archive HEAD src benchmarks conf experiments | tar -x -C .snap`, .snap ignored),
+# carry .snap and start each command with
+# `for d in src benchmarks conf experiments; do rm -rf $d; cp -a .snap/$d .; done;`.
 set -euo pipefail
 step=${1:?part-a|train|bench|ddp}
 root=${E3_ROOT:-/tmp/e3}

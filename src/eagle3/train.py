@@ -451,7 +451,7 @@ class Throughput(Callback):
 
     def on_train_start(self, trainer, module) -> None:
         self.started, self.sequences, self.tokens = time.perf_counter(), 0, 0
-        self.window, self.batches = (self.started, 0), 0
+        self.window, self.batches, self.first_step = (self.started, 0), 0, trainer.global_step  # > 0 on resume
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.sequences += batch["input_ids"].shape[0]
@@ -466,7 +466,7 @@ class Throughput(Callback):
         total, step = trainer.estimated_stepping_batches, trainer.global_step
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         tau = trainer.callback_metrics.get("train/tau_hat", torch.tensor(float("nan")))
-        eta = (now - self.started) / max(step, 1) * (total - step)
+        eta = (now - self.started) / max(step - self.first_step, 1) * (total - step)
         log.info("train: step %d/%d epoch %d loss %.4f tau_hat %.3f  %.1f samples/s  elapsed %.0fs eta %.0fs",
                  step, total, trainer.current_epoch, float(loss), float(tau), rate, now - self.started, eta)
         self.window = (now, self.sequences)
