@@ -56,7 +56,8 @@ def engine_runs(data: dict, path_name: str) -> list[tuple[str, dict, dict, dict]
     return runs
 
 
-def log_child(mlflow, parent, name: str, params: dict, metrics: dict, curve=(), steps=(), tags=None):
+def log_child(mlflow, parent, name: str, params: dict, metrics: dict, curve=(), steps=(), tags=None,
+              curve_name: str = "acceptance_per_position"):
     inherited = {k: v for k, v in parent.data.tags.items() if not k.startswith("mlflow.")}
     run = mlflow.create_run(parent.info.experiment_id, run_name=name,
                             tags={**inherited, "mlflow.parentRunId": parent.info.run_id, **(tags or {})})
@@ -66,7 +67,7 @@ def log_child(mlflow, parent, name: str, params: dict, metrics: dict, curve=(), 
     for key, value in metrics.items():
         mlflow.log_metric(run_id, key, value)
     for position, rate in enumerate(curve):
-        mlflow.log_metric(run_id, "acceptance_per_position", rate, step=position)
+        mlflow.log_metric(run_id, curve_name, rate, step=position)
     for row in steps:
         for key, value in row.items():
             if key != "step":
@@ -96,7 +97,9 @@ def import_folder(folder: Path, overrides: list[str]) -> dict:
         counts = {f"final/{k}": float(v) for k, v in manifest["counts"].items() if isinstance(v, (int, float))}
         params = flatten({k: manifest["config"][k] for k in ("train", "drafter")})
         steps = progress_rows(folder / "train_progress.log") if (folder / "train_progress.log").exists() else []
-        children.append(log_child(mlflow, parent, "train", params, counts, steps=steps, tags={"stage": "train"}))
+        val_acc = [a for a in manifest["counts"].get("val_acc") or [] if a is not None]
+        children.append(log_child(mlflow, parent, "train", params, counts, val_acc, steps, {"stage": "train"},
+                                  curve_name="val_acc_per_ttt_step"))
     for devices in (1, 2, 4, 8):
         log = folder / f"ddp_{devices}gpu_progress.log"
         if log.exists():

@@ -45,3 +45,20 @@ def test_import_logs_every_row_and_replaces_on_reimport(tmp_path):
     assert runs["train"].data.metrics["final/tau_hat"] == json.loads(
         (RESULTS / "train_manifest.json").read_text())["counts"]["tau_hat"]
     assert runs["ddp 2 gpu"].data.metrics["devices"] == 2.0
+
+
+def test_import_logs_the_per_ttt_step_accuracies(tmp_path):
+    """A train manifest written since the val accuracies per TTT step went into it."""
+    import shutil
+    folder = tmp_path / "h200-run"
+    shutil.copytree(RESULTS, folder)
+    manifest = json.loads((folder / "train_manifest.json").read_text())
+    manifest["counts"]["val_acc"] = [0.5, 0.25, 0.125]
+    (folder / "train_manifest.json").write_text(json.dumps(manifest))
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "import_results.py"), str(folder),
+                    f"paths.root={tmp_path}"], capture_output=True, text=True, check=True)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    train = client.search_runs([client.get_experiment_by_name("eagle3").experiment_id],
+                               "attributes.run_name = 'train'")[0]
+    curve = client.get_metric_history(train.info.run_id, "val_acc_per_ttt_step")
+    assert [(m.step, m.value) for m in sorted(curve, key=lambda m: m.step)] == [(0, 0.5), (1, 0.25), (2, 0.125)]

@@ -18,6 +18,7 @@ import torch
 
 from eagle3.common import Eagle3Error, compose
 from eagle3.target import load_target
+from eagle3.ttt import tau_hat
 from eagle3.train import (CHECKPOINTS, BucketBatchSampler, DrafterData, choose_strategy, collate, fit,
                           load_trained_drafter, warmup_cosine)
 
@@ -290,6 +291,9 @@ def test_end_to_end_offline_with_mlflow_and_guard_rails(make_cfg, test_root, tmp
     assert metrics["val/tau_hat"] >= 1.0 and "train/loss" in metrics and metrics["val/tau_measured"] >= 1.0
     history = mlflow.tracking.MlflowClient(cfg.tracking.uri).get_metric_history(runs[0].info.run_id, "val/tau_hat")
     assert len(history) == 2 and counts["tau_hat"] == pytest.approx(max(m.value for m in history))
+    # the last validation's per-TTT-step accuracies, in the manifest too (GPU boxes run without MLflow)
+    assert counts["val_acc"] == pytest.approx([metrics[f"val/acc_{k}"] for k in range(cfg.train.ttt_length)])
+    assert float(tau_hat(counts["val_acc"])) == pytest.approx(history[-1].value)
 
     assert run(cfg).hash == out.hash  # complete: a no-op, no second MLflow run
     assert len(mlflow.search_runs(experiment_names=[cfg.tracking.experiment], output_format="list",

@@ -478,6 +478,8 @@ class Throughput(Callback):
         world = trainer.world_size
         self.result = {"train/seconds": seconds, "train/samples_per_s": self.sequences * world / seconds,
                        "train/tokens_per_s": self.tokens * world / seconds, "train/devices": world}
+        if module.device.type == "cuda":  # this rank's; ranks hold the same shapes
+            self.result["train/peak_memory_gib"] = torch.cuda.max_memory_allocated(module.device) / 2 ** 30
         if trainer.logger is not None:
             trainer.logger.log_metrics(self.result, step=trainer.global_step)
 
@@ -622,7 +624,9 @@ def run(cfg: DictConfig, callbacks=()) -> StageOutput:
               "tokenizer_hash": data.manifest().get("counts", {}).get("tokenizer_hash"),
               "data_hash": data.hash, **{k.removeprefix("train/"): v for k, v in metrics.items()
                                          if k in ("train/seconds", "train/samples_per_s", "train/tokens_per_s",
-                                                  "train/devices")}}
+                                                  "train/devices", "train/peak_memory_gib")},
+              # per TTT step, so a run without MLflow (a GPU box) still reports them
+              "val_acc": [metrics.get(f"val/acc_{k}") for k in range(cfg.train.ttt_length)]}
     out.finish(counts)
     log.info("train: wrote %s (val tau_hat %.3f)", out.path, counts["tau_hat"] or float("nan"))
     return out
