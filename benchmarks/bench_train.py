@@ -3,6 +3,9 @@
     python benchmarks/bench_train.py                      # CPU grid: tiny-llama, smollm2-135m x T=512,1024 x sdpa
     python benchmarks/bench_train.py --config-json c.json --device cuda --lengths 2048 --paths sdpa flex
     python benchmarks/bench_train.py --check-flex --device cuda   # sdpa vs flex: loss and gradients
+    # the train stage's shape (batch 16) with a kernel table of where the step's time goes
+    python benchmarks/bench_train.py --config-json c.json --device cuda --lengths 512 --batch 16 \
+        --draft-vocab 8192 --profile prof.txt
 
 Shapes come from a target's config.json (`--config-json`) or from eagle3's target loader
 (`--targets`, CPU). Inputs are random (aux/final states, token ids): throughput and memory
@@ -52,20 +55,34 @@ def make_drafter(config: dict, draft_vocab: int, device: str):
     return drafter
 
 
-def random_batch(config: dict, length: int, device: str) -> dict:
+def random_batch(config: dict, length: int, device: str, batch: int = 1) -> dict:
     hidden, vocab = config["hidden_size"], config["vocab_size"]
-    return {"input_ids": torch.randint(0, vocab, (1, length), device=device),
-            "loss_mask": torch.ones(1, length, dtype=torch.long, device=device),
-            "aux_hidden": torch.randn(1, length, 3 * hidden, device=device),
-            "last_hidden": torch.randn(1, length, hidden, device=device)}
+    return {"input_ids": torch.randint(0, vocab, (batch, length), device=device),
+            "loss_mask": torch.ones(batch, length, dtype=torch.long, device=device),
+            "aux_hidden": torch.randn(batch, length, 3 * hidden, device=device),
+            "last_hidden": torch.randn(batch, length, hidden, device=device)}
 
 
-def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: str, draft_vocab: int) -> dict:
+def write_profile(step, device: str, path: str, steps: int = 2) -> None:
+    """The top kernels/ops of `steps` training steps by self time (CUDA time on a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    Path(path).write_text(prof.key_averages().table(sort_by=key, row_limit=40))
+
+
+def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: str, draft_vocab: int,
+            batch_size: int = 1, profile_path: str | None = None) -> dict:
     from eagle3.ttt import ttt_loss
     drafter = make_drafter(config, draft_vocab, device)
     head = torch.randn(config["vocab_size"], config["hidden_size"], device=device) * 0.05
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
-    batch = random_batch(config, length, device)
+    batch = random_batch(config, length, device, batch_size)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
 
     def step():
@@ -88,8 +105,10 @@ def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: 
     seconds = (time.perf_counter() - started) / steps
     peak = (torch.cuda.max_memory_allocated() if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return {"T": length, "path": path, "ttt": ttt, "s_per_step": round(seconds, 4),
-            "tokens_per_s": round(length / seconds, 1), "peak_GiB": round(peak / 2 ** 30, 3),
+    if profile_path:
+        write_profile(step, device, profile_path)
+    return {"T": length, "batch": batch_size, "path": path, "ttt": ttt, "s_per_step": round(seconds, 4),
+            "tokens_per_s": round(batch_size * length / seconds, 1), "peak_GiB": round(peak / 2 ** 30, 3),
             "peak_kind": "cuda max_memory_allocated" if device == "cuda" else "process max RSS"}
 
 
@@ -122,6 +141,8 @@ def main() -> None:
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--draft-vocab", type=int, default=32000)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step (the train stage: train.batch_size)")
+    parser.add_argument("--profile", help="write a kernel table per configuration to PROFILE.<T>.<path>.txt")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--check-flex", action="store_true")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one configuration, JSON out
@@ -129,8 +150,9 @@ def main() -> None:
     if args.one:
         name, length, path = args.one.split(",")
         config = target_config(name if name != "-" else None, args.config_json)
+        profile = f"{args.profile}.{length}.{path}.txt" if args.profile else None
         print(json.dumps({"target": name, **measure(config, int(length), path, args.ttt, args.steps, args.device,
-                                                   args.draft_vocab)}))
+                                                   args.draft_vocab, args.batch, profile)}))
         return
     names = ["-"] if args.config_json else args.targets
     if args.check_flex:
@@ -145,7 +167,9 @@ def main() -> None:
             for path in args.paths:
                 command = [sys.executable, __file__, f"--one={name},{length},{path}", "--ttt", str(args.ttt),
                            "--steps", str(args.steps), "--draft-vocab", str(args.draft_vocab),
-                           "--device", args.device] + (["--config-json", args.config_json] if args.config_json else [])
+                           "--batch", str(args.batch), "--device", args.device]
+                command += ["--profile", args.profile] if args.profile else []
+                command += ["--config-json", args.config_json] if args.config_json else []
                 done = subprocess.run(command, capture_output=True, text=True)
                 lines = done.stdout.strip().splitlines()
                 print(lines[-1] if done.returncode == 0 and lines else

