@@ -20,7 +20,7 @@
 # carry .snap and start each command with
 # `for d in src benchmarks conf experiments; do rm -rf $d; cp -a .snap/$d .; done;`.
 set -euo pipefail
-step=${1:?part-a|train|bench|ddp}
+step=${1:?part-a|train|bench|ddp|ddp-random}
 root=${E3_ROOT:-/tmp/e3}
 out=${OUT:-/tmp/e3-out}
 logs=$root/logs/$step
@@ -106,4 +106,5 @@ torch.manual_seed(0); LlamaForCausalLM(LlamaConfig.from_pretrained('.carry/ddp/s
         "paths.artifacts=$root/d$devices" "trainer.devices=$devices" trainer.strategy=ddp || true
       grep -h "train: step" "$logs/train_${devices}gpu.log" > "$out/ddp_${devices}gpu.txt" || true
     done ;;
+  *) echo "unknown step '$step': part-a|train|bench|ddp|ddp-random" >&2; exit 2 ;;
 esac
