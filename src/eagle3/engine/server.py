@@ -56,15 +56,19 @@ class GenerateRequest(Strict):
     stream: bool = False
 
 
-class CompletionRequest(Strict):
+class OpenAIRequest(Strict):
+    """The fields the OpenAI completions and chat bodies share."""
     model: str | None = None
-    prompt: str | list[int]
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: Seed = None
     stream: bool = False
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str | list[int]
 
 
 class Message(Strict):
@@ -72,16 +76,9 @@ class Message(Strict):
     content: str
 
 
-class ChatRequest(Strict):
-    model: str | None = None
+class ChatRequest(OpenAIRequest):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: Seed = None
-    stream: bool = False
 
 
 # ---------------------------------------------------------------- the engine behind the routes
