@@ -18,8 +18,10 @@ import json
 import re
 from pathlib import Path
 
+from mlflow.tracking import MlflowClient
+
 from eagle3.common import compose
-from eagle3.tracking import client, flatten
+from eagle3.tracking import flatten, setup
 
 PROGRESS = re.compile(r"train: step (\d+)/\d+ epoch \d+ loss ([\d.]+) tau_hat ([\d.]+)\s+([\d.]+) samples/s")
 
@@ -85,8 +87,8 @@ def replace_earlier(mlflow, experiment_id: str, source: str) -> int:
 
 def import_folder(folder: Path, overrides: list[str]) -> dict:
     cfg = compose(overrides)
-    mlflow = client(cfg)
-    experiment_id = mlflow.get_experiment_by_name(cfg.tracking.experiment).experiment_id
+    experiment_id = setup(cfg)
+    mlflow = MlflowClient(tracking_uri=cfg.tracking.uri)
     replaced = replace_earlier(mlflow, experiment_id, folder.name)
     machine = (folder / "gpu.txt").read_text().splitlines()[1:] if (folder / "gpu.txt").exists() else []
     tags = {"import_source": folder.name, "stage": "import", "machine": ", ".join(machine) or "unknown"}
