@@ -14,7 +14,9 @@
 #                 train step's data and target (scaling: the samples/s of the progress lines)
 #   step ddp-random : the same scaling run on a random model with SmolLM2's shapes and ShareGPT's own
 #                 answers (.carry/ddp: tokenizer, config, convs.jsonl), on a fresh machine
-# EXTRA holds more Hydra overrides (smaller runs, CPU rehearsals).
+# EXTRA holds more Hydra overrides (smaller runs, CPU rehearsals). Other knobs (environment):
+# TRAIN_TIMEOUT / DDP_TIMEOUT seconds per training run, PROMPTS per suite and SPECS for bench
+# (SPECS also for part-a's engine timing), DEVICES for ddp, E3_ROOT (default /tmp/e3).
 # The working tree travels as it is, edits in progress too: to run the committed code, snapshot it
 # (`mkdir .snap && git archive HEAD src benchmarks conf experiments | tar -x -C .snap`, .snap ignored),
 # carry .snap and start each command with
