@@ -76,17 +76,43 @@ def write_profile(step, device: str, path: str, steps: int = 2) -> None:
     Path(path).write_text(prof.key_averages().table(sort_by=key, row_limit=40))
 
 
+def random_target(config: dict, device: str):
+    """A random-weight target with the config's shapes (bf16 on GPU), as the online train stage runs it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return LlamaForCausalLM(LlamaConfig(**config)).to(device=device, dtype=dtype).eval()
+
+
+def use_gqa_with_mask() -> None:
+    """Path "sdpa-gqa": the drafter's attention as it was (enable_gqa together with the mask), to
+    compare against repeating the KV heads."""
+    import torch.nn.functional as F
+
+    import eagle3.ttt as ttt
+    ttt.sdpa = lambda q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
 def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: str, draft_vocab: int,
-            batch_size: int = 1, profile_path: str | None = None) -> dict:
+            batch_size: int = 1, profile_path: str | None = None, online: bool = False) -> dict:
+    from eagle3.target import capture_hidden_states
     from eagle3.ttt import ttt_loss
+    label = path
+    if path == "sdpa-gqa":
+        use_gqa_with_mask()
+        path = "sdpa"
     drafter = make_drafter(config, draft_vocab, device)
     head = torch.randn(config["vocab_size"], config["hidden_size"], device=device) * 0.05
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
     batch = random_batch(config, length, device, batch_size)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+    target = random_target(config, device) if online else None
+    layers = config["num_hidden_layers"]
 
     def step():
         with autocast:
+            if target is not None:  # the online stage's target forward for the hidden states
+                aux, last = capture_hidden_states(target, batch["input_ids"], [2, layers // 2, layers - 3])
+                batch.update(aux_hidden=aux, last_hidden=last)
             loss, _ = ttt_loss(drafter, batch, head, ttt, 0.8, attention=path)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
@@ -107,7 +133,8 @@ def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: 
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if profile_path:
         write_profile(step, device, profile_path)
-    return {"T": length, "batch": batch_size, "path": path, "ttt": ttt, "s_per_step": round(seconds, 4),
+    return {"T": length, "batch": batch_size, "path": label, "online": online, "ttt": ttt,
+            "s_per_step": round(seconds, 4), "samples_per_s": round(batch_size / seconds, 1),
             "tokens_per_s": round(batch_size * length / seconds, 1), "peak_GiB": round(peak / 2 ** 30, 3),
             "peak_kind": "cuda max_memory_allocated" if device == "cuda" else "process max RSS"}
 
@@ -137,7 +164,10 @@ def main() -> None:
     parser.add_argument("--targets", nargs="+", default=["tiny-llama", "smollm2-135m"])
     parser.add_argument("--config-json", help="a target's config.json instead of --targets")
     parser.add_argument("--lengths", nargs="+", type=int, default=[512, 1024])
-    parser.add_argument("--paths", nargs="+", default=["sdpa"], help="sdpa and/or flex (flex trains on GPU only)")
+    parser.add_argument("--paths", nargs="+", default=["sdpa"],
+                        help="sdpa, flex (GPU only) and/or sdpa-gqa (the mask with enable_gqa, for comparison)")
+    parser.add_argument("--online", action="store_true",
+                        help="include the online stage's target forward (random weights, the config's shapes)")
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--draft-vocab", type=int, default=32000)
@@ -152,7 +182,7 @@ def main() -> None:
         config = target_config(name if name != "-" else None, args.config_json)
         profile = f"{args.profile}.{length}.{path}.txt" if args.profile else None
         print(json.dumps({"target": name, **measure(config, int(length), path, args.ttt, args.steps, args.device,
-                                                   args.draft_vocab, args.batch, profile)}))
+                                                   args.draft_vocab, args.batch, profile, args.online)}))
         return
     names = ["-"] if args.config_json else args.targets
     if args.check_flex:
@@ -169,6 +199,7 @@ def main() -> None:
                            "--steps", str(args.steps), "--draft-vocab", str(args.draft_vocab),
                            "--batch", str(args.batch), "--device", args.device]
                 command += ["--profile", args.profile] if args.profile else []
+                command += ["--online"] if args.online else []
                 command += ["--config-json", args.config_json] if args.config_json else []
                 done = subprocess.run(command, capture_output=True, text=True)
                 lines = done.stdout.strip().splitlines()

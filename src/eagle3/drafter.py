@@ -55,7 +55,12 @@ def drafter_config(target_config, dcfg, aux_layer_ids: list[int]) -> LlamaConfig
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention with grouped KV heads; mask is bool (True = attend), broadcastable to [B, h, Tq, Tk]."""
+    """Attention with grouped KV heads; mask is bool (True = attend), broadcastable to [B, h, Tq, Tk].
+    With a mask the KV heads are repeated rather than passed with enable_gqa: CUDA's memory-efficient
+    kernel takes a mask but not grouped heads, so enable_gqa + mask runs the float32 math kernel."""
+    groups = q.shape[1] // k.shape[1]
+    if mask is not None and groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 

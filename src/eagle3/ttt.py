@@ -56,9 +56,10 @@ def target_distribution(last_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
     (in chunks of positions, so the full-vocab logits never exist for the whole batch at once)."""
     draft_to_target = torch.arange(d2t.numel(), device=d2t.device) + d2t
     flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+    head = lm_head_weight.float().t()
     probs, argmax, in_vocab = [], [], []
     for rows in flat.split(chunk):
-        logits = rows.float() @ lm_head_weight.float().t()
+        logits = rows.float() @ head
         in_vocab.append(t2d[logits.argmax(-1)])
         draft_logits = logits[:, draft_to_target]
         probs.append(draft_logits.softmax(-1))
@@ -150,10 +151,11 @@ def unroll(drafter: Eagle3Drafter, input_ids, aux_hidden, ttt_length: int, atten
 
 
 def step_targets(target: TargetDistribution, loss_mask: torch.Tensor, k: int):
-    """(probs, argmax, valid) for step k at every position t: the target at t+k+1, the
-    predicted token t+k+2 trained and inside the sequence."""
-    valid = shift_left(loss_mask.bool(), k + 2, fill=False) & shift_left(target.in_vocab, k + 1, fill=False)
-    return shift_left(target.probs, k + 1), shift_left(target.argmax, k + 1), valid
+    """(probs, argmax, valid) for step k at positions t < T-k-1 (later ones predict past the end):
+    the target at t+k+1 (views, not copies), valid where the predicted token t+k+2 is trained."""
+    count = loss_mask.shape[1] - (k + 1)
+    valid = shift_left(loss_mask.bool(), k + 2, fill=False)[:, :count] & target.in_vocab[:, k + 1:]
+    return target.probs[:, k + 1:], target.argmax[:, k + 1:], valid
 
 
 def tau_hat(accuracies: list[float] | torch.Tensor) -> torch.Tensor:
@@ -175,6 +177,7 @@ def ttt_loss(drafter: Eagle3Drafter, batch: dict, target_lm_head_weight: torch.T
     per_step = []  # (loss_k, correct_k, count_k), kept on device until the end: one sync per batch
     for k, logits in enumerate(step_logits):
         probs, argmax, valid = step_targets(target, batch["loss_mask"], k)
+        logits = logits[:, :valid.shape[1]]
         count = valid.sum()
         loss_k = (soft_cross_entropy(logits, probs) * valid).sum() / count.clamp(min=1)
         correct = ((logits.argmax(-1) == argmax) & valid).sum()
