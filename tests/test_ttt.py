@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.drafter import build_drafter, sdpa
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from eagle3.drafter import RMSNorm, build_drafter, sdpa
 from eagle3.ttt import tau_hat, ttt_loss, unroll
 
 DRAFT_VOCAB = 256
@@ -187,3 +190,23 @@ def test_smollm2_drafter_shapes_and_a_ttt_step(make_cfg, smollm2):
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "aux_hidden": aux, "last_hidden": last}
     loss, metrics = ttt_loss(drafter, batch, lm_head, 7, 0.8)
     assert torch.isfinite(loss) and metrics["count_0"] > 0 and 1.0 <= metrics["tau_hat"] <= 8.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_llama(dtype):
+    torch.manual_seed(0)
+    ours, theirs = RMSNorm(48, eps=1e-5), LlamaRMSNorm(48, eps=1e-5)
+    ours.weight.data.normal_()
+    theirs.weight.data.copy_(ours.weight.data)
+    x = (torch.randn(3, 5, 48) * 4).to(dtype)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-6, atol=1e-6)
+
+
+def test_masked_sdpa_repeats_kv_heads_like_enable_gqa():
+    """9 query heads over 3 KV heads with a mask: the repeated heads give enable_gqa's result."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 9, 5, 8), torch.randn(2, 3, 11, 8), torch.randn(2, 3, 11, 8)
+    mask = torch.rand(5, 11) > 0.4
+    mask[:, 0] = True
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(sdpa(q, k, v, mask), expected, rtol=1e-6, atol=1e-6)

@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
-                                                      apply_rotary_pos_emb)
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -64,6 +63,19 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm (normalize in float32, cast back, scale) through F.rms_norm: one fused
+    kernel on CUDA where the HF module launches five."""
+
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig, in_features: int):
         super().__init__()
@@ -93,10 +105,10 @@ class DecoderLayer(nn.Module):
         hidden = config.hidden_size
         self.self_attn = Attention(config, 2 * hidden if first else hidden)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps=config.rms_norm_eps)
         if first:
-            self.hidden_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+            self.hidden_norm = RMSNorm(hidden, eps=config.rms_norm_eps)
 
     def forward(self, hidden, embeds, cos, sin, attend) -> torch.Tensor:
         if self.first:
@@ -116,7 +128,7 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
         self.fc = nn.Linear(3 * config.target_hidden_size, hidden, bias=False)
         self.layers = nn.ModuleList(DecoderLayer(config, first=i == 0) for i in range(config.num_hidden_layers))
-        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
