@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from eagle3.engine.kv import DrafterKV, TargetKV
+from eagle3.engine.llama import LeanLlama
 from eagle3.target import Target, aux_capture
 
 
@@ -37,12 +38,15 @@ class Graphed:
 
 
 class TargetRunner:
-    def __init__(self, target: Target, max_len: int):
+    def __init__(self, target: Target, max_len: int, lean: bool = True):
+        """lean: run a plain Llama target through LeanLlama (same numbers, fewer kernels);
+        other targets, or lean=False, run HF's forward."""
         self.target = target
         self.model = target.model
         self.dtype = next(self.model.parameters()).dtype
         self.device = target.device
         self.kv = TargetKV(self.model.config, max_len, self.dtype, self.device)
+        self.lean = LeanLlama(target, max_len) if lean and LeanLlama.supports(self.model) else None
         self.graphs: dict[int, Graphed] = {}
 
     def kv_len(self, needed: int) -> int:
@@ -57,6 +61,8 @@ class TargetRunner:
 
     def _forward(self, ids, positions, slots, mask):
         self.kv.prepare(slots, mask.shape[-1])
+        if self.lean is not None:
+            return self.lean.forward(ids, positions, self.kv, mask)
         additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
         additive = additive.masked_fill(~mask, torch.finfo(self.dtype).min)[None, None]
         with aux_capture(self.model, self.target.aux_layer_ids) as captured:

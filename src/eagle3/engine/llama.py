@@ -1,0 +1,129 @@
+"""A lean forward of an HF Llama target for the engine (verify and prefill): the same logits,
+aux states and cache writes as LlamaModel + lm_head + aux_capture, in fewer kernels per layer.
+
+A replayed verify of a small target is bound by kernel count, not bandwidth; HF's eager
+Llama spends ~47 kernels a layer. Per layer here: RMSNorm (2), one qkv GEMM, rotary on q and
+k together (4), the cache write (2), attention (1), the head transpose (1), o_proj, residual
+add; RMSNorm (2), one gate_up GEMM, silu, *up, down, residual add: about 20.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+
+from eagle3.common import Eagle3Error
+from eagle3.engine.kv import TargetKV
+from eagle3.target import Target
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor      # cat of q/k/v_proj weights (a copy)
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # cat of gate/up_proj weights (a copy)
+    down: torch.Tensor
+
+
+class LeanLlama:
+    """Built once from a Target's LlamaForCausalLM; the fused qkv and gate_up weights duplicate
+    the target's (fine for the targets served here), every other weight is shared."""
+
+    @staticmethod
+    def supports(model) -> bool:
+        """A plain Llama: no biases, silu, and rotary frequencies that do not change with the
+        positions seen (HF recomputes them in the forward for dynamic and longrope)."""
+        config = model.config
+        rope_type = model.model.rotary_emb.rope_type if isinstance(model, LlamaForCausalLM) else None
+        return (config.model_type == "llama" and rope_type is not None and "dynamic" not in rope_type
+                and rope_type != "longrope" and not config.attention_bias and not config.mlp_bias
+                and config.hidden_act == "silu" and getattr(config, "pretraining_tp", 1) == 1)
+
+    @torch.no_grad()
+    def __init__(self, target: Target, max_len: int):
+        model, config = target.model, target.config
+        if max(target.aux_layer_ids) >= config.num_hidden_layers or min(target.aux_layer_ids) < 0:
+            raise Eagle3Error(f"aux_layer_ids {target.aux_layer_ids} out of range for a "
+                              f"{config.num_hidden_layers}-layer target")
+        self.aux_layer_ids = list(target.aux_layer_ids)
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.eps = config.rms_norm_eps
+        self.embedding = model.model.embed_tokens.weight
+        self.final_norm = model.model.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.layers = [layer_weights(layer) for layer in model.model.layers]
+        self.cos, self.sin = rotary_tables(model, max_len)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: TargetKV, mask: torch.Tensor):
+        """ids/positions [q], kv prepared by the caller, mask bool [q, kv_len] (True = attend)
+        -> (logits float32 [q, V], aux [q, len(aux_layer_ids) * H])."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        bias = self.attention_bias(mask)
+        hidden = F.embedding(ids, self.embedding)
+        entering = {}
+        for index, layer in enumerate(self.layers):
+            entering[index] = hidden
+            hidden = hidden + self.attention(index, layer, self.norm(hidden, layer.input_norm), cos, sin, kv, bias)
+            hidden = hidden + self.mlp(layer, self.norm(hidden, layer.post_norm))
+        aux = torch.cat([entering[i] for i in self.aux_layer_ids], dim=-1)
+        return F.linear(self.norm(hidden, self.final_norm), self.lm_head).float(), aux
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # rms_norm accumulates in float32 and returns x's dtype; the weight multiplies after that
+        # cast, as in HF's LlamaRMSNorm
+        return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+
+    def attention(self, index: int, layer: LayerWeights, x, cos, sin, kv: TargetKV, bias) -> torch.Tensor:
+        q_len, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = F.linear(x, layer.qkv).view(q_len, heads + 2 * kv_heads, dim)
+        rotated = rotate(qkv[:, :heads + kv_heads].transpose(0, 1), cos, sin)  # [heads + kv_heads, q, dim]
+        keys, values = kv.write(index, rotated[None, heads:], qkv[:, heads + kv_heads:].transpose(0, 1)[None])
+        # GQA without repeating K/V: the query heads sharing a KV head (heads are grouped
+        # kv-major, as repeat_kv pairs them) fold into the query length; `bias` is tiled to match
+        queries = rotated[:heads].reshape(1, kv_heads, -1, dim)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias)  # [1, kv_heads, groups*q, dim]
+        out = out[0].unflatten(1, (heads // kv_heads, q_len)).permute(2, 0, 1, 3).reshape(q_len, heads * dim)
+        return F.linear(out, layer.o)
+
+    def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down)
+
+    def attention_bias(self, mask: torch.Tensor) -> torch.Tensor:
+        """Bool [q, kv_len] -> additive [groups * q, kv_len] in the model's dtype, once per forward
+        (sdpa would convert a bool mask again in every layer)."""
+        dtype = self.embedding.dtype
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        return bias.repeat(self.heads // self.kv_heads, 1)
+
+
+def layer_weights(layer) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    return LayerWeights(
+        input_norm=layer.input_layernorm.weight,
+        qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+        o=attn.o_proj.weight, post_norm=layer.post_attention_layernorm.weight,
+        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), down=mlp.down_proj.weight)
+
+
+def rotary_tables(model, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_len, head_dim] from the model's own rotary embedding (any rope type or scaling
+    gives HF's values); sin's first half is negated so rotate() needs no rotate_half negation."""
+    weight = model.model.embed_tokens.weight
+    positions = torch.arange(max_len, device=weight.device)[None]
+    cos, sin = model.model.rotary_emb(weight[:1], positions)
+    half = sin.shape[-1] // 2
+    return cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's x * cos + rotate_half(x) * sin for x [heads, q, dim]; the swapped halves come first so
+    the result is laid out head-major like them (contiguous per head, as attention wants)."""
+    half = x.shape[-1] // 2
+    return torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin + x * cos

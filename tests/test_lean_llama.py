@@ -1,0 +1,85 @@
+"""The engine's lean Llama forward (engine/llama.py) against HF's: same logits, aux states and
+cache contents for a prefill and a tree verify, and a fallback to HF for targets it does not cover."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3.engine.runners import TargetRunner
+from eagle3.engine.tree import ancestor_mask
+
+PROMPT_LEN = 23
+CACHE = 64
+PARENTS = [0, 0, 0, 1, 1, 2, 3, 6]  # an 8-node tree: root, two children, ... depth 4
+EXACT = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def runners(target):
+    lean, hf = TargetRunner(target, CACHE), TargetRunner(target, CACHE, lean=False)
+    assert lean.lean is not None and hf.lean is None
+    return lean, hf
+
+
+def assert_same(lean, hf, *inputs) -> None:
+    with torch.inference_mode():
+        (logits, aux), (ref_logits, ref_aux) = lean.forward(*inputs), hf.forward(*inputs)
+    assert logits.dtype == torch.float32 and aux.shape == ref_aux.shape
+    torch.testing.assert_close(logits, ref_logits, **EXACT)
+    torch.testing.assert_close(aux, ref_aux, **EXACT)
+    torch.testing.assert_close(lean.kv.buffer, hf.kv.buffer, **EXACT)
+
+
+def prefill_then_verify(target, kv_len) -> None:
+    """A causal prefill of a random prompt, then one verify of an 8-node tree after it (per-node
+    positions, ancestor mask), attention reading `kv_len(needed)` cache slots."""
+    lean, hf = runners(target)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (PROMPT_LEN,), generator=generator)
+    positions = torch.arange(PROMPT_LEN)
+    causal = torch.arange(kv_len(PROMPT_LEN))[None, :] <= positions[:, None]
+    assert_same(lean, hf, ids, positions, positions, causal)
+    parents = torch.tensor(PARENTS)
+    q = parents.numel()
+    depths = torch.zeros(q, dtype=torch.long)
+    for node in range(1, q):
+        depths[node] = depths[parents[node]] + 1
+    tree = torch.zeros(q, kv_len(PROMPT_LEN + q), dtype=torch.bool)
+    tree[:, :PROMPT_LEN] = True
+    tree[:, PROMPT_LEN:PROMPT_LEN + q] = ancestor_mask(parents, int(depths.max()))
+    tokens = torch.randint(0, target.vocab_size, (q,), generator=generator)
+    assert_same(lean, hf, tokens, PROMPT_LEN + depths, torch.arange(PROMPT_LEN, PROMPT_LEN + q), tree)
+
+
+@pytest.mark.parametrize("width", ["needed", "whole cache"])
+def test_tiny_llama_matches_hf(tiny_target, width):
+    """Grouped KV heads (the tiny Llama has 4 query heads on 2 KV heads); 'whole cache' is how a
+    CUDA graph runs it: attention over every slot, the unused ones masked."""
+    config = tiny_target.config
+    assert config.num_attention_heads > config.num_key_value_heads > 1
+    prefill_then_verify(tiny_target, (lambda needed: needed) if width == "needed" else (lambda needed: CACHE))
+
+
+@pytest.mark.slow
+def test_smollm2_matches_hf(smollm2):
+    assert next(smollm2.model.parameters()).dtype == torch.float32
+    prefill_then_verify(smollm2, lambda needed: needed)
+
+
+def test_other_models_fall_back_to_hf(tiny_target):
+    """A Llama with attention biases is not what LeanLlama computes: the runner keeps HF's forward."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from eagle3.target import Target
+    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, attention_bias=True)
+    target = Target(LlamaForCausalLM(config).eval(), None, None, [0, 1, 1])
+    assert TargetRunner(target, CACHE).lean is None
+    assert TargetRunner(tiny_target, CACHE).lean is not None
