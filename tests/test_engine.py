@@ -86,6 +86,19 @@ def test_fused_steps_match_step_by_step(tiny_target, fitted, references, name):
         assert a.stats.verify_steps == b.stats.verify_steps and a.stats.draft_time_s > 0
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_lean_forward_off_gives_the_same_tokens(tiny_target, fitted, references, fused):
+    """The lean Llama forward is on by default; lean=False runs HF's forward and commits the
+    same tokens, step for step (float32)."""
+    lean = SpecDecoder(tiny_target, fitted, spec("d8s4k3"), fused=fused)
+    plain = SpecDecoder(tiny_target, fitted, spec("d8s4k3"), fused=fused, lean=False)
+    assert lean.target_run.lean is not None and plain.target_run.lean is None
+    for prompt, expected in references:
+        a, b = lean.generate(prompt, NEW_TOKENS), plain.generate(prompt, NEW_TOKENS)
+        assert a.tokens == b.tokens == expected
+        assert a.stats.accepted_per_step == b.stats.accepted_per_step
+
+
 def test_fused_steps_across_cache_widths(tiny_target, fitted):
     """Attention reads a power-of-two window of the caches; a generation that crosses 256 slots
     switches windows mid-way and still commits what the step-by-step path commits."""

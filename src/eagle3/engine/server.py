@@ -366,9 +366,9 @@ def build_service(cfg: DictConfig) -> EngineService:
     graphs = cfg.engine.cuda_graphs
     use_graphs = target.device.type == "cuda" if graphs == "auto" else bool(graphs)
     decoder = SpecDecoder(target, drafter, spec, max_context=cfg.engine.max_context, cuda_graphs=use_graphs,
-                          seed=cfg.engine.seed)
-    log.info("engine ready: target %s, spec %s, drafter %s, context %d", cfg.target.name, spec.label, source,
-             decoder.max_context)
+                          seed=cfg.engine.seed, lean=cfg.engine.lean_forward)
+    log.info("engine ready: target %s (%s forward), spec %s, drafter %s, context %d", cfg.target.name,
+             "lean" if decoder.target_run.lean else "HF", spec.label, source, decoder.max_context)
     return EngineService(decoder, target.tokenizer, cfg.serve, source, cfg.target.name)
 
 
