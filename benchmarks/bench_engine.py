@@ -10,7 +10,8 @@ Runs without Hydra (plain argparse), so it also runs on a bare GPU box:
 Per config it prints tok/s, tau, verify steps and the mean draft / verify time per step
 (CUDA events on a GPU), the tok/s a drafter with tau = 3, 4, 5 would reach at this step
 cost, and whether the greedy tokens equal spec=off's; `--json` writes all rows. Speedup is
-against the engine's own spec=off, same run. `--no-fused` times the step-by-step path.
+against the engine's own spec=off, same run. `--no-fused` times the step-by-step path,
+`--no-lean` HF's target forward instead of the engine's lean Llama one (engine/llama.py).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def prompts_for(args, target: Target) -> list[list[int]]:
 
 def bench(target, drafter, spec: Spec, prompts, args) -> dict:
     decoder = SpecDecoder(target, drafter if spec.enabled else None, spec, max_context=args.max_context,
-                          cuda_graphs=args.cuda_graphs, fused=args.fused)
+                          cuda_graphs=args.cuda_graphs, fused=args.fused, lean=args.lean)
     stop = [] if args.ignore_eos or target.tokenizer is None else [target.tokenizer.eos_token_id]
     decoder.generate(prompts[0], args.warmup_tokens, stop_ids=stop)  # warm-up (allocator, kernels)
     sync()
@@ -102,7 +103,8 @@ def bench(target, drafter, spec: Spec, prompts, args) -> dict:
         profile(decoder, prompts[0], stop, spec.label, args)
     summary = summarize(stats)
     steps = max(summary["verify_steps"], 1)
-    return {"spec": spec.label, "tok_per_s": summary["completion_tokens"] / elapsed, "tau": summary["tau"],
+    return {"spec": spec.label, "lean_forward": decoder.target_run.lean is not None,
+            "tok_per_s": summary["completion_tokens"] / elapsed, "tau": summary["tau"],
             "completion_tokens": summary["completion_tokens"], "verify_steps": summary["verify_steps"],
             "step_ms": 1000 * elapsed / steps, "draft_ms_per_step": 1000 * summary["draft_time_s"] / steps,
             "verify_ms_per_step": 1000 * summary["verify_time_s"] / steps,
@@ -146,6 +148,8 @@ def main() -> None:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
                         help="greedy steps on the device path (FusedGreedy); --no-fused: step by step")
+    parser.add_argument("--lean", action=argparse.BooleanOptionalAction, default=True,
+                        help="a Llama target runs the engine's lean forward; --no-lean: HF's forward")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--profile", default="", help="comma-separated spec labels to profile (torch.profiler)")
