@@ -2,9 +2,10 @@
 aux states and cache writes as LlamaModel + lm_head + aux_capture, in fewer kernels per layer.
 
 A replayed verify of a small target is bound by kernel count, not bandwidth; HF's eager
-Llama spends ~47 kernels a layer. Per layer here: RMSNorm (2), one qkv GEMM, rotary on q and
-k together (4), the cache write (2), attention (1), the head transpose (1), o_proj, residual
-add; RMSNorm (2), one gate_up GEMM, silu, *up, down, residual add: about 20.
+Llama launches ~44 kernels a layer. Per layer here: RMSNorm (2), one qkv GEMM, rotary on q
+and k together (4), the cache write (2), attention (1-2), the head transpose (1), o_proj,
+residual add; RMSNorm (2), one gate_up GEMM, silu, *up, down, residual add: about 21
+(SmolLM2 shapes, bf16, H200: 643 kernels per verify forward against HF's 1,316).
 """
 
 from __future__ import annotations
