@@ -93,7 +93,8 @@ def use_gqa_with_mask() -> None:
 
 
 def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: str, draft_vocab: int,
-            batch_size: int = 1, profile_path: str | None = None, online: bool = False) -> dict:
+            batch_size: int = 1, profile_path: str | None = None, online: bool = False, vary: bool = False,
+            cudnn: bool = True) -> dict:
     from eagle3.target import capture_hidden_states
     from eagle3.ttt import ttt_loss
     label = path
@@ -103,12 +104,19 @@ def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: 
     drafter = make_drafter(config, draft_vocab, device)
     head = torch.randn(config["vocab_size"], config["hidden_size"], device=device) * 0.05
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
-    batch = random_batch(config, length, device, batch_size)
+    if device == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    # vary: every step a new length (length, length - 8, ...), as the train stage's length buckets give
+    lengths = [length - 8 * i if vary else length for i in range(steps + 1)]
+    schedule = iter([random_batch(config, n, device, batch_size) for n in lengths])
+    batch = None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
     target = random_target(config, device) if online else None
     layers = config["num_hidden_layers"]
 
     def step():
+        nonlocal batch
+        batch = next(schedule, batch)  # the profiled steps after the schedule repeat the last batch
         with autocast:
             if target is not None:  # the online stage's target forward for the hidden states
                 aux, last = capture_hidden_states(target, batch["input_ids"], [2, layers // 2, layers - 3])
@@ -133,9 +141,10 @@ def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: 
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if profile_path:
         write_profile(step, device, profile_path)
-    return {"T": length, "batch": batch_size, "path": label, "online": online, "ttt": ttt,
-            "s_per_step": round(seconds, 4), "samples_per_s": round(batch_size / seconds, 1),
-            "tokens_per_s": round(batch_size * length / seconds, 1), "peak_GiB": round(peak / 2 ** 30, 3),
+    mean_length = sum(lengths[1:]) / steps
+    return {"T": length, "batch": batch_size, "path": label, "online": online, "vary": vary, "cudnn": cudnn,
+            "ttt": ttt, "s_per_step": round(seconds, 4), "samples_per_s": round(batch_size / seconds, 1),
+            "tokens_per_s": round(batch_size * mean_length / seconds, 1), "peak_GiB": round(peak / 2 ** 30, 3),
             "peak_kind": "cuda max_memory_allocated" if device == "cuda" else "process max RSS"}
 
 
@@ -166,6 +175,10 @@ def main() -> None:
     parser.add_argument("--lengths", nargs="+", type=int, default=[512, 1024])
     parser.add_argument("--paths", nargs="+", default=["sdpa"],
                         help="sdpa, flex (GPU only) and/or sdpa-gqa (the mask with enable_gqa, for comparison)")
+    parser.add_argument("--vary", action="store_true",
+                        help="a new length every step (T, T-8, ...), as the train stage's buckets give")
+    parser.add_argument("--cudnn", action=argparse.BooleanOptionalAction, default=True,
+                        help="allow cuDNN's fused attention (it builds a graph per new shape)")
     parser.add_argument("--online", action="store_true",
                         help="include the online stage's target forward (random weights, the config's shapes)")
     parser.add_argument("--ttt", type=int, default=7)
@@ -182,7 +195,8 @@ def main() -> None:
         config = target_config(name if name != "-" else None, args.config_json)
         profile = f"{args.profile}.{length}.{path}.txt" if args.profile else None
         print(json.dumps({"target": name, **measure(config, int(length), path, args.ttt, args.steps, args.device,
-                                                   args.draft_vocab, args.batch, profile, args.online)}))
+                                                   args.draft_vocab, args.batch, profile, args.online, args.vary,
+                                                   args.cudnn)}))
         return
     names = ["-"] if args.config_json else args.targets
     if args.check_flex:
@@ -200,6 +214,8 @@ def main() -> None:
                            "--batch", str(args.batch), "--device", args.device]
                 command += ["--profile", args.profile] if args.profile else []
                 command += ["--online"] if args.online else []
+                command += ["--vary"] if args.vary else []
+                command += [] if args.cudnn else ["--no-cudnn"]
                 command += ["--config-json", args.config_json] if args.config_json else []
                 done = subprocess.run(command, capture_output=True, text=True)
                 lines = done.stdout.strip().splitlines()
