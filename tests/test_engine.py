@@ -87,6 +87,43 @@ def test_fused_steps_match_step_by_step(tiny_target, fitted, references, name):
 
 
 @pytest.mark.parametrize("fused", [True, False])
+def test_first_draft_is_the_unrolls_step_zero(tiny_target, fitted, references, fused, monkeypatch):
+    """What the drafter sees at inference is what training showed it: at every step, the first
+    draft token equals the TTT unroll's step-0 argmax at that position of the committed sequence
+    (a wrong aux state, position or cache entry would change it, and lossless tests cannot see it)."""
+    from eagle3.engine.fused import FusedGreedy
+    from eagle3.ttt import unroll
+    drafts = []
+    if fused:
+        draft_chain = FusedGreedy.draft_chain
+
+        def recording_chain(self):
+            draft_chain(self)
+            drafts.append((int(self.position), int(self.tokens[1])))
+        monkeypatch.setattr(FusedGreedy, "draft_chain", recording_chain)
+    else:
+        draft = SpecDecoder.draft
+
+        def recording_draft(self, root, position, h_last, sampling):
+            tree = draft(self, root, position, h_last, sampling)
+            drafts.append((position, int(tree.tokens[1])))
+            return tree
+        monkeypatch.setattr(SpecDecoder, "draft", recording_draft)
+    decoder = SpecDecoder(tiny_target, fitted, spec("d2"), fused=fused)
+    checked = 0
+    for prompt, expected in references:
+        drafts.clear()
+        assert decoder.generate(prompt, NEW_TOKENS).tokens == expected
+        sequence = torch.tensor([prompt + expected])
+        aux, _ = tiny_target.capture(sequence)
+        with torch.no_grad():
+            step0 = fitted.to_target_ids(unroll(fitted, sequence, aux, 1)[0][0].argmax(-1))
+        assert [token for _, token in drafts] == [int(step0[position - 1]) for position, _ in drafts]
+        checked += len(drafts)
+    assert checked > len(references) * NEW_TOKENS // 2
+
+
+@pytest.mark.parametrize("fused", [True, False])
 def test_lean_forward_off_gives_the_same_tokens(tiny_target, fitted, references, fused):
     """The lean Llama forward is on by default; lean=False runs HF's forward and commits the
     same tokens, step for step (float32)."""

@@ -89,8 +89,11 @@ def target(test_root):
 def test_loss_decreases_and_tau_rises(make_cfg, target, tmp_path, caplog):
     cfg = make_cfg(*BASE, "train.epochs=4", "train.lr=2e-2", "trainer.log_every_n_steps=5")
     recorder = Recorder()
+    torch.backends.cuda.enable_cudnn_sdp(True)
     with caplog.at_level("INFO", logger="eagle3"):
         metrics = synthetic_fit(cfg, tmp_path / "run", [recorder], target)
+    assert not torch.backends.cuda.cudnn_sdp_enabled()  # trainer.cudnn_attention=false
+    torch.backends.cuda.enable_cudnn_sdp(True)
     # progress bar off: a progress line every 5 of the 24 batches (6 per epoch), with its speed
     progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train: step")]
     assert [m.split()[2] for m in progress] == ["5/24", "10/24", "15/24", "20/24"]

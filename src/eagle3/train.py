@@ -515,8 +515,7 @@ def fit(cfg: DictConfig, target: Target, datamodule: DrafterData, folder: Path, 
         t2d: torch.Tensor, logger=None, callbacks=(), evaluation: dict | None = None) -> dict:
     """Train into `folder` (resuming from its last.ckpt if any); returns the final val metrics."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    if torch.cuda.is_available():
-        torch.backends.cuda.enable_cudnn_sdp(cfg.trainer.cudnn_attention)
+    torch.backends.cuda.enable_cudnn_sdp(cfg.trainer.cudnn_attention)  # a no-op without CUDA
     drafter = build_drafter(target, cfg.drafter).float()
     drafter.set_vocab_map(d2t.to(drafter.d2t.device), t2d.to(drafter.t2d.device))
     module = DrafterModule(drafter, target.model.get_output_embeddings().weight, cfg.train, target, evaluation)
