@@ -239,6 +239,14 @@ def test_data_stage_output_manifest_mlflow_and_idempotence(make_cfg, tiny_target
     assert same.hash == out.hash  # execution-only settings do not change the output
 
 
+def test_empty_validation_split_is_one_clear_error(make_cfg, tiny_target, own_artifacts):
+    """datasets cannot reload an empty split, and training validates every epoch: refused at the data stage."""
+    cfg = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "data.val_fraction=0")
+    with pytest.raises(Eagle3Error, match=r"validation split is empty \(0 held out by data.val_fraction=0"):
+        data.run(cfg)
+    assert not data.data_output(cfg).complete
+
+
 def test_tokenizer_hash_tells_tokenizers_apart(tiny_target):
     tok = tiny_target.tokenizer
     before = data.tokenizer_hash(tok)

@@ -726,6 +726,10 @@ def run(cfg: DictConfig) -> StageOutput:
         if not train["id"]:
             raise Eagle3Error(f"data.source {cfg.data.source}: no training conversation has assistant tokens "
                               f"after filtering and tokenisation (counts: {counts})")
+        if not columns["val"]["id"]:  # training validates every epoch (and datasets cannot reload an empty split)
+            raise Eagle3Error(f"data: the validation split is empty ({len(splits['val'])} held out by "
+                              f"data.val_fraction={cfg.data.val_fraction}, then dropped: {dict(dropped)}); raise "
+                              "data.val_fraction or data.limit")
         d2t, t2d, coverage = build_vocab_map(train["input_ids"], train["loss_mask"], target_vocab,
                                              cfg.drafter.draft_vocab_size)
         save_file({"d2t": d2t, "t2d": t2d}, str(out.path / "vocab_map.safetensors"))
