@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from eagle3.common import compose
 
@@ -35,6 +36,15 @@ def own_artifacts(test_root, tmp_path):
     artifacts.mkdir()
     (artifacts / "targets").symlink_to(test_root / "artifacts" / "targets")
     return artifacts
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Two shared cores: torch's thread pool spinning against other processes costs 8x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -16,15 +16,7 @@ from engine_helpers import PROMPTS, chi_square_p_value, fitted_drafter, referenc
 
 NEW_TOKENS = 40
 FALSE_ALARM = 1e-3  # each chi-square test rejects a correct sampler with this probability
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two shared cores: torch's thread pool spinning against other processes costs 8x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,7 @@ PROMPT_LEN = 23
 CACHE = 64
 PARENTS = [0, 0, 0, 1, 1, 2, 3, 6]  # an 8-node tree: root, two children, ... depth 4
 EXACT = dict(atol=1e-5, rtol=1e-5)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest
 
 
 def runners(target):
