@@ -11,7 +11,8 @@ Per config it prints tok/s, tau, verify steps and the mean draft / verify time p
 (CUDA events on a GPU), the tok/s a drafter with tau = 3, 4, 5 would reach at this step
 cost, and whether the greedy tokens equal spec=off's; `--json` writes all rows. Speedup is
 against the engine's own spec=off, same run. `--no-fused` times the step-by-step path,
-`--no-lean` HF's target forward instead of the engine's lean Llama one (engine/llama.py).
+`--no-lean` HF's target forward and the drafter module instead of the engine's lean ones
+(engine/llama.py).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def main() -> None:
     parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
                         help="greedy steps on the device path (FusedGreedy); --no-fused: step by step")
     parser.add_argument("--lean", action=argparse.BooleanOptionalAction, default=True,
-                        help="a Llama target runs the engine's lean forward; --no-lean: HF's forward")
+                        help="the target and drafter run the engine's lean forwards; --no-lean: HF's and the module's")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--profile", default="", help="comma-separated spec labels to profile (torch.profiler)")

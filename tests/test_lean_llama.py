@@ -1,12 +1,15 @@
-"""The engine's lean Llama forward (engine/llama.py) against HF's: same logits, aux states and
-cache contents for a prefill and a tree verify, and a fallback to HF for targets it does not cover."""
+"""The engine's lean forwards (engine/llama.py) against the modules they replace: the target's
+(HF Llama: same logits, aux states and cache contents for a prefill and a tree verify, and a
+fallback to HF for targets it does not cover) and the drafter's (Eagle3Drafter: same hidden
+states, logits and cache for an extend and a tree draft step)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eagle3.engine.runners import TargetRunner
+from eagle3.drafter import build_drafter
+from eagle3.engine.runners import DrafterRunner, TargetRunner
 from eagle3.engine.tree import ancestor_mask
 
 PROMPT_LEN = 23
@@ -76,3 +79,32 @@ def test_other_models_fall_back_to_hf(tiny_target):
     target = Target(LlamaForCausalLM(config).eval(), None, None, [0, 1, 1])
     assert TargetRunner(target, CACHE).lean is None
     assert TargetRunner(tiny_target, CACHE).lean is not None
+
+
+def test_drafter_matches_the_module(tiny_target, make_cfg):
+    """An extend of the prompt's aux states, then a draft step of 3 frontier rows that each see the
+    prefix and their own slot: hidden states, logits and the cache equal the module's path."""
+    torch.manual_seed(0)
+    drafter = build_drafter(tiny_target, make_cfg("target=tiny-llama").drafter).eval()
+    for name, weight in drafter.named_parameters():
+        if name.endswith("norm.weight"):  # ones at init: tell the norms apart
+            weight.data.normal_(1.0, 0.3)
+    lean, module = DrafterRunner(drafter, CACHE), DrafterRunner(drafter, CACHE, lean=False)
+    assert lean.lean is not None and module.lean is None
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, tiny_target.vocab_size, (PROMPT_LEN,), generator=generator)
+    aux, _ = tiny_target.capture(ids[None])
+    positions = torch.arange(PROMPT_LEN)
+    causal = torch.arange(CACHE)[None, :] <= positions[:, None]
+    rows = torch.arange(3)
+    slots = PROMPT_LEN + rows
+    frontier = (torch.arange(CACHE)[None, :] < PROMPT_LEN) | (torch.arange(CACHE)[None, :] == slots[:, None])
+    with torch.inference_mode():
+        for kind, inputs in (("extend", (ids, aux[0], positions, positions, causal)),
+                             ("step", (ids[:3], torch.randn(3, drafter.config.hidden_size, generator=generator),
+                                       PROMPT_LEN + 0 * rows, slots, frontier))):
+            (hidden, logits), (ref_hidden, ref_logits) = lean._run(kind, *inputs), module._run(kind, *inputs)
+            torch.testing.assert_close(hidden, ref_hidden, **EXACT)
+            torch.testing.assert_close(logits, ref_logits, **EXACT)
+            torch.testing.assert_close(lean.kv.buffer, module.kv.buffer, **EXACT)
+            torch.testing.assert_close(lean.logits(hidden), ref_logits, **EXACT)

@@ -76,7 +76,8 @@ class SpecDecoder:
                  cuda_graphs: bool = False, seed: int = 0, fused: bool = True, lean: bool = True):
         """fused: greedy steps run as FusedGreedy (static shapes, one host read per step, one CUDA
         graph per phase); False keeps every step on the step-by-step path below (same tokens).
-        lean: a plain Llama target runs engine/llama.py's forward instead of HF's (same numbers)."""
+        lean: a plain Llama target and the drafter run engine/llama.py's forwards instead of HF's
+        and the drafter module's (same numbers)."""
         if spec.enabled and drafter is None:
             raise Eagle3Error(f"spec {spec.label} needs a drafter; use spec=off for plain decoding")
         self.target, self.spec = target, spec
@@ -84,7 +85,7 @@ class SpecDecoder:
         limit = target.config.max_position_embeddings
         self.max_context = min(max_context or limit, limit)
         self.target_run = TargetRunner(target, self.max_context, lean=lean)
-        self.drafter_run = (DrafterRunner(self.drafter, self.max_context + spec.steps * spec.topk)
+        self.drafter_run = (DrafterRunner(self.drafter, self.max_context + spec.steps * spec.topk, lean=lean)
                             if self.drafter is not None else None)
         self.device = target.device
         self.generator = torch.Generator().manual_seed(seed)
@@ -218,7 +219,7 @@ class SpecDecoder:
                 pos = torch.full((width,), position + step - 1, device=dev)
                 frontier_hidden, logits = self.drafter_run.step(ids, frontier_hidden, pos, slot_of[frontier], mask)
             else:
-                logits = self.drafter_run.drafter.logits(h_last)
+                logits = self.drafter_run.logits(h_last)
             base = torch.cat(scores)[frontier]
             child_tokens, child_scores, q = self.propose(logits, base, sampling, sample_chain)
             width = child_tokens.numel()

@@ -137,7 +137,7 @@ class FusedGreedy:
                 rows_position = position + (step - 1) + torch.zeros(width, dtype=torch.long, device=self.device)
                 frontier_hidden, logits = run._forward("step", ids, frontier_hidden, rows_position, slots, mask)
             else:
-                logits = drafter.logits(self.hidden)
+                logits = run.logits(self.hidden)
             base = torch.cat(scores)[frontier]
             top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
             child_tokens, child_scores = drafter.to_target_ids(top.indices), base[:, None] + top.values
@@ -161,7 +161,7 @@ class FusedGreedy:
         run, position = self.drafter_run, self.position
         columns = torch.arange(self.span(run.kv), device=self.device)
         tokens, hidden = [self.root], self.hidden
-        logits = run.drafter.logits(hidden)
+        logits = run.logits(hidden)
         for step in range(self.spec.steps):
             if step > 0:
                 slot = (position + (step - 1)).view(1)

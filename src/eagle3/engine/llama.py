@@ -1,5 +1,6 @@
-"""A lean forward of an HF Llama target for the engine (verify and prefill): the same logits,
-aux states and cache writes as LlamaModel + lm_head + aux_capture, in fewer kernels per layer.
+"""Lean forwards for the engine: an HF Llama target's (verify and prefill: the same logits, aux
+states and cache writes as LlamaModel + lm_head + aux_capture) and the drafter's step (the same
+hidden states, logits and cache writes as Eagle3Drafter), in fewer kernels per layer.
 
 A replayed verify of a small target is bound by kernel count, not bandwidth; HF's eager
 Llama launches ~44 kernels a layer. Per layer here: RMSNorm (2), one qkv GEMM, rotary on q
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from eagle3.common import Eagle3Error
-from eagle3.engine.kv import TargetKV
+from eagle3.engine.kv import SlotKV
 from eagle3.target import Target
 
 
@@ -31,7 +32,42 @@ class LayerWeights:
     down: torch.Tensor
 
 
-class LeanLlama:
+class LeanBlocks:
+    """The pieces both lean forwards share: RMSNorm, attention over a slot cache, the gated MLP."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, eps: float, dtype: torch.dtype):
+        self.heads, self.kv_heads, self.head_dim, self.eps, self.dtype = heads, kv_heads, head_dim, eps, dtype
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # rms_norm accumulates in float32 and returns x's dtype; the weight multiplies after that
+        # cast, as in HF's LlamaRMSNorm
+        return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+
+    def attention(self, index: int, layer: LayerWeights, x, cos, sin, kv: SlotKV, bias) -> torch.Tensor:
+        q_len, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = F.linear(x, layer.qkv).view(q_len, heads + 2 * kv_heads, dim)
+        rotated = rotate(qkv[:, :heads + kv_heads].transpose(0, 1), cos, sin)  # [heads + kv_heads, q, dim]
+        keys, values = kv.write(index, rotated[None, heads:], qkv[:, heads + kv_heads:].transpose(0, 1)[None])
+        # GQA without repeating K/V: the query heads sharing a KV head (heads are grouped
+        # kv-major, as repeat_kv pairs them) fold into the query length; `bias` is tiled to match
+        queries = rotated[:heads].reshape(1, kv_heads, -1, dim)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias)  # [1, kv_heads, groups*q, dim]
+        out = out[0].unflatten(1, (heads // kv_heads, q_len)).permute(2, 0, 1, 3).reshape(q_len, heads * dim)
+        return F.linear(out, layer.o)
+
+    def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down)
+
+    def attention_bias(self, mask: torch.Tensor) -> torch.Tensor:
+        """Bool [q, kv_len] -> additive [groups * q, kv_len] in the model's dtype, once per forward
+        (sdpa would convert a bool mask again in every layer)."""
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
+        bias = bias.masked_fill(~mask, torch.finfo(self.dtype).min)
+        return bias.repeat(self.heads // self.kv_heads, 1)
+
+
+class LeanLlama(LeanBlocks):
     """Built once from a Target's LlamaForCausalLM; the fused qkv and gate_up weights duplicate
     the target's (fine for the targets served here), every other weight is shared."""
 
@@ -51,17 +87,17 @@ class LeanLlama:
         if max(target.aux_layer_ids) >= config.num_hidden_layers or min(target.aux_layer_ids) < 0:
             raise Eagle3Error(f"aux_layer_ids {target.aux_layer_ids} out of range for a "
                               f"{config.num_hidden_layers}-layer target")
+        heads = config.num_attention_heads
+        super().__init__(heads, config.num_key_value_heads, getattr(config, "head_dim", None) or
+                         config.hidden_size // heads, config.rms_norm_eps, model.model.embed_tokens.weight.dtype)
         self.aux_layer_ids = list(target.aux_layer_ids)
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.eps = config.rms_norm_eps
         self.embedding = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
         self.lm_head = model.lm_head.weight
         self.layers = [layer_weights(layer) for layer in model.model.layers]
-        self.cos, self.sin = rotary_tables(model, max_len)
+        self.cos, self.sin = rotary_tables(model.model.rotary_emb, self.embedding, max_len)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: TargetKV, mask: torch.Tensor):
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: SlotKV, mask: torch.Tensor):
         """ids/positions [q], kv prepared by the caller, mask bool [q, kv_len] (True = attend)
         -> (logits float32 [q, V], aux [q, len(aux_layer_ids) * H])."""
         cos, sin = self.cos[positions], self.sin[positions]
@@ -75,33 +111,45 @@ class LeanLlama:
         aux = torch.cat([entering[i] for i in self.aux_layer_ids], dim=-1)
         return F.linear(self.norm(hidden, self.final_norm), self.lm_head).float(), aux
 
-    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # rms_norm accumulates in float32 and returns x's dtype; the weight multiplies after that
-        # cast, as in HF's LlamaRMSNorm
-        return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
-    def attention(self, index: int, layer: LayerWeights, x, cos, sin, kv: TargetKV, bias) -> torch.Tensor:
-        q_len, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = F.linear(x, layer.qkv).view(q_len, heads + 2 * kv_heads, dim)
-        rotated = rotate(qkv[:, :heads + kv_heads].transpose(0, 1), cos, sin)  # [heads + kv_heads, q, dim]
-        keys, values = kv.write(index, rotated[None, heads:], qkv[:, heads + kv_heads:].transpose(0, 1)[None])
-        # GQA without repeating K/V: the query heads sharing a KV head (heads are grouped
-        # kv-major, as repeat_kv pairs them) fold into the query length; `bias` is tiled to match
-        queries = rotated[:heads].reshape(1, kv_heads, -1, dim)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias)  # [1, kv_heads, groups*q, dim]
-        out = out[0].unflatten(1, (heads // kv_heads, q_len)).permute(2, 0, 1, 3).reshape(q_len, heads * dim)
-        return F.linear(out, layer.o)
+class LeanDrafter(LeanBlocks):
+    """The drafter's step (Eagle3Drafter.forward, then .logits) in the same lean pieces; built
+    once from an Eagle3Drafter, whose fused qkv and gate_up weights it copies."""
 
-    def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+    @staticmethod
+    def supports(drafter) -> bool:
+        config = drafter.config
+        rope_type = drafter.rotary_emb.rope_type
+        return (config.hidden_act == "silu" and not getattr(config, "mlp_bias", False)
+                and "dynamic" not in rope_type and rope_type != "longrope")
 
-    def attention_bias(self, mask: torch.Tensor) -> torch.Tensor:
-        """Bool [q, kv_len] -> additive [groups * q, kv_len] in the model's dtype, once per forward
-        (sdpa would convert a bool mask again in every layer)."""
-        dtype = self.embedding.dtype
-        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-        return bias.repeat(self.heads // self.kv_heads, 1)
+    @torch.no_grad()
+    def __init__(self, drafter, max_len: int):
+        config = drafter.config
+        super().__init__(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                         config.rms_norm_eps, drafter.fc.weight.dtype)
+        self.embedding = drafter.embed_tokens.weight
+        self.hidden_norm = drafter.layers[0].hidden_norm.weight
+        self.final_norm, self.lm_head = drafter.norm.weight, drafter.lm_head.weight
+        self.layers = [layer_weights(layer) for layer in drafter.layers]
+        self.cos, self.sin = rotary_tables(drafter.rotary_emb, drafter.fc.weight, max_len)
+
+    def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kv: SlotKV,
+                mask: torch.Tensor) -> torch.Tensor:
+        """ids/positions [q], hidden [q, H], kv prepared by the caller, mask bool [q, kv_len]
+        -> the pre-norm hidden state [q, H] (the first layer reads cat(norm(embeds), norm(hidden)))."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        bias = self.attention_bias(mask)
+        embeds = F.embedding(ids, self.embedding).to(hidden.dtype)
+        for index, layer in enumerate(self.layers):
+            x = (torch.cat([self.norm(embeds, layer.input_norm), self.norm(hidden, self.hidden_norm)], dim=-1)
+                 if index == 0 else self.norm(hidden, layer.input_norm))
+            hidden = hidden + self.attention(index, layer, x, cos, sin, kv, bias)
+            hidden = hidden + self.mlp(layer, self.norm(hidden, layer.post_norm))
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(hidden, self.final_norm), self.lm_head)
 
 
 def layer_weights(layer) -> LayerWeights:
@@ -113,12 +161,12 @@ def layer_weights(layer) -> LayerWeights:
         gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), down=mlp.down_proj.weight)
 
 
-def rotary_tables(model, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_len, head_dim] from the model's own rotary embedding (any rope type or scaling
-    gives HF's values); sin's first half is negated so rotate() needs no rotate_half negation."""
-    weight = model.model.embed_tokens.weight
+def rotary_tables(rotary_emb, weight: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_len, head_dim] in weight's dtype from a model's own rotary embedding (any rope
+    type or scaling gives HF's values); sin's first half is negated so rotate() needs no
+    rotate_half negation."""
     positions = torch.arange(max_len, device=weight.device)[None]
-    cos, sin = model.model.rotary_emb(weight[:1], positions)
+    cos, sin = rotary_emb(weight[:1], positions)
     half = sin.shape[-1] // 2
     return cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from eagle3.engine.kv import DrafterKV, TargetKV
-from eagle3.engine.llama import LeanLlama
+from eagle3.engine.llama import LeanDrafter, LeanLlama
 from eagle3.target import Target, aux_capture
 
 
@@ -80,11 +80,13 @@ class TargetRunner:
 
 
 class DrafterRunner:
-    def __init__(self, drafter, max_len: int):
+    def __init__(self, drafter, max_len: int, lean: bool = True):
+        """lean: the drafter's step through LeanDrafter (same numbers, fewer kernels)."""
         self.drafter = drafter
         self.dtype = drafter.fc.weight.dtype
         self.device = drafter.fc.weight.device
         self.kv = DrafterKV(drafter.config, max_len, self.dtype, self.device)
+        self.lean = LeanDrafter(drafter, max_len) if lean and LeanDrafter.supports(drafter) else None
         self.graphs: dict[int, Graphed] = {}
 
     def kv_len(self, needed: int) -> int:
@@ -107,9 +109,17 @@ class DrafterRunner:
     def _forward(self, kind, ids, states, positions, slots, mask):
         states = states.to(self.dtype)
         hidden = self.drafter.project(states) if kind == "extend" else states
+        if self.lean is not None:
+            self.kv.prepare(slots, mask.shape[-1])
+            out = self.lean.forward(ids, hidden, positions, self.kv, mask)
+            return out, self.lean.logits(out)
         self.kv.prepare(slots, mask.shape[-1], mask[None, None])
         out = self.drafter(ids[None], hidden[None], positions[None], self.kv.attend)[0]
         return out, self.drafter.logits(out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits of drafter hidden states [q, H]."""
+        return (self.lean or self.drafter).logits(hidden)
 
     def capture(self, shapes: list[tuple[str, int]], pool) -> None:
         config = self.drafter.config
