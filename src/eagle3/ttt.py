@@ -152,7 +152,8 @@ def unroll(drafter: Eagle3Drafter, input_ids, aux_hidden, ttt_length: int, atten
 
 def step_targets(target: TargetDistribution, loss_mask: torch.Tensor, k: int):
     """(probs, argmax, valid) for step k at positions t < T-k-1 (later ones predict past the end):
-    the target at t+k+1 (views, not copies), valid where the predicted token t+k+2 is trained."""
+    the target at t+k+1 (views, not copies), valid where the predicted token t+k+2 is trained and
+    the target's argmax there lies in the draft vocab."""
     count = loss_mask.shape[1] - (k + 1)
     valid = shift_left(loss_mask.bool(), k + 2, fill=False)[:, :count] & target.in_vocab[:, k + 1:]
     return target.probs[:, k + 1:], target.argmax[:, k + 1:], valid
