@@ -56,6 +56,28 @@ def test_generate_is_greedy_and_counted(server):
     assert after["drafter"] == "untrained" and after["spec"] == "d4"
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_openai_routes_take_ignore_eos(server, route):
+    """The tiny random target never picks EOS by itself, so its greedy first token is made the
+    tokenizer's EOS (a simulated EOS): without ignore_eos the reply stops there, with it it runs on."""
+    client, service = server
+    body = {"max_tokens": 6, "temperature": 0}
+    body.update({"prompt": "Hello there"} if route == "/v1/completions" else
+                {"messages": [{"role": "user", "content": "Hello there"}]})
+    prompt = service.encode_text("Hello there") if route == "/v1/completions" else service.encode_chat(
+        [Message(role="user", content="Hello there")])
+    first = reference_greedy(service.decoder.target.model, prompt, 1)[0]
+    eos, service.tokenizer.eos_token_id = service.tokenizer.eos_token_id, first
+    try:
+        stopped = client.post(route, json=body).json()
+        running = client.post(route, json={**body, "ignore_eos": True}).json()
+    finally:
+        service.tokenizer.eos_token_id = eos
+    assert service.tokenizer.eos_token_id == eos
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 1
+    assert running["choices"][0]["finish_reason"] == "length" and running["usage"]["completion_tokens"] == 6
+
+
 def test_text_prompt_and_stop_string(server):
     client, service = server
     full = client.post("/generate", json={"text": "Hello there", "sampling_params": {

@@ -65,6 +65,7 @@ class OpenAIRequest(Strict):
     stop: str | list[str] | None = None
     seed: Seed = None
     stream: bool = False
+    ignore_eos: bool = False  # an extension SGLang's and vLLM's OpenAI routes accept too (benchmarks send it)
 
 
 class CompletionRequest(OpenAIRequest):
@@ -248,7 +249,7 @@ def create_app(service: EngineService):
     def completions(req: CompletionRequest):
         ids = req.prompt if isinstance(req.prompt, list) else service.encode_text(req.prompt)
         run = lambda on_text=None: service.generate(ids, req.max_tokens, req.temperature, req.top_p, req.stop,
-                                                    on_text=on_text, seed=req.seed)
+                                                    ignore_eos=req.ignore_eos, on_text=on_text, seed=req.seed)
         make = lambda choices: openai_body("text_completion", service.model_name, choices)
         if req.stream:
             return stream(run, lambda delta, reply: make(
@@ -262,7 +263,7 @@ def create_app(service: EngineService):
         ids = service.encode_chat(req.messages)
         limit = req.max_completion_tokens or req.max_tokens
         run = lambda on_text=None: service.generate(ids, limit, req.temperature, req.top_p, req.stop,
-                                                    on_text=on_text, seed=req.seed)
+                                                    ignore_eos=req.ignore_eos, on_text=on_text, seed=req.seed)
         if req.stream:
             return stream(run, lambda delta, reply: openai_body("chat.completion.chunk", service.model_name, [
                 {"index": 0, "delta": {"role": "assistant", "content": delta} if delta else {},
