@@ -88,7 +88,8 @@ def prompts_for(args, target: Target) -> list[list[int]]:
 
 def bench(target, drafter, spec: Spec, prompts, args) -> dict:
     decoder = SpecDecoder(target, drafter if spec.enabled else None, spec, max_context=args.max_context,
-                          cuda_graphs=args.cuda_graphs, fused=args.fused, lean=args.lean)
+                          cuda_graphs=args.cuda_graphs, fused=args.fused, lean=args.lean,
+                          eager_cudnn=args.eager_cudnn)
     stop = [] if args.ignore_eos or target.tokenizer is None else [target.tokenizer.eos_token_id]
     decoder.generate(prompts[0], args.warmup_tokens, stop_ids=stop)  # warm-up (allocator, kernels)
     sync()
@@ -109,6 +110,7 @@ def bench(target, drafter, spec: Spec, prompts, args) -> dict:
             "completion_tokens": summary["completion_tokens"], "verify_steps": summary["verify_steps"],
             "step_ms": 1000 * elapsed / steps, "draft_ms_per_step": 1000 * summary["draft_time_s"] / steps,
             "verify_ms_per_step": 1000 * summary["verify_time_s"] / steps,
+            "prefill_ms_per_request": 1000 * summary["prefill_time_s"] / len(prompts),
             "acceptance_per_position": summary["acceptance_per_position"],
             "projected_tok_per_s": {tau: 1000 * tau / (elapsed * 1000 / steps) for tau in (3, 4, 5)},
             "tokens": tokens}
@@ -151,6 +153,8 @@ def main() -> None:
                         help="greedy steps on the device path (FusedGreedy); --no-fused: step by step")
     parser.add_argument("--lean", action=argparse.BooleanOptionalAction, default=True,
                         help="the target and drafter run the engine's lean forwards; --no-lean: HF's and the module's")
+    parser.add_argument("--eager-cudnn", action="store_true",
+                        help="allow cuDNN attention outside CUDA graphs (prefill; engine.eager_cudnn_attention)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--profile", default="", help="comma-separated spec labels to profile (torch.profiler)")
@@ -172,7 +176,7 @@ def main() -> None:
         projected = " ".join(f"{v:.0f}" for v in row["projected_tok_per_s"].values())
         print(f"{row['spec']:>10}: {row['tok_per_s']:8.1f} tok/s{speedup}  tau {row['tau']:.2f}  "
               f"step {row['step_ms']:.2f} ms (draft {row['draft_ms_per_step']:.2f}, "
-              f"verify {row['verify_ms_per_step']:.2f})  tau=3/4/5 -> {projected} tok/s  "
+              f"verify {row['verify_ms_per_step']:.2f}, prefill {row['prefill_ms_per_request']:.1f}/request)  tau=3/4/5 -> {projected} tok/s  "
               f"same as off {row.get('same_tokens_as_off', '-')}/{len(prompts)}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))

@@ -69,6 +69,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument("--eager-cudnn", action="store_true",
+                        help="allow cuDNN attention outside CUDA graphs (prefill; engine.eager_cudnn_attention)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     args.random_from, args.cuda_graphs = None, args.device == "cuda"
@@ -88,11 +90,15 @@ def main() -> None:
             else:
                 spec = parse_spec(method)
                 decoder = SpecDecoder(target, drafter if spec.enabled else None, spec, max_context=args.max_context,
-                                      cuda_graphs=args.cuda_graphs)
+                                      cuda_graphs=args.cuda_graphs, eager_cudnn=args.eager_cudnn)
                 outputs, wall, summary = engine_run(decoder, prompts, args.max_new_tokens, eos)
+                steps = max(summary["verify_steps"], 1)
+                host_s = wall - summary["prefill_time_s"] - summary["draft_time_s"] - summary["verify_time_s"]
                 row = {"tau": summary["tau"], "verify_steps": summary["verify_steps"], "fused": decoder.fused is not None,
-                       "draft_ms_per_step": 1000 * summary["draft_time_s"] / max(summary["verify_steps"], 1),
-                       "verify_ms_per_step": 1000 * summary["verify_time_s"] / max(summary["verify_steps"], 1),
+                       "prefill_ms_per_prompt": 1000 * summary["prefill_time_s"] / len(prompts),
+                       "draft_ms_per_step": 1000 * summary["draft_time_s"] / steps,
+                       "verify_ms_per_step": 1000 * summary["verify_time_s"] / steps,
+                       "host_ms_per_step": 1000 * host_s / steps,
                        "acceptance_per_position": summary["acceptance_per_position"]}
                 method = spec.label
             outputs = [strip_eos(o, eos) for o in outputs]
@@ -101,8 +107,11 @@ def main() -> None:
             match = sum(a == b for a, b in zip(outputs, reference[suite])) / len(outputs)
             rows.append({"suite": suite, "method": method, "prompts": len(prompts), "tokens": tokens,
                          "wall_s": wall, "tok_per_s": tokens / wall, "match_hf": match, **row})
+            phases = (f"  prefill {row['prefill_ms_per_prompt']:.1f} ms/prompt, per step draft "
+                      f"{row['draft_ms_per_step']:.2f} verify {row['verify_ms_per_step']:.2f} host "
+                      f"{row['host_ms_per_step']:.2f} ms" if row else "")
             print(f"{suite:>10} {method:>10}: {tokens / wall:8.1f} tok/s  tau {row.get('tau', float('nan')):.2f}  "
-                  f"match {match:.2f}", flush=True)
+                  f"match {match:.2f}{phases}", flush=True)
             Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 
 

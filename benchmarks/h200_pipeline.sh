@@ -12,6 +12,8 @@
 #                 returned), train online (cut at TRAIN_TIMEOUT s, resumable), export
 #   step bench  : finish training if the train step was cut, export, then HF generate, HF prompt
 #                 lookup, engine spec=off and spec shapes on the 3 suites
+#   step e2e    : after part-a, on the same (warm) machine: the bench suites with a drafter export carried
+#                 in (DRAFTER), prefill with cuDNN attention off and then on
 #   step ddp    : the same training on 1 GPU, then on all GPUs, each for DDP_TIMEOUT s from the
 #                 train step's data and target (scaling: the samples/s of the progress lines)
 #   step ddp-random : the same scaling run on a random model with SmolLM2's shapes and ShareGPT's own
@@ -25,7 +27,7 @@
 # carry .snap and start each command with
 # `for d in src benchmarks conf experiments; do rm -rf $d; cp -a .snap/$d .; done;`.
 set -euo pipefail
-step=${1:?part-a|train|bench|ddp|ddp-random}
+step=${1:?part-a|train|bench|e2e|ddp|ddp-random}
 root=${E3_ROOT:-/tmp/e3}
 out=${OUT:-/tmp/e3-out}
 logs=$root/logs/$step
@@ -99,6 +101,19 @@ case $step in
       --json "$out/e2e.json" --baselines "${BASELINES-hf,pld}" ${BENCH_ARGS:-}
     # files of <= 16 MB; the vLLM copy stays behind (both copies together pass $OUT's 64 MB)
     tar -czf - -C "$root/artifacts" --exclude=vllm export | split -b 15M - "$out/drafter.tgz." ;;
+  e2e)  # an earlier lease's drafter export (DRAFTER, its sglang folder) on a machine after part-a
+    install
+    python3 -c "from pathlib import Path; from eagle3.common import compose; from eagle3.target import resolve_target_path
+cfg = compose(['experiment=smollm2-h200', 'paths.root=$root'])
+resolve_target_path(cfg.target, Path(cfg.paths.artifacts))"
+    suites=.carry/b/suite_vicuna.jsonl,.carry/b/suite_humaneval.jsonl,.carry/b/suite_gsm8k.jsonl
+    for cudnn in ${E2E_CUDNN:-no yes}; do  # cuDNN attention outside CUDA graphs (prefill): off, then on
+      flag=$([ "$cudnn" = yes ] && echo --eager-cudnn || true)
+      timed "e2e_cudnn_$cudnn" python3 benchmarks/e2e_bench.py --target "$root/artifacts/targets/smollm2-135m" \
+        --drafter "${DRAFTER:?the sglang folder of an export}" --suites "$suites" --prompts "${PROMPTS:-8}" \
+        --specs "${SPECS:-off,d4,d6s3k2,d10s5k4,d16s6k4}" --baselines "" --json "$out/e2e_cudnn_$cudnn.json" \
+        $flag ${BENCH_ARGS:-}
+    done ;;
   ddp)  # after the train step, on the same (warm) machine: its data and converted target, fresh drafters
     for devices in 1 ${DEVICES:-2}; do
       mkdir -p "$root/ddp$devices" && cp -al "$root/artifacts/targets" "$root/artifacts/data" "$root/ddp$devices/"
@@ -125,5 +140,5 @@ torch.manual_seed(0); LlamaForCausalLM(LlamaConfig.from_pretrained('.carry/ddp/s
         "paths.artifacts=$root/d$devices" "trainer.devices=$devices" trainer.strategy=ddp || true
       grep -h "train: step" "$logs/train_${devices}gpu.log" > "$out/ddp_${devices}gpu.txt" || true
     done ;;
-  *) echo "unknown step '$step': part-a|train|bench|ddp|ddp-random" >&2; exit 2 ;;
+  *) echo "unknown step '$step': part-a|train|bench|e2e|ddp|ddp-random" >&2; exit 2 ;;
 esac

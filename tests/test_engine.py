@@ -128,6 +128,28 @@ def test_lean_forward_off_gives_the_same_tokens(tiny_target, fitted, references,
         assert a.stats.accepted_per_step == b.stats.accepted_per_step
 
 
+@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize("eager_cudnn", [False, True])
+def test_prefill_attention_leaves_cudnn_out(tiny_target, fitted, references, monkeypatch, lean, eager_cudnn):
+    """Forwards outside CUDA graphs (a prefill: the target's and the drafter's) run sdpa with
+    cuDNN attention disabled, unless eager_cudnn; the flag is torch's own again afterwards.
+    (A CPU machine cannot run cuDNN; the test reads the backend flag each sdpa call sees.)"""
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    decoder = SpecDecoder(tiny_target, fitted, spec("d6s3k2"), lean=lean, eager_cudnn=eager_cudnn)
+    prompt, expected = references[0]
+    result = decoder.generate(prompt, 1)  # the prefill's root token only: no verify step
+    layers = tiny_target.config.num_hidden_layers + fitted.config.num_hidden_layers
+    assert result.tokens == expected[:1] and result.stats.verify_steps == 0
+    assert seen == [eager_cudnn] * layers
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_fused_steps_across_cache_widths(tiny_target, fitted):
     """Attention reads a power-of-two window of the caches; a generation that crosses 256 slots
     switches windows mid-way and still commits what the step-by-step path commits."""

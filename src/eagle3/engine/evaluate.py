@@ -27,6 +27,7 @@ def summarize(stats: list[RequestStats]) -> dict:
         "tau": completion / steps if steps else 0.0,
         "accepted_tokens": sum(sum(s.accepted_per_step) for s in stats),
         "acceptance_per_position": [count / steps if steps else 0.0 for count in per_position],
+        "prefill_time_s": sum(s.prefill_time_s for s in stats),
         "draft_time_s": sum(s.draft_time_s for s in stats), "verify_time_s": sum(s.verify_time_s for s in stats),
         "tokens_per_s": completion / elapsed if elapsed else 0.0,
     }

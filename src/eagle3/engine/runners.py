@@ -8,7 +8,10 @@ replaying a graph (graphs need fixed shapes).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from eagle3.engine.kv import DrafterKV, TargetKV
 from eagle3.engine.llama import LeanDrafter, LeanLlama
@@ -37,16 +40,27 @@ class Graphed:
         return self.outputs
 
 
+def eager_attention(cudnn: bool):
+    """The sdpa backends of forwards run outside a CUDA graph (prefill, odd shapes). cuDNN's fused
+    attention builds a graph for every new input shape, and every prompt length is one; inside a
+    CUDA graph the shapes are fixed, so the captured steps keep torch's default choice."""
+    if cudnn:
+        return nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 class TargetRunner:
-    def __init__(self, target: Target, max_len: int, lean: bool = True):
+    def __init__(self, target: Target, max_len: int, lean: bool = True, eager_cudnn: bool = False):
         """lean: run a plain Llama target through LeanLlama (same numbers, fewer kernels);
-        other targets, or lean=False, run HF's forward."""
+        other targets, or lean=False, run HF's forward. eager_cudnn: allow cuDNN attention
+        outside CUDA graphs (see eager_attention)."""
         self.target = target
         self.model = target.model
         self.dtype = next(self.model.parameters()).dtype
         self.device = target.device
         self.kv = TargetKV(self.model.config, max_len, self.dtype, self.device)
         self.lean = LeanLlama(target, max_len) if lean and LeanLlama.supports(self.model) else None
+        self.eager_cudnn = eager_cudnn
         self.graphs: dict[int, Graphed] = {}
 
     def kv_len(self, needed: int) -> int:
@@ -57,7 +71,8 @@ class TargetRunner:
         graph = self.graphs.get(ids.numel())
         if graph is not None:
             return graph(ids, positions, slots, mask)
-        return self._forward(ids, positions, slots, mask)
+        with eager_attention(self.eager_cudnn):
+            return self._forward(ids, positions, slots, mask)
 
     def _forward(self, ids, positions, slots, mask):
         self.kv.prepare(slots, mask.shape[-1])
@@ -80,13 +95,15 @@ class TargetRunner:
 
 
 class DrafterRunner:
-    def __init__(self, drafter, max_len: int, lean: bool = True):
-        """lean: the drafter's step through LeanDrafter (same numbers, fewer kernels)."""
+    def __init__(self, drafter, max_len: int, lean: bool = True, eager_cudnn: bool = False):
+        """lean: the drafter's step through LeanDrafter (same numbers, fewer kernels);
+        eager_cudnn as TargetRunner's."""
         self.drafter = drafter
         self.dtype = drafter.fc.weight.dtype
         self.device = drafter.fc.weight.device
         self.kv = DrafterKV(drafter.config, max_len, self.dtype, self.device)
         self.lean = LeanDrafter(drafter, max_len) if lean and LeanDrafter.supports(drafter) else None
+        self.eager_cudnn = eager_cudnn
         self.graphs: dict[int, Graphed] = {}
 
     def kv_len(self, needed: int) -> int:
@@ -104,7 +121,8 @@ class DrafterRunner:
         graph = self.graphs.get((kind, ids.numel()))
         if graph is not None:
             return graph(ids, states, positions, slots, mask)
-        return self._forward(kind, ids, states, positions, slots, mask)
+        with eager_attention(self.eager_cudnn):
+            return self._forward(kind, ids, states, positions, slots, mask)
 
     def _forward(self, kind, ids, states, positions, slots, mask):
         states = states.to(self.dtype)
