@@ -12,7 +12,7 @@ Per config it prints tok/s, tau, verify steps and the mean draft / verify time p
 cost, and whether the greedy tokens equal spec=off's; `--json` writes all rows. Speedup is
 against the engine's own spec=off, same run. `--no-fused` times the step-by-step path,
 `--no-lean` HF's target forward and the drafter module instead of the engine's lean ones
-(engine/llama.py).
+(engine/llama.py), `--compile-layers` the lean target's layers through torch.compile.
 """
 
 from __future__ import annotations
@@ -87,9 +87,11 @@ def prompts_for(args, target: Target) -> list[list[int]]:
 
 
 def bench(target, drafter, spec: Spec, prompts, args) -> dict:
+    started = time.perf_counter()
     decoder = SpecDecoder(target, drafter if spec.enabled else None, spec, max_context=args.max_context,
                           cuda_graphs=args.cuda_graphs, fused=args.fused, lean=args.lean,
-                          eager_cudnn=args.eager_cudnn)
+                          eager_cudnn=args.eager_cudnn, compile_layers=args.compile_layers)
+    capture_s = time.perf_counter() - started  # graphs (and compiles) are made in the constructor
     stop = [] if args.ignore_eos or target.tokenizer is None else [target.tokenizer.eos_token_id]
     decoder.generate(prompts[0], args.warmup_tokens, stop_ids=stop)  # warm-up (allocator, kernels)
     sync()
@@ -106,6 +108,7 @@ def bench(target, drafter, spec: Spec, prompts, args) -> dict:
     summary = summarize(stats)
     steps = max(summary["verify_steps"], 1)
     return {"spec": spec.label, "lean_forward": decoder.target_run.lean is not None,
+            "compile_layers": args.compile_layers, "capture_s": capture_s,
             "tok_per_s": summary["completion_tokens"] / elapsed, "tau": summary["tau"],
             "completion_tokens": summary["completion_tokens"], "verify_steps": summary["verify_steps"],
             "step_ms": 1000 * elapsed / steps, "draft_ms_per_step": 1000 * summary["draft_time_s"] / steps,
@@ -155,6 +158,8 @@ def main() -> None:
                         help="the target and drafter run the engine's lean forwards; --no-lean: HF's and the module's")
     parser.add_argument("--eager-cudnn", action="store_true",
                         help="allow cuDNN attention outside CUDA graphs (prefill; engine.eager_cudnn_attention)")
+    parser.add_argument("--compile-layers", action="store_true",
+                        help="verify graphs run the target's layers torch.compile'd (engine.compile_layers)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--profile", default="", help="comma-separated spec labels to profile (torch.profiler)")
@@ -176,8 +181,9 @@ def main() -> None:
         projected = " ".join(f"{v:.0f}" for v in row["projected_tok_per_s"].values())
         print(f"{row['spec']:>10}: {row['tok_per_s']:8.1f} tok/s{speedup}  tau {row['tau']:.2f}  "
               f"step {row['step_ms']:.2f} ms (draft {row['draft_ms_per_step']:.2f}, "
-              f"verify {row['verify_ms_per_step']:.2f}, prefill {row['prefill_ms_per_request']:.1f}/request)  tau=3/4/5 -> {projected} tok/s  "
-              f"same as off {row.get('same_tokens_as_off', '-')}/{len(prompts)}", flush=True)
+              f"verify {row['verify_ms_per_step']:.2f}, prefill {row['prefill_ms_per_request']:.1f}/request)  "
+              f"tau=3/4/5 -> {projected} tok/s  same as off {row.get('same_tokens_as_off', '-')}/{len(prompts)}  "
+              f"graphs made in {row['capture_s']:.1f} s", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 

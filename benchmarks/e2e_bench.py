@@ -71,6 +71,8 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--eager-cudnn", action="store_true",
                         help="allow cuDNN attention outside CUDA graphs (prefill; engine.eager_cudnn_attention)")
+    parser.add_argument("--compile-layers", action="store_true",
+                        help="verify graphs run the target's layers torch.compile'd (engine.compile_layers)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     args.random_from, args.cuda_graphs = None, args.device == "cuda"
@@ -90,7 +92,8 @@ def main() -> None:
             else:
                 spec = parse_spec(method)
                 decoder = SpecDecoder(target, drafter if spec.enabled else None, spec, max_context=args.max_context,
-                                      cuda_graphs=args.cuda_graphs, eager_cudnn=args.eager_cudnn)
+                                      cuda_graphs=args.cuda_graphs, eager_cudnn=args.eager_cudnn,
+                                      compile_layers=args.compile_layers)
                 outputs, wall, summary = engine_run(decoder, prompts, args.max_new_tokens, eos)
                 steps = max(summary["verify_steps"], 1)
                 host_s = wall - summary["prefill_time_s"] - summary["draft_time_s"] - summary["verify_time_s"]

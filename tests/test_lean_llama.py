@@ -25,18 +25,20 @@ def runners(target):
     return lean, hf
 
 
-def assert_same(lean, hf, *inputs) -> None:
+def assert_same(lean, hf, *inputs, compiled: bool = False) -> None:
     with torch.inference_mode():
-        (logits, aux), (ref_logits, ref_aux) = lean.forward(*inputs), hf.forward(*inputs)
+        ours = lean._forward(*inputs, compiled=True) if compiled else lean.forward(*inputs)
+        (logits, aux), (ref_logits, ref_aux) = ours, hf.forward(*inputs)
     assert logits.dtype == torch.float32 and aux.shape == ref_aux.shape
     torch.testing.assert_close(logits, ref_logits, **EXACT)
     torch.testing.assert_close(aux, ref_aux, **EXACT)
     torch.testing.assert_close(lean.kv.buffer, hf.kv.buffer, **EXACT)
 
 
-def prefill_then_verify(target, kv_len) -> None:
+def prefill_then_verify(target, kv_len, compiled: bool = False) -> None:
     """A causal prefill of a random prompt, then one verify of an 8-node tree after it (per-node
-    positions, ancestor mask), attention reading `kv_len(needed)` cache slots."""
+    positions, ancestor mask), attention reading `kv_len(needed)` cache slots; compiled: the
+    verify runs the layers torch.compile'd, as a fixed-shape verify does with compile_layers."""
     lean, hf = runners(target)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (PROMPT_LEN,), generator=generator)
@@ -52,7 +54,8 @@ def prefill_then_verify(target, kv_len) -> None:
     tree[:, :PROMPT_LEN] = True
     tree[:, PROMPT_LEN:PROMPT_LEN + q] = ancestor_mask(parents, int(depths.max()))
     tokens = torch.randint(0, target.vocab_size, (q,), generator=generator)
-    assert_same(lean, hf, tokens, PROMPT_LEN + depths, torch.arange(PROMPT_LEN, PROMPT_LEN + q), tree)
+    assert_same(lean, hf, tokens, PROMPT_LEN + depths, torch.arange(PROMPT_LEN, PROMPT_LEN + q), tree,
+                compiled=compiled)
 
 
 @pytest.mark.parametrize("width", ["needed", "whole cache"])
@@ -68,6 +71,28 @@ def test_tiny_llama_matches_hf(tiny_target, width):
 def test_smollm2_matches_hf(smollm2):
     assert next(smollm2.model.parameters()).dtype == torch.float32
     prefill_then_verify(smollm2, lambda needed: needed)
+
+
+@pytest.mark.slow
+def test_compiled_layers_match_hf_and_decode_the_same(tiny_target):
+    """engine.compile_layers: a tree verify through the torch.compile'd layer segments (Inductor's
+    fused kernels; here its CPU backend) gives HF's logits, aux and cache, and the decoder's fused
+    greedy steps with it still commit the target's own greedy tokens."""
+    from eagle3.common import compose
+    from eagle3.engine import SpecDecoder
+    from engine_helpers import PROMPTS, reference_greedy, spec
+    from torch._dynamo.utils import counters
+    counters.clear()
+    prefill_then_verify(tiny_target, lambda needed: CACHE, compiled=True)
+    torch.manual_seed(0)
+    drafter = build_drafter(tiny_target, compose(["target=tiny-llama"]).drafter).eval()
+    decoder = SpecDecoder(tiny_target, drafter, spec("d8s4k3"), compile_layers=True)
+    assert decoder.target_run.compile_layers and decoder.fused is not None
+    for text in PROMPTS[:2]:
+        prompt = tiny_target.tokenizer(text)["input_ids"]
+        assert decoder.generate(prompt, 24).tokens == reference_greedy(tiny_target.model, prompt, 24)
+    # enter_layer and leave_layer, each compiled once for q = 8 (the prefill stays eager)
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 def test_other_models_fall_back_to_hf(tiny_target):

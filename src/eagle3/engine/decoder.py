@@ -74,19 +74,22 @@ class SpecDecoder:
 
     def __init__(self, target: Target, drafter, spec: Spec, max_context: int | None = None,
                  cuda_graphs: bool = False, seed: int = 0, fused: bool = True, lean: bool = True,
-                 eager_cudnn: bool = False):
+                 eager_cudnn: bool = False, compile_layers: bool = False):
         """fused: greedy steps run as FusedGreedy (static shapes, one host read per step, one CUDA
         graph per phase); False keeps every step on the step-by-step path below (same tokens).
         lean: a plain Llama target and the drafter run engine/llama.py's forwards instead of HF's
         and the drafter module's (same numbers). eager_cudnn: cuDNN attention also outside CUDA
-        graphs (runners.eager_attention: off by default, it builds a graph per prompt length)."""
+        graphs (runners.eager_attention: off by default, it builds a graph per prompt length).
+        compile_layers: verify forwards of fixed shape (graphs, fused steps) run the lean target's
+        layers torch.compile'd (TargetRunner)."""
         if spec.enabled and drafter is None:
             raise Eagle3Error(f"spec {spec.label} needs a drafter; use spec=off for plain decoding")
         self.target, self.spec = target, spec
         self.drafter = drafter if spec.enabled else None
         limit = target.config.max_position_embeddings
         self.max_context = min(max_context or limit, limit)
-        self.target_run = TargetRunner(target, self.max_context, lean=lean, eager_cudnn=eager_cudnn)
+        self.target_run = TargetRunner(target, self.max_context, lean=lean, eager_cudnn=eager_cudnn,
+                                       compile_layers=compile_layers)
         self.drafter_run = (DrafterRunner(self.drafter, self.max_context + spec.steps * spec.topk, lean=lean,
                                           eager_cudnn=eager_cudnn)
                             if self.drafter is not None else None)

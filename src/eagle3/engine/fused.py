@@ -180,7 +180,8 @@ class FusedGreedy:
         relative = columns - position
         in_tree = (relative >= 0) & (relative < q)
         mask = (columns < position)[None] | (ancestors[:, relative.clamp(0, q - 1)] & in_tree[None])
-        logits, aux = run._forward(self.tokens, position + self.depths, position + index, mask)
+        logits, aux = run._forward(self.tokens, position + self.depths, position + index, mask,
+                                   compiled=run.compile_layers)
         argmax = logits.argmax(dim=-1)
         matches = (self.tokens == argmax[self.parents]) | (index == 0)
         accepted = ~(ancestors & ~matches[None, :]).any(dim=-1)

@@ -44,20 +44,32 @@ class LeanBlocks:
         return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
     def attention(self, index: int, layer: LayerWeights, x, cos, sin, kv: SlotKV, bias) -> torch.Tensor:
-        q_len, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = F.linear(x, layer.qkv).view(q_len, heads + 2 * kv_heads, dim)
+        queries, keys, values = self.split_heads(F.linear(x, layer.qkv), cos, sin)
+        return F.linear(self.merge_heads(self.attend(index, queries, keys, values, kv, bias)), layer.o)
+
+    def split_heads(self, qkv: torch.Tensor, cos, sin):
+        """qkv [q, (heads + 2 kv_heads) * dim] -> rotated queries [1, kv_heads, groups * q, dim], rotated
+        keys and values [1, kv_heads, q, dim]. GQA without repeating K/V: the query heads sharing a KV
+        head (grouped kv-major, as repeat_kv pairs them) fold into the query length."""
+        q_len, heads, kv_heads, dim = qkv.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = qkv.view(q_len, heads + 2 * kv_heads, dim)
         rotated = rotate(qkv[:, :heads + kv_heads].transpose(0, 1), cos, sin)  # [heads + kv_heads, q, dim]
-        keys, values = kv.write(index, rotated[None, heads:], qkv[:, heads + kv_heads:].transpose(0, 1)[None])
-        # GQA without repeating K/V: the query heads sharing a KV head (heads are grouped
-        # kv-major, as repeat_kv pairs them) fold into the query length; `bias` is tiled to match
-        queries = rotated[:heads].reshape(1, kv_heads, -1, dim)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias)  # [1, kv_heads, groups*q, dim]
-        out = out[0].unflatten(1, (heads // kv_heads, q_len)).permute(2, 0, 1, 3).reshape(q_len, heads * dim)
-        return F.linear(out, layer.o)
+        return (rotated[:heads].reshape(1, kv_heads, -1, dim), rotated[None, heads:],
+                qkv[:, heads + kv_heads:].transpose(0, 1)[None])
+
+    def attend(self, index: int, queries, keys, values, kv: SlotKV, bias) -> torch.Tensor:
+        """Write this step's keys/values at the prepared slots, attend (`bias` tiled per group)
+        -> [1, kv_heads, groups * q, dim]."""
+        keys, values = kv.write(index, keys, values)
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias)
+
+    def merge_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """attend's [1, kv_heads, groups * q, dim] -> [q, heads * dim]."""
+        groups = self.heads // self.kv_heads
+        return out[0].unflatten(1, (groups, -1)).permute(2, 0, 1, 3).reshape(-1, self.heads * self.head_dim)
 
     def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+        return gated_mlp(x, layer.gate_up, layer.down)
 
     def attention_bias(self, mask: torch.Tensor) -> torch.Tensor:
         """Bool [q, kv_len] -> additive [groups * q, kv_len] in the model's dtype, once per forward
@@ -96,18 +108,43 @@ class LeanLlama(LeanBlocks):
         self.lm_head = model.lm_head.weight
         self.layers = [layer_weights(layer) for layer in model.model.layers]
         self.cos, self.sin = rotary_tables(model.model.rotary_emb, self.embedding, max_len)
+        self.compiled = None
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: SlotKV, mask: torch.Tensor):
+    def enter_layer(self, hidden, input_norm, qkv, cos, sin):
+        """A layer up to attention: RMSNorm, the qkv GEMM, rotary -> split_heads' queries, keys, values."""
+        return self.split_heads(F.linear(self.norm(hidden, input_norm), qkv), cos, sin)
+
+    def leave_layer(self, hidden, out, o, post_norm, gate_up, down):
+        """A layer from attention's output on: o_proj and residual, RMSNorm, the MLP and residual."""
+        hidden = hidden + F.linear(self.merge_heads(out), o)
+        return hidden + gated_mlp(self.norm(hidden, post_norm), gate_up, down)
+
+    def compiled_segments(self):
+        """enter_layer and leave_layer through torch.compile: Inductor fuses each norm with its
+        neighbours, rotary into one kernel and silu * up into one (fewer kernels per replayed step).
+        The cache write and attention stay outside: the cache is one buffer all layers view."""
+        if self.compiled is None:
+            # each verify length is one entry of a segment's compile cache (torch's default limit is 8)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self.compiled = tuple(torch.compile(fn, dynamic=False, fullgraph=True)
+                                  for fn in (self.enter_layer, self.leave_layer))
+        return self.compiled
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: SlotKV, mask: torch.Tensor,
+                compiled: bool = False):
         """ids/positions [q], kv prepared by the caller, mask bool [q, kv_len] (True = attend)
-        -> (logits float32 [q, V], aux [q, len(aux_layer_ids) * H])."""
+        -> (logits float32 [q, V], aux [q, len(aux_layer_ids) * H]). compiled: the layer's segments
+        around attention run torch.compile'd (one compile per query length: fixed shapes only)."""
         cos, sin = self.cos[positions], self.sin[positions]
         bias = self.attention_bias(mask)
         hidden = F.embedding(ids, self.embedding)
+        enter, leave = self.compiled_segments() if compiled else (self.enter_layer, self.leave_layer)
         entering = {}
         for index, layer in enumerate(self.layers):
             entering[index] = hidden
-            hidden = hidden + self.attention(index, layer, self.norm(hidden, layer.input_norm), cos, sin, kv, bias)
-            hidden = hidden + self.mlp(layer, self.norm(hidden, layer.post_norm))
+            queries, keys, values = enter(hidden, layer.input_norm, layer.qkv, cos, sin)
+            out = self.attend(index, queries, keys, values, kv, bias)
+            hidden = leave(hidden, out, layer.o, layer.post_norm, layer.gate_up, layer.down)
         aux = torch.cat([entering[i] for i in self.aux_layer_ids], dim=-1)
         return F.linear(self.norm(hidden, self.final_norm), self.lm_head).float(), aux
 
@@ -150,6 +187,11 @@ class LeanDrafter(LeanBlocks):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(hidden, self.final_norm), self.lm_head)
+
+
+def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
 
 
 def layer_weights(layer) -> LayerWeights:

@@ -50,17 +50,20 @@ def eager_attention(cudnn: bool):
 
 
 class TargetRunner:
-    def __init__(self, target: Target, max_len: int, lean: bool = True, eager_cudnn: bool = False):
+    def __init__(self, target: Target, max_len: int, lean: bool = True, eager_cudnn: bool = False,
+                 compile_layers: bool = False):
         """lean: run a plain Llama target through LeanLlama (same numbers, fewer kernels);
         other targets, or lean=False, run HF's forward. eager_cudnn: allow cuDNN attention
-        outside CUDA graphs (see eager_attention)."""
+        outside CUDA graphs (see eager_attention). compile_layers: the captured graphs run
+        LeanLlama's layers torch.compile'd, as do FusedGreedy's verify phases (fixed shapes);
+        forward() (prefill, any length) does not."""
         self.target = target
         self.model = target.model
         self.dtype = next(self.model.parameters()).dtype
         self.device = target.device
         self.kv = TargetKV(self.model.config, max_len, self.dtype, self.device)
         self.lean = LeanLlama(target, max_len) if lean and LeanLlama.supports(self.model) else None
-        self.eager_cudnn = eager_cudnn
+        self.eager_cudnn, self.compile_layers = eager_cudnn, compile_layers
         self.graphs: dict[int, Graphed] = {}
 
     def kv_len(self, needed: int) -> int:
@@ -74,10 +77,10 @@ class TargetRunner:
         with eager_attention(self.eager_cudnn):
             return self._forward(ids, positions, slots, mask)
 
-    def _forward(self, ids, positions, slots, mask):
+    def _forward(self, ids, positions, slots, mask, compiled: bool = False):
         self.kv.prepare(slots, mask.shape[-1])
         if self.lean is not None:
-            return self.lean.forward(ids, positions, self.kv, mask)
+            return self.lean.forward(ids, positions, self.kv, mask, compiled=compiled)
         additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
         additive = additive.masked_fill(~mask, torch.finfo(self.dtype).min)[None, None]
         with aux_capture(self.model, self.target.aux_layer_ids) as captured:
@@ -91,7 +94,7 @@ class TargetRunner:
                        torch.zeros(q, dtype=torch.long, device=self.device),
                        torch.arange(q, device=self.device),
                        torch.ones(q, self.kv.max_len, dtype=torch.bool, device=self.device)]
-            self.graphs[q] = Graphed(self._forward, example, pool)
+            self.graphs[q] = Graphed(lambda *a: self._forward(*a, compiled=self.compile_layers), example, pool)
 
 
 class DrafterRunner:

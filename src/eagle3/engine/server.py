@@ -368,7 +368,7 @@ def build_service(cfg: DictConfig) -> EngineService:
     use_graphs = target.device.type == "cuda" if graphs == "auto" else bool(graphs)
     decoder = SpecDecoder(target, drafter, spec, max_context=cfg.engine.max_context, cuda_graphs=use_graphs,
                           seed=cfg.engine.seed, lean=cfg.engine.lean_forward,
-                          eager_cudnn=cfg.engine.eager_cudnn_attention)
+                          eager_cudnn=cfg.engine.eager_cudnn_attention, compile_layers=cfg.engine.compile_layers)
     log.info("engine ready: target %s (%s forward), spec %s, drafter %s, context %d", cfg.target.name,
              "lean" if decoder.target_run.lean else "HF", spec.label, source, decoder.max_context)
     return EngineService(decoder, target.tokenizer, cfg.serve, source, cfg.target.name)
