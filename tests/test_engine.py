@@ -150,6 +150,21 @@ def test_prefill_attention_leaves_cudnn_out(tiny_target, fitted, references, mon
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_padded_prefill_commits_the_same(tiny_target, fitted, references, fused):
+    """Prefill graphs pad a prompt to a captured width; the padding's K/V land in cache slots past
+    the prompt that nothing attends to before they are rewritten, so the tokens and acceptance equal
+    an unpadded prefill's (the padded prefill runs eagerly here: a CPU has no graphs)."""
+    plain = SpecDecoder(tiny_target, fitted, spec("d6s3k2"), fused=fused)
+    padded = SpecDecoder(tiny_target, fitted, spec("d6s3k2"), fused=fused)
+    padded.prefill_widths = [64]
+    for prompt, expected in references:
+        assert len(prompt) < 64
+        a, b = padded.generate(prompt, NEW_TOKENS), plain.generate(prompt, NEW_TOKENS)
+        assert a.tokens == b.tokens == expected
+        assert a.stats.accepted_per_step == b.stats.accepted_per_step
+
+
 def test_fused_steps_across_cache_widths(tiny_target, fitted):
     """Attention reads a power-of-two window of the caches; a generation that crosses 256 slots
     switches windows mid-way and still commits what the step-by-step path commits."""

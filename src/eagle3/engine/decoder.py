@@ -74,14 +74,16 @@ class SpecDecoder:
 
     def __init__(self, target: Target, drafter, spec: Spec, max_context: int | None = None,
                  cuda_graphs: bool = False, seed: int = 0, fused: bool = True, lean: bool = True,
-                 eager_cudnn: bool = False, compile_layers: bool = False):
+                 eager_cudnn: bool = False, compile_layers: bool = False, prefill_graphs: tuple[int, ...] = ()):
         """fused: greedy steps run as FusedGreedy (static shapes, one host read per step, one CUDA
         graph per phase); False keeps every step on the step-by-step path below (same tokens).
         lean: a plain Llama target and the drafter run engine/llama.py's forwards instead of HF's
         and the drafter module's (same numbers). eager_cudnn: cuDNN attention also outside CUDA
         graphs (runners.eager_attention: off by default, it builds a graph per prompt length).
         compile_layers: verify forwards of fixed shape (graphs, fused steps) run the lean target's
-        layers torch.compile'd (TargetRunner)."""
+        layers torch.compile'd (TargetRunner). prefill_graphs: with cuda_graphs, prompt lengths up
+        to each of these widths replay a prefill graph captured at that width (the prompt padded; the
+        padding's cache slots lie past the prompt, where nothing attends before they are rewritten)."""
         if spec.enabled and drafter is None:
             raise Eagle3Error(f"spec {spec.label} needs a drafter; use spec=off for plain decoding")
         self.target, self.spec = target, spec
@@ -96,8 +98,9 @@ class SpecDecoder:
         self.device = target.device
         self.generator = torch.Generator().manual_seed(seed)
         self.fused = FusedGreedy(self) if fused else None
+        self.prefill_widths: list[int] = []  # prompt lengths are padded up to the first that fits
         if cuda_graphs and self.device.type == "cuda":
-            self.capture_graphs()
+            self.capture_graphs(sorted(w for w in set(prefill_graphs) if w < self.max_context))
 
     # ------------------------------------------------------------ public
 
@@ -148,13 +151,15 @@ class SpecDecoder:
     def prefill(self, prompt_ids: list[int], choose) -> tuple[int, torch.Tensor | None]:
         ids = torch.tensor(prompt_ids, device=self.device)
         n = ids.numel()
-        positions = torch.arange(n, device=self.device)
-        logits, aux = self.target_run.forward(ids, positions, positions, self.causal_mask(0, n, self.target_run))
-        root = choose(logits[-1])
+        width = next((w for w in self.prefill_widths if w >= n), n)
+        positions = torch.arange(width, device=self.device)
+        logits, aux = self.target_run.forward(_pad(ids, width), positions, positions,
+                                              self.causal_mask(0, width, self.target_run))
+        root = choose(logits[n - 1])
         if self.drafter_run is None:
             return root, None
         next_ids = torch.cat([ids[1:], torch.tensor([root], device=self.device)])
-        return root, self.extend_drafter(next_ids, aux, 0)
+        return root, self.extend_drafter(next_ids, aux[:n], 0)
 
     def step(self, root: int, position: int, h_last, sampling: Sampling, stats: RequestStats):
         """One draft + verify; returns (the committed tokens incl. the bonus, the drafter's last hidden)."""
@@ -196,7 +201,7 @@ class SpecDecoder:
 
     def extend_drafter(self, next_ids: torch.Tensor, aux: torch.Tensor, start: int) -> torch.Tensor:
         run, m = self.drafter_run, next_ids.numel()
-        width = self.spec.depth if ("extend", self.spec.depth) in run.graphs and m <= self.spec.depth else m
+        width = min((q for kind, q in run.graphs if kind == "extend" and q >= m), default=m)
         ids = _pad(next_ids, width)
         states = _pad(aux, width)
         positions = torch.arange(start, start + width, device=self.device)
@@ -307,15 +312,19 @@ class SpecDecoder:
         return out
 
     @torch.no_grad()  # a drafter fresh from training still requires grad; captured kernels write caches in place
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, prefill_widths: list[int]) -> None:
         """CUDA graphs for every fixed-shape forward: verify (q = depth, and 1), draft steps
-        (q = 1..topk frontier rows) and the drafter extend (padded to depth)."""
+        (q = 1..topk frontier rows), the drafter extend (padded to depth) and the prefill widths
+        (the target's and the drafter's extend)."""
         pool = torch.cuda.graph_pool_handle()
         lengths = [1, self.spec.depth] if self.spec.enabled else [1]
-        self.target_run.capture(lengths, pool)
+        self.target_run.capture(lengths, pool, compiled=self.target_run.compile_layers)
+        self.target_run.capture([w for w in prefill_widths if w not in lengths], pool)
         if self.drafter_run is not None:
-            shapes = [("extend", self.spec.depth)] + [("step", w) for w in {1, self.spec.topk}]
+            shapes = [("extend", w) for w in [self.spec.depth, *prefill_widths]] + \
+                     [("step", w) for w in {1, self.spec.topk}]
             self.drafter_run.capture(shapes, pool)
+        self.prefill_widths = prefill_widths
         if self.fused is not None:
             try:
                 self.fused.capture(torch.cuda.graph_pool_handle())  # its own pool: the old graphs replay in between

@@ -38,6 +38,11 @@ class SlotKV:
         self.values[layer].index_copy_(2, self.slots, value.to(self.values[layer].dtype))
         return self.keys[layer][:, :, :self.kv_len], self.values[layer][:, :, :self.kv_len]
 
+    def write_pair(self, layer: int, pair: torch.Tensor):
+        """write's keys and values stacked [2, batch, kv_heads, q, dim]: one copy for both."""
+        self.buffer[:, layer].index_copy_(3, self.slots, pair.to(self.buffer.dtype))
+        return self.keys[layer][:, :, :self.kv_len], self.values[layer][:, :, :self.kv_len]
+
     def keep(self, start, sources: torch.Tensor) -> None:
         """Move the entries at slots `sources` to slots start, start+1, ... (accepted tree path);
         `start` is an int or a device scalar tensor (inside a CUDA graph)."""

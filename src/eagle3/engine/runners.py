@@ -54,9 +54,8 @@ class TargetRunner:
                  compile_layers: bool = False):
         """lean: run a plain Llama target through LeanLlama (same numbers, fewer kernels);
         other targets, or lean=False, run HF's forward. eager_cudnn: allow cuDNN attention
-        outside CUDA graphs (see eager_attention). compile_layers: the captured graphs run
-        LeanLlama's layers torch.compile'd, as do FusedGreedy's verify phases (fixed shapes);
-        forward() (prefill, any length) does not."""
+        outside CUDA graphs (see eager_attention). compile_layers: the verify graphs run LeanLlama's
+        layers torch.compile'd, as do FusedGreedy's verify phases (fixed shapes); prefills do not."""
         self.target = target
         self.model = target.model
         self.dtype = next(self.model.parameters()).dtype
@@ -88,13 +87,13 @@ class TargetRunner:
                                    past_key_values=self.kv, use_cache=True)
         return self.model.lm_head(out.last_hidden_state[0]).float(), captured[-1][0]
 
-    def capture(self, lengths: list[int], pool) -> None:
+    def capture(self, lengths: list[int], pool, compiled: bool = False) -> None:
         for q in sorted(set(lengths)):
             example = [torch.zeros(q, dtype=torch.long, device=self.device),
                        torch.zeros(q, dtype=torch.long, device=self.device),
                        torch.arange(q, device=self.device),
                        torch.ones(q, self.kv.max_len, dtype=torch.bool, device=self.device)]
-            self.graphs[q] = Graphed(lambda *a: self._forward(*a, compiled=self.compile_layers), example, pool)
+            self.graphs[q] = Graphed(lambda *a: self._forward(*a, compiled=compiled), example, pool)
 
 
 class DrafterRunner:
