@@ -1,8 +1,9 @@
 """Bring a GPU machine's results into the MLflow store, so the UI shows them beside local runs.
 
 The lent GPU machines run the stages with tracking off (no mlflow there); what comes back is
-a folder of JSON and log files (benchmarks/results/<name>/: e2e.json from e2e_bench.py,
-engine_*.json from bench_engine.py, *_progress.log from the train stage's progress lines,
+a folder of JSON and log files (benchmarks/results/<name>/: e2e.json or e2e_<variant>.json from
+e2e_bench.py (one engine setting per file; the run names end with the variant), engine_*.json from
+bench_engine.py, *_progress.log from the train stage's progress lines,
 *_manifest.json from the stage outputs, gpu.txt). This logs one parent run named after the
 folder with a child run per bench row, engine-step row, training and DDP run:
 
@@ -39,7 +40,8 @@ def e2e_runs(data: dict) -> list[tuple[str, dict, dict, dict]]:
     runs = []
     for row in data["rows"]:
         metrics = {k: float(row[k]) for k in ("tok_per_s", "tau", "wall_s", "tokens", "match_hf",
-                                              "draft_ms_per_step", "verify_ms_per_step") if k in row}
+                                              "draft_ms_per_step", "verify_ms_per_step", "host_ms_per_step",
+                                              "prefill_ms_per_prompt") if k in row}
         if row["suite"] in off:
             metrics["speedup_vs_off"] = row["tok_per_s"] / off[row["suite"]]
         params = {"bench.suite": row["suite"], "method": row["method"], "prompts": row["prompts"],
@@ -51,7 +53,8 @@ def e2e_runs(data: dict) -> list[tuple[str, dict, dict, dict]]:
 def engine_runs(data: dict, path_name: str) -> list[tuple[str, dict, dict, dict]]:
     runs = []
     for row in data["rows"]:
-        metrics = {k: float(row[k]) for k in ("tok_per_s", "step_ms", "draft_ms_per_step", "verify_ms_per_step")}
+        metrics = {k: float(row[k]) for k in ("tok_per_s", "step_ms", "draft_ms_per_step", "verify_ms_per_step",
+                                              "prefill_ms_per_request", "capture_s") if k in row}
         metrics.update({f"projected_tok_per_s_tau{t}": v for t, v in row["projected_tok_per_s"].items()})
         params = {"spec": row["spec"], "engine_path": path_name, "weights": "random (SmolLM2 shapes)"}
         runs.append((f"engine-step {row['spec']} {path_name}", params, metrics, []))
@@ -108,14 +111,16 @@ def import_folder(folder: Path, overrides: list[str]) -> dict:
             steps = progress_rows(log)
             children.append(log_child(mlflow, parent, f"ddp {devices} gpu", {"trainer.devices": devices},
                                       ddp_rate(steps, devices), steps=steps, tags={"stage": "train"}))
-    if (folder / "e2e.json").exists():
-        for name, params, metrics, curve in e2e_runs(json.loads((folder / "e2e.json").read_text())):
-            children.append(log_child(mlflow, parent, name, params, metrics, curve, tags={"stage": "bench"}))
-    for path_name in ("step_by_step", "fused"):
-        path = folder / f"engine_{path_name}.json"
-        if path.exists():
-            for name, params, metrics, curve in engine_runs(json.loads(path.read_text()), path_name):
-                children.append(log_child(mlflow, parent, name, params, metrics, tags={"stage": "engine"}))
+    for path in sorted(folder.glob("e2e*.json")):  # e2e.json, or e2e_<variant>.json: one engine setting each
+        variant = path.stem.removeprefix("e2e").lstrip("_")
+        for name, params, metrics, curve in e2e_runs(json.loads(path.read_text())):
+            params["engine_variant"] = variant or "default"
+            children.append(log_child(mlflow, parent, f"{name} {variant}".strip(), params, metrics, curve,
+                                      tags={"stage": "bench"}))
+    for path in sorted(folder.glob("engine_*.json")):
+        path_name = path.stem.removeprefix("engine_")
+        for name, params, metrics, curve in engine_runs(json.loads(path.read_text()), path_name):
+            children.append(log_child(mlflow, parent, name, params, metrics, tags={"stage": "engine"}))
     mlflow.set_terminated(parent.info.run_id)
     return {"parent": parent.info.run_id, "children": len(children), "replaced": replaced,
             "uri": cfg.tracking.uri}

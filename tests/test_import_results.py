@@ -62,3 +62,26 @@ def test_import_logs_the_per_ttt_step_accuracies(tmp_path):
                                "attributes.run_name = 'train'")[0]
     curve = client.get_metric_history(train.info.run_id, "val_acc_per_ttt_step")
     assert [(m.step, m.value) for m in sorted(curve, key=lambda m: m.step)] == [(0, 0.5), (1, 0.25), (2, 0.125)]
+
+
+def test_import_takes_every_e2e_and_engine_file_of_a_folder(tmp_path):
+    """A folder with several engine settings (e2e_<variant>.json, engine_<variant>.json): a child run
+    per row of every file, the variant in the run name and params, the phase times as metrics."""
+    folder = ROOT / "benchmarks" / "results" / "h200-2026-11-30c"
+    e2e = {p.stem: json.loads(p.read_text())["rows"] for p in folder.glob("e2e*.json")}
+    engine = sum(len(json.loads(p.read_text())["rows"]) for p in folder.glob("engine_*.json"))
+    children = 1 + sum(map(len, e2e.values())) + engine  # train + bench rows + engine rows
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "import_results.py"), str(folder),
+                           f"paths.root={tmp_path}"], capture_output=True, text=True, check=True)
+    assert f"{children} child runs (0 earlier" in done.stdout and len(e2e) == 5
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    runs = {r.info.run_name: r for r in client.search_runs(
+        [client.get_experiment_by_name("eagle3").experiment_id], max_results=1000)}
+    assert len(runs) == children + 1
+    row = next(r for r in e2e["e2e_compiled_prefill_graphs"] if r["suite"] == "gsm8k" and r["method"] == "d6s3k2")
+    run = runs["gsm8k d6s3k2 compiled_prefill_graphs"]
+    assert run.data.params["engine_variant"] == "compiled_prefill_graphs"
+    assert run.data.metrics["tok_per_s"] == row["tok_per_s"]
+    assert run.data.metrics["prefill_ms_per_prompt"] == row["prefill_ms_per_prompt"]
+    assert runs["gsm8k d6s3k2"].data.metrics["tok_per_s"] == next(
+        r for r in e2e["e2e"] if r["suite"] == "gsm8k" and r["method"] == "d6s3k2")["tok_per_s"]
