@@ -128,6 +128,36 @@ def test_metrics_by_brute_force(case):
     assert 0 < metrics["count_0"] < int(mask[:, 2:].sum())
 
 
+@torch.no_grad()
+def test_head_metrics_by_brute_force(case):
+    """acc_head_k: step k's predictions of the first HEAD trained tokens of each sequence, a target
+    token outside the draft vocab counted as a miss; tau_hat_head from them."""
+    drafter, batch, lm_head = case
+    head = 4
+    _, metrics = ttt_loss(drafter, batch, lm_head, TTT, step_decay=0.8, head_tokens=head)
+    _, plain = ttt_loss(drafter, batch, lm_head, TTT, step_decay=0.8)
+    assert "tau_hat_head" not in plain and plain["tau_hat"] == metrics["tau_hat"]
+    step_logits = unroll(drafter, batch["input_ids"], batch["aux_hidden"], TTT)
+    draft_to_target = torch.arange(DRAFT_VOCAB) + drafter.d2t
+    ids, mask, last = batch["input_ids"], batch["loss_mask"], batch["last_hidden"]
+    accuracies, out_of_vocab = [], 0
+    for k in range(TTT):
+        correct = count = 0
+        for b in range(ids.shape[0]):
+            for t in range(ids.shape[1]):
+                predicted = t + k + 2
+                if predicted >= ids.shape[1] or not mask[b, predicted] or mask[b, :predicted + 1].sum() > head:
+                    continue
+                count += 1
+                target_token = int((last[b, t + k + 1] @ lm_head.t()).argmax())
+                out_of_vocab += not drafter.t2d[target_token]
+                correct += int(draft_to_target[step_logits[k][b, t].argmax()]) == target_token
+        assert (metrics[f"count_head_{k}"], metrics[f"correct_head_{k}"]) == (count, correct)
+        accuracies.append(correct / count)
+    assert metrics["tau_hat_head"] == pytest.approx(float(tau_hat(accuracies)))
+    assert out_of_vocab > 0  # the misses the plain metric leaves out are exercised
+
+
 def test_tau_hat_formula():
     assert float(tau_hat([1, 1, 1])) == 4.0
     assert float(tau_hat([0.5, 0.5])) == pytest.approx(1 + 0.5 + 0.25)

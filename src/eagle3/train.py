@@ -36,7 +36,7 @@ from eagle3.target import Target, capture_hidden_states, load_target, target_key
 from eagle3.ttt import tau_hat, ttt_loss
 
 # train.* fields that change how training is watched or where it reads, not what it learns.
-HASH_EXCLUDED = ("eval_prompts", "eval_max_new_tokens", "checkpoint_every_n_steps", "shards")
+HASH_EXCLUDED = ("eval_prompts", "eval_max_new_tokens", "checkpoint_every_n_steps", "shards", "val_head_tokens")
 CHECKPOINTS = "checkpoints"
 FINAL_WEIGHTS, BEST_WEIGHTS, DRAFTER_CONFIG = "drafter.safetensors", "best.safetensors", "drafter_config.json"
 
@@ -275,9 +275,9 @@ class DrafterModule(L.LightningModule):
                                           batch["attention_mask"])
         return {**batch, "aux_hidden": aux, "last_hidden": last}
 
-    def step(self, batch: dict):
+    def step(self, batch: dict, head_tokens: int | None = None):
         return ttt_loss(self.drafter, self.with_hidden_states(batch), self.lm_head_weight, self.tcfg.ttt_length,
-                        self.tcfg.step_decay, self.tcfg.attention)
+                        self.tcfg.step_decay, self.tcfg.attention, head_tokens)
 
     def training_step(self, batch: dict, batch_idx: int):
         loss, metrics = self.step(batch)
@@ -299,14 +299,16 @@ class DrafterModule(L.LightningModule):
                           f"last good checkpoint is kept in {self.trainer.default_root_dir}/{CHECKPOINTS}")
 
     def on_validation_epoch_start(self) -> None:
-        # per step: weighted loss sum, correct, count
-        self.val_sums = torch.zeros(self.tcfg.ttt_length, 3, dtype=torch.float64, device=self.device)
+        # per step: weighted loss sum, correct, count, and correct / count over the head (ttt_loss)
+        self.val_sums = torch.zeros(self.tcfg.ttt_length, 5, dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        _, metrics = self.step(batch)
+        head_tokens = self.tcfg.get("val_head_tokens")
+        _, metrics = self.step(batch, head_tokens)
         for k in range(self.tcfg.ttt_length):
             count = metrics[f"count_{k}"]
-            self.val_sums[k] += torch.tensor([metrics[f"loss_{k}"] * count, metrics[f"correct_{k}"], count],
+            head = [metrics[f"correct_head_{k}"], metrics[f"count_head_{k}"]] if head_tokens else [0, 0]
+            self.val_sums[k] += torch.tensor([metrics[f"loss_{k}"] * count, metrics[f"correct_{k}"], count, *head],
                                              dtype=torch.float64, device=self.device)
 
     def on_validation_epoch_end(self) -> None:
@@ -319,6 +321,11 @@ class DrafterModule(L.LightningModule):
         self.log("val/loss", float((losses * decay).sum()))
         for k, acc in enumerate(accuracies.tolist()):
             self.log(f"val/acc_{k}", acc)
+        if self.tcfg.get("val_head_tokens"):
+            head = sums[:, 3] / sums[:, 4].clamp(min=1)
+            self.log("val/tau_hat_head", float(tau_hat(head.cpu())))
+            for k, acc in enumerate(head.tolist()):
+                self.log(f"val/acc_head_{k}", acc)
         if self.evaluation.get("prompts") and not self.trainer.sanity_checking:
             self.log_measured_acceptance()
 
@@ -636,9 +643,14 @@ def run(cfg: DictConfig, callbacks=()) -> StageOutput:
                                          if k in ("train/seconds", "train/samples_per_s", "train/tokens_per_s",
                                                   "train/devices", "train/peak_memory_gib")},
               # per TTT step, so a run without MLflow (a GPU box) still reports them
-              "val_acc": [metrics.get(f"val/acc_{k}") for k in range(cfg.train.ttt_length)]}
+              "val_acc": [metrics.get(f"val/acc_{k}") for k in range(cfg.train.ttt_length)],
+              # the last validation's, over each sequence's first train.val_head_tokens tokens (ttt.py)
+              "tau_hat_head": metrics.get("val/tau_hat_head"),
+              "val_acc_head": [metrics.get(f"val/acc_head_{k}") for k in range(cfg.train.ttt_length)]}
     out.finish(counts)
-    log.info("train: wrote %s (val tau_hat %.3f)", out.path, counts["tau_hat"] or float("nan"))
+    log.info("train: wrote %s (val tau_hat %.3f; over the first %s tokens, the last validation: %.3f)", out.path,
+             counts["tau_hat"] or float("nan"), cfg.train.get("val_head_tokens"),
+             counts["tau_hat_head"] or float("nan"))
     return out
 
 

@@ -25,6 +25,10 @@ argmax at step k; the simulated acceptance length (tokens per verify step with a
 of ttt_length drafts, the verified token included)
 
     tau_hat = 1 + sum_k prod_{j<=k} acc_j
+
+With head_tokens = N, acc_head_k and tau_hat_head score the same predictions the way a decode of N
+new tokens meets them: only the first N trained tokens of each sequence (greedy regenerations
+loop, and their long tails are easy), and a token outside the draft vocab counts as a miss.
 """
 
 from __future__ import annotations
@@ -166,29 +170,41 @@ def tau_hat(accuracies: list[float] | torch.Tensor) -> torch.Tensor:
 
 
 def ttt_loss(drafter: Eagle3Drafter, batch: dict, target_lm_head_weight: torch.Tensor, ttt_length: int,
-             step_decay: float, attention: str = "sdpa"):
+             step_decay: float, attention: str = "sdpa", head_tokens: int | None = None):
     """(weighted loss, metrics) for one batch of {input_ids, loss_mask, aux_hidden, last_hidden}.
 
     metrics: loss_k, acc_k (floats, per step), correct_k / count_k (counts, for exact
-    aggregation across batches and ranks), tau_hat."""
+    aggregation across batches and ranks), tau_hat; with head_tokens also acc_head_k,
+    correct_head_k / count_head_k and tau_hat_head (module docstring)."""
     target = target_distribution(batch["last_hidden"], target_lm_head_weight, drafter.d2t, drafter.t2d)
     step_logits = unroll(drafter, batch["input_ids"], batch["aux_hidden"], ttt_length, attention,
                          batch.get("position_ids"))
+    trained = batch["loss_mask"].bool()
+    head = trained & (trained.long().cumsum(1) <= head_tokens) if head_tokens else None
     total = 0.0
-    per_step = []  # (loss_k, correct_k, count_k), kept on device until the end: one sync per batch
+    per_step = []  # (loss_k, correct_k, count_k[, correct_head_k, count_head_k]) on device: one sync per batch
     for k, logits in enumerate(step_logits):
         probs, argmax, valid = step_targets(target, batch["loss_mask"], k)
         logits = logits[:, :valid.shape[1]]
         count = valid.sum()
         loss_k = (soft_cross_entropy(logits, probs) * valid).sum() / count.clamp(min=1)
-        correct = ((logits.argmax(-1) == argmax) & valid).sum()
+        hits = logits.argmax(-1) == argmax
+        row = [loss_k.detach().float(), (hits & valid).sum().float(), count.float()]
+        if head is not None:  # out-of-vocab positions stay in, as misses
+            scored = shift_left(head, k + 2, fill=False)[:, :valid.shape[1]]
+            row += [(hits & scored & target.in_vocab[:, k + 1:]).sum().float(), scored.sum().float()]
         total = total + step_decay ** k * loss_k
-        per_step.append(torch.stack([loss_k.detach().float(), correct.float(), count.float()]))
+        per_step.append(torch.stack(row))
     metrics: dict[str, float] = {}
-    for k, (loss_k, correct, count) in enumerate(torch.stack(per_step).tolist()):
+    for k, (loss_k, correct, count, *head_counts) in enumerate(torch.stack(per_step).tolist()):
         metrics.update({f"loss_{k}": loss_k, f"acc_{k}": correct / max(count, 1),
                         f"correct_{k}": int(correct), f"count_{k}": int(count)})
+        if head_counts:
+            metrics.update({f"acc_head_{k}": head_counts[0] / max(head_counts[1], 1),
+                            f"correct_head_{k}": int(head_counts[0]), f"count_head_{k}": int(head_counts[1])})
     metrics["tau_hat"] = tau_hat([metrics[f"acc_{k}"] for k in range(ttt_length)]).item()
+    if head is not None:
+        metrics["tau_hat_head"] = tau_hat([metrics[f"acc_head_{k}"] for k in range(ttt_length)]).item()
     return total, metrics
 
 
