@@ -3,6 +3,10 @@
 
     python benchmarks/first_turns.py --limit 6000 --max-chars 2000 --out first_turns.jsonl
     python -m eagle3.data data.source=first_turns.jsonl data.regenerate=true ...
+
+--all-turns writes whole conversations instead (`{"id", "messages"}`) with every user turn and a
+one-character placeholder for each assistant turn: regeneration replaces every answer, and the
+source's own answers would make the file too large to carry (experiment=smollm2-h200-allturns).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit", type=int, default=6000)
     parser.add_argument("--max-chars", type=int, default=2000, help="longest first prompt kept")
+    parser.add_argument("--all-turns", action="store_true", help="whole conversations, answers as placeholders")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     cfg = compose(["data=sharegpt", "data.val_fraction=0"])
@@ -29,11 +34,19 @@ def main() -> None:
         for conversation in splits["train"]:
             prompt = next(m["content"] for m in conversation["messages"] if m["role"] == "user")
             if len(prompt) <= args.max_chars:
-                out.write(json.dumps({"id": conversation["id"], "prompt": prompt}) + "\n")
+                out.write(json.dumps(row_of(conversation, prompt, args.all_turns)) + "\n")
                 written += 1
             if written == args.limit:
                 break
-    print(f"{written} first turns -> {args.out}")
+    print(f"{written} {'conversations' if args.all_turns else 'first turns'} -> {args.out}")
+
+
+def row_of(conversation: dict, prompt: str, all_turns: bool) -> dict:
+    if not all_turns:
+        return {"id": conversation["id"], "prompt": prompt}
+    messages = [m if m["role"] != "assistant" else {"role": "assistant", "content": "."}
+                for m in conversation["messages"]]
+    return {"id": conversation["id"], "messages": messages}
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@
 # EXTRA holds more Hydra overrides (smaller runs, CPU rehearsals). Other knobs (environment):
 # TRAIN_TIMEOUT / DDP_TIMEOUT seconds per training run, PROMPTS per suite and SPECS for bench
 # (SPECS also for part-a's engine timing, ENGINE=0 skips it), BASELINES for bench (default hf,pld; empty = none),
-# DEVICES for ddp, E3_ROOT (default /tmp/e3).
+# DEVICES for ddp, E3_ROOT (default /tmp/e3), SOURCE (the prompt file in .carry/b, default first_turns.jsonl;
+# all_turns.jsonl with EXPERIMENT=smollm2-h200-allturns), EXPERIMENT (default smollm2-h200).
 # The working tree travels as it is, edits in progress too: to run the committed code, snapshot it
 # (`mkdir .snap && git archive HEAD src benchmarks conf experiments | tar -x -C .snap`, .snap ignored),
 # carry .snap and start each command with
@@ -33,12 +34,13 @@ out=${OUT:-/tmp/e3-out}
 logs=$root/logs/$step
 mkdir -p "$out" "$logs"
 # the prompts at a fixed path: data.source is part of the data stage's hash, checkouts move between leases
-[ -f .carry/b/first_turns.jsonl ] && cp .carry/b/first_turns.jsonl "$root/"
+source=${SOURCE:-first_turns.jsonl}
+[ -f ".carry/b/$source" ] && cp ".carry/b/$source" "$root/"
 # $OUT takes at most 8 files: logs travel as one archive, written even when a stage fails
 trap 'tar -czf "$out/$step-logs.tgz" -C "$root/logs" "$step"' EXIT
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-overrides=(experiment=smollm2-h200 tracking.enabled=false export.register=false "paths.root=$root"
-           "data.source=$root/first_turns.jsonl" trainer.progress_bar=false
+overrides=("experiment=${EXPERIMENT:-smollm2-h200}" tracking.enabled=false export.register=false "paths.root=$root"
+           "data.source=$root/$source" trainer.progress_bar=false
            train.checkpoint_every_n_steps=50 ${EXTRA:-})
 
 install_wheels() {
