@@ -89,9 +89,7 @@ def prompts_for(args, target: Target) -> list[list[int]]:
 def bench(target, drafter, spec: Spec, prompts, args) -> dict:
     started = time.perf_counter()
     decoder = SpecDecoder(target, drafter if spec.enabled else None, spec, max_context=args.max_context,
-                          cuda_graphs=args.cuda_graphs, fused=args.fused, lean=args.lean,
-                          eager_cudnn=args.eager_cudnn, compile_layers=args.compile_layers,
-                          prefill_graphs=widths(args.prefill_graphs))
+                          cuda_graphs=args.cuda_graphs, fused=args.fused, lean=args.lean, **engine_options(args))
     capture_s = time.perf_counter() - started  # graphs (and compiles) are made in the constructor
     stop = [] if args.ignore_eos or target.tokenizer is None else [target.tokenizer.eos_token_id]
     decoder.generate(prompts[0], args.warmup_tokens, stop_ids=stop)  # warm-up (allocator, kernels)
@@ -131,8 +129,21 @@ def profile(decoder, prompt, stop, label: str, args) -> None:
         Path(args.json).with_suffix(f".profile_{label}.txt").write_text(table)
 
 
-def widths(text: str) -> tuple[int, ...]:
-    return tuple(int(w) for w in text.split(",") if w)
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The engine settings both benchmarks expose (conf/engine's names in the help)."""
+    parser.add_argument("--eager-cudnn", action="store_true",
+                        help="allow cuDNN attention outside CUDA graphs (prefill; engine.eager_cudnn_attention)")
+    parser.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
+                        help="fixed-shape verifies run the target's layers torch.compile'd (engine.compile_layers; "
+                             "default: on a GPU)")
+    parser.add_argument("--prefill-graphs", default="64,128,256,512,1024",
+                        help="prefill graph widths (engine.prefill_graphs); empty = eager prefill")
+
+
+def engine_options(args) -> dict:
+    """SpecDecoder keyword arguments from add_engine_options' flags."""
+    return {"eager_cudnn": args.eager_cudnn, "compile_layers": args.compile_layers,
+            "prefill_graphs": tuple(int(w) for w in args.prefill_graphs.split(",") if w)}
 
 
 def sync() -> None:
@@ -161,13 +172,7 @@ def main() -> None:
                         help="greedy steps on the device path (FusedGreedy); --no-fused: step by step")
     parser.add_argument("--lean", action=argparse.BooleanOptionalAction, default=True,
                         help="the target and drafter run the engine's lean forwards; --no-lean: HF's and the module's")
-    parser.add_argument("--eager-cudnn", action="store_true",
-                        help="allow cuDNN attention outside CUDA graphs (prefill; engine.eager_cudnn_attention)")
-    parser.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
-                        help="fixed-shape verifies run the target's layers torch.compile'd (engine.compile_layers; "
-                             "default: on a GPU)")
-    parser.add_argument("--prefill-graphs", default="64,128,256,512,1024",
-                        help="prefill graph widths (engine.prefill_graphs); empty = eager prefill")
+    add_engine_options(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--profile", default="", help="comma-separated spec labels to profile (torch.profiler)")

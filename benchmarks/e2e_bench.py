@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench_engine import load, load_drafter, parse_spec, sync, widths
+from bench_engine import add_engine_options, engine_options, load, load_drafter, parse_spec, sync
 from eagle3.engine import SpecDecoder, summarize
 
 
@@ -69,13 +69,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-context", type=int, default=2048)
-    parser.add_argument("--eager-cudnn", action="store_true",
-                        help="allow cuDNN attention outside CUDA graphs (prefill; engine.eager_cudnn_attention)")
-    parser.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
-                        help="fixed-shape verifies run the target's layers torch.compile'd (engine.compile_layers; "
-                             "default: on a GPU)")
-    parser.add_argument("--prefill-graphs", default="64,128,256,512,1024",
-                        help="prefill graph widths (engine.prefill_graphs); empty = eager prefill")
+    add_engine_options(parser)
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     args.random_from, args.cuda_graphs = None, args.device == "cuda"
@@ -95,9 +89,7 @@ def main() -> None:
             else:
                 spec = parse_spec(method)
                 decoder = SpecDecoder(target, drafter if spec.enabled else None, spec, max_context=args.max_context,
-                                      cuda_graphs=args.cuda_graphs, eager_cudnn=args.eager_cudnn,
-                                      compile_layers=args.compile_layers,
-                                      prefill_graphs=widths(args.prefill_graphs))
+                                      cuda_graphs=args.cuda_graphs, **engine_options(args))
                 outputs, wall, summary = engine_run(decoder, prompts, args.max_new_tokens, eos)
                 steps = max(summary["verify_steps"], 1)
                 host_s = wall - summary["prefill_time_s"] - summary["draft_time_s"] - summary["verify_time_s"]
