@@ -143,11 +143,16 @@ def test_prefill_attention_leaves_cudnn_out(tiny_target, fitted, references, mon
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     decoder = SpecDecoder(tiny_target, fitted, spec("d6s3k2"), lean=lean, eager_cudnn=eager_cudnn)
     prompt, expected = references[0]
-    result = decoder.generate(prompt, 1)  # the prefill's root token only: no verify step
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)  # torch's default, whatever earlier tests left
+    try:
+        result = decoder.generate(prompt, 1)  # the prefill's root token only: no verify step
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
     layers = tiny_target.config.num_hidden_layers + fitted.config.num_hidden_layers
     assert result.tokens == expected[:1] and result.stats.verify_steps == 0
     assert seen == [eager_cudnn] * layers
-    assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
 @pytest.mark.parametrize("fused", [True, False])

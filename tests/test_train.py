@@ -71,11 +71,12 @@ def synthetic_fit(cfg, folder: Path, callbacks=(), target=None, n_train: int = 2
 
 class Recorder(L.Callback):
     def __init__(self):
-        self.train_loss, self.val_tau, self.ids = [], [], []
+        self.train_loss, self.val_tau, self.ids, self.cudnn = [], [], [], []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.train_loss.append(float(outputs["loss"]))
         self.ids.append(list(batch["id"]))
+        self.cudnn.append(torch.backends.cuda.cudnn_sdp_enabled())
 
     def on_validation_end(self, trainer, module):
         self.val_tau.append(float(trainer.callback_metrics["val/tau_hat"]))
@@ -92,8 +93,9 @@ def test_loss_decreases_and_tau_rises(make_cfg, target, tmp_path, caplog):
     torch.backends.cuda.enable_cudnn_sdp(True)
     with caplog.at_level("INFO", logger="eagle3"):
         metrics = synthetic_fit(cfg, tmp_path / "run", [recorder], target)
-    assert not torch.backends.cuda.cudnn_sdp_enabled()  # trainer.cudnn_attention=false
-    torch.backends.cuda.enable_cudnn_sdp(True)
+    # trainer.cudnn_attention=false holds during the fit only
+    assert not any(recorder.cudnn) and len(recorder.cudnn) == 24  # 4 epochs x 6 batches
+    assert torch.backends.cuda.cudnn_sdp_enabled()
     # progress bar off: a progress line every 5 of the 24 batches (6 per epoch), with its speed
     progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train: step")]
     assert [m.split()[2] for m in progress] == ["5/24", "10/24", "15/24", "20/24"]

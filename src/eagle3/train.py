@@ -522,7 +522,6 @@ def fit(cfg: DictConfig, target: Target, datamodule: DrafterData, folder: Path, 
         t2d: torch.Tensor, logger=None, callbacks=(), evaluation: dict | None = None) -> dict:
     """Train into `folder` (resuming from its last.ckpt if any); returns the final val metrics."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    torch.backends.cuda.enable_cudnn_sdp(cfg.trainer.cudnn_attention)  # a no-op without CUDA
     drafter = build_drafter(target, cfg.drafter).float()
     drafter.set_vocab_map(d2t.to(drafter.d2t.device), t2d.to(drafter.t2d.device))
     module = DrafterModule(drafter, target.model.get_output_embeddings().weight, cfg.train, target, evaluation)
@@ -531,7 +530,12 @@ def fit(cfg: DictConfig, target: Target, datamodule: DrafterData, folder: Path, 
     last = folder / CHECKPOINTS / "last.ckpt"
     if last.exists():
         log.info("resuming from %s", last)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()  # process-wide: restored after the fit
+    torch.backends.cuda.enable_cudnn_sdp(cfg.trainer.cudnn_attention)  # a no-op without CUDA
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
     if trainer.is_global_zero:
         write_weights(folder, drafter)
     return {**{k: float(v) for k, v in trainer.callback_metrics.items()}, **getattr(throughput, "result", {})}
