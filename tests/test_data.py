@@ -314,6 +314,8 @@ def test_local_regeneration_answers_every_turn_with_the_targets_greedy_output(ma
     source = [c for s in data.conversations_for(cfg.data, {}).values() for c in s]
     assert any(c["id"] == "p-1" for c in source)  # a prompt-only row gets its answer
     check_regenerated(out, tiny_target, source)
+    counts = out.manifest()["counts"]  # every answer is one of the 6-token greedy answers: none loops
+    assert counts["regen_answers"] == sum(map(data.user_turns, source)) and counts["regen_looping"] == 0
     assert out.manifest()["sampling"] == {"backend": "local", "max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0}
 
 
@@ -454,3 +456,25 @@ def test_kill_9_during_regeneration_resumes_without_loss_or_duplicates(make_cfg,
     source = [c for s in data.conversations_for(cfg.data, {}).values() for c in s]
     check_regenerated(out, tiny_target, source, max_new_tokens=16)
     assert len(turn_records(out.path)) == 17
+
+
+def test_loop_start_finds_where_an_ngram_comes_round_the_third_time():
+    cycle = "the sky is blue and the sea is green "
+    looping = "I like it. " + cycle * 3
+    assert data.loop_start(looping, 8) == len("I like it. ") + 2 * len(cycle)
+    assert data.loop_start("I like it. " + cycle * 2, 8) is None  # twice is not a loop yet
+    assert data.loop_start(cycle * 3, 9) == 2 * len(cycle)  # the cycle is 9 words: its first 9-gram fits 3 times
+    assert data.loop_start(cycle * 3, 10) is None  # a 10-gram would need 28 words
+    assert data.loop_start("short", 8) is None
+
+
+def test_report_loops_counts_every_answer_of_every_split():
+    cycle = "one two three four five six seven eight "
+    def conv(*answers):
+        messages = []
+        for a in answers:
+            messages += [{"role": "user", "content": "q"}, {"role": "assistant", "content": a}]
+        return {"id": "x", "messages": messages}
+    counts = {}
+    data.report_loops({"train": [conv(cycle * 4, "fine"), conv("fine")], "val": [conv(cycle * 3)]}, 8, counts)
+    assert (counts["regen_answers"], counts["regen_looping"]) == (4, 2)

@@ -32,9 +32,10 @@ from eagle3.target import resolve_target_path, target_key
 ROLE_NAMES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
               "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
               "system": "system"}
-# Settings that change how fast regeneration runs, not what it produces: outside the hash,
-# so a rerun with another batch size or concurrency resumes the same output.
-REGEN_EXECUTION_ONLY = ("batch_size", "concurrency", "timeout_s", "max_retries", "backoff_s", "api_key_env")
+# Settings that change how fast regeneration runs (or what it reports), not what it produces:
+# outside the hash, so a rerun with another batch size or concurrency resumes the same output.
+REGEN_EXECUTION_ONLY = ("batch_size", "concurrency", "timeout_s", "max_retries", "backoff_s", "api_key_env",
+                        "loop_ngram")
 
 
 # ---------------------------------------------------------------- stage output
@@ -514,8 +515,34 @@ def regenerate(cfg: DictConfig, out_dir: Path, splits: dict[str, list[dict]], to
         if items:
             failed.update(generator.run(items, turn_log, desc=f"regenerate turn {turn + 1}"))
     report_failures(out_dir, failed, rcfg, counts)
-    return {name: [regenerated(c, turn_log.answers.get(c["id"], {})) for c in convs if c["id"] not in failed]
-            for name, convs in splits.items()}
+    splits = {name: [regenerated(c, turn_log.answers.get(c["id"], {})) for c in convs if c["id"] not in failed]
+              for name, convs in splits.items()}
+    report_loops(splits, rcfg.loop_ngram, counts)
+    return splits
+
+
+def loop_start(text: str, ngram: int) -> int | None:
+    """Where a word n-gram of `text` comes round for the third time (the answer has fallen into a
+    repetition loop): its character offset, or None."""
+    words = list(re.finditer(r"\S+", text))
+    seen: Counter = Counter()
+    for i in range(len(words) - ngram + 1):
+        gram = tuple(w.group() for w in words[i:i + ngram])
+        seen[gram] += 1
+        if seen[gram] == 3:
+            return words[i].start()
+    return None
+
+
+def report_loops(splits: dict[str, list[dict]], ngram: int, counts: dict) -> None:
+    """counts regen_answers / regen_looping: a greedy small target often repeats itself up to
+    max_new_tokens, and those tails are easy tokens that inflate val tau_hat (train.val_head_tokens)."""
+    answers = [m["content"] for convs in splits.values() for c in convs for m in c["messages"]
+               if m["role"] == "assistant"]
+    looping = sum(loop_start(a, ngram) is not None for a in answers)
+    counts["regen_answers"], counts["regen_looping"] = len(answers), looping
+    log.info("data: %d of %d regenerated answers fall into a repetition loop (a word %d-gram 3 times)",
+             looping, len(answers), ngram)
 
 
 def skip_long_prompts(items: list[tuple], tokenizer, dcfg: DictConfig, turn_log: TurnLog) -> list[tuple]:
