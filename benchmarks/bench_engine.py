@@ -12,7 +12,8 @@ Per config it prints tok/s, tau, verify steps and the mean draft / verify time p
 cost, and whether the greedy tokens equal spec=off's; `--json` writes all rows. Speedup is
 against the engine's own spec=off, same run. `--no-fused` times the step-by-step path,
 `--no-lean` HF's target forward and the drafter module instead of the engine's lean ones
-(engine/llama.py), `--compile-layers` the lean target's layers through torch.compile.
+(engine/llama.py); `--[no-]compile-layers`, `--prefill-graphs` and `--eager-cudnn` set conf/engine's
+compile_layers, prefill_graphs and eager_cudnn_attention.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ case $step in
   e2e)  # an earlier lease's drafter export (DRAFTER, its sglang folder) on a machine after part-a
     install
     python3 -c "from pathlib import Path; from eagle3.common import compose; from eagle3.target import resolve_target_path
-cfg = compose(['experiment=smollm2-h200', 'paths.root=$root'])
+cfg = compose(['experiment=${EXPERIMENT:-smollm2-h200}', 'paths.root=$root'])
 resolve_target_path(cfg.target, Path(cfg.paths.artifacts))"
     suites=.carry/b/suite_vicuna.jsonl,.carry/b/suite_humaneval.jsonl,.carry/b/suite_gsm8k.jsonl
     for cudnn in ${E2E_CUDNN:-no yes}; do  # cuDNN attention outside CUDA graphs (prefill): off, then on

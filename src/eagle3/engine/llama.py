@@ -35,7 +35,7 @@ class LayerWeights:
 
 
 class LeanBlocks:
-    """The pieces both lean forwards share: RMSNorm, attention over a slot cache, the gated MLP."""
+    """The pieces both lean forwards share: RMSNorm, the heads' split (rotary) and merge, the mask bias."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, eps: float, dtype: torch.dtype):
         self.heads, self.kv_heads, self.head_dim, self.eps, self.dtype = heads, kv_heads, head_dim, eps, dtype
@@ -44,12 +44,6 @@ class LeanBlocks:
         # rms_norm accumulates in float32 and returns x's dtype; the weight multiplies after that
         # cast, as in HF's LlamaRMSNorm
         return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
-
-    def attention(self, index: int, layer: LayerWeights, x, cos, sin, kv: SlotKV, bias) -> torch.Tensor:
-        queries, keys, values = self.split_heads(F.linear(x, layer.qkv), cos, sin)
-        keys, values = kv.write(index, keys, values)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias)
-        return F.linear(self.merge_heads(out), layer.o)
 
     def split_heads(self, qkv: torch.Tensor, cos, sin):
         """qkv [q, (heads + 2 kv_heads) * dim] -> rotated queries [1, kv_heads, groups * q, dim], rotated
@@ -65,9 +59,6 @@ class LeanBlocks:
         """Attention's [1, kv_heads, groups * q, dim] (split_heads' layout) -> [q, heads * dim]."""
         groups = self.heads // self.kv_heads
         return out[0].unflatten(1, (groups, -1)).permute(2, 0, 1, 3).reshape(-1, self.heads * self.head_dim)
-
-    def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        return gated_mlp(x, layer.gate_up, layer.down)
 
     def attention_bias(self, mask: torch.Tensor) -> torch.Tensor:
         """Bool [q, kv_len] -> additive [groups * q, kv_len] in the model's dtype, once per forward
@@ -188,8 +179,14 @@ class LeanDrafter(LeanBlocks):
             x = (torch.cat([self.norm(embeds, layer.input_norm), self.norm(hidden, self.hidden_norm)], dim=-1)
                  if index == 0 else self.norm(hidden, layer.input_norm))
             hidden = hidden + self.attention(index, layer, x, cos, sin, kv, bias)
-            hidden = hidden + self.mlp(layer, self.norm(hidden, layer.post_norm))
+            hidden = hidden + gated_mlp(self.norm(hidden, layer.post_norm), layer.gate_up, layer.down)
         return hidden
+
+    def attention(self, index: int, layer: LayerWeights, x, cos, sin, kv: SlotKV, bias) -> torch.Tensor:
+        queries, keys, values = self.split_heads(F.linear(x, layer.qkv), cos, sin)
+        keys, values = kv.write(index, keys, values)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias)
+        return F.linear(self.merge_heads(out), layer.o)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(hidden, self.final_norm), self.lm_head)
