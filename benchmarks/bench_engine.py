@@ -12,8 +12,8 @@ Per config it prints tok/s, tau, verify steps and the mean draft / verify time p
 cost, and whether the greedy tokens equal spec=off's; `--json` writes all rows. Speedup is
 against the engine's own spec=off, same run. `--no-fused` times the step-by-step path,
 `--no-lean` HF's target forward and the drafter module instead of the engine's lean ones
-(engine/llama.py); `--[no-]compile-layers`, `--prefill-graphs` and `--eager-cudnn` set conf/engine's
-compile_layers, prefill_graphs and eager_cudnn_attention.
+(engine/llama.py); `--[no-]compile-layers`, `--[no-]compile-draft`, `--prefill-graphs` and
+`--eager-cudnn` set conf/engine's compile_layers, compile_draft, prefill_graphs and eager_cudnn_attention.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def bench(target, drafter, spec: Spec, prompts, args) -> dict:
     summary = summarize(stats)
     steps = max(summary["verify_steps"], 1)
     return {"spec": spec.label, "lean_forward": decoder.target_run.lean is not None,
-            "compile_layers": args.compile_layers, "capture_s": capture_s,
+            "compile_layers": args.compile_layers, "compile_draft": args.compile_draft, "capture_s": capture_s,
             "tok_per_s": summary["completion_tokens"] / elapsed, "tau": summary["tau"],
             "completion_tokens": summary["completion_tokens"], "verify_steps": summary["verify_steps"],
             "step_ms": 1000 * elapsed / steps, "draft_ms_per_step": 1000 * summary["draft_time_s"] / steps,
@@ -137,6 +137,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
                         help="fixed-shape verifies run the target's layers torch.compile'd (engine.compile_layers; "
                              "default: on a GPU)")
+    parser.add_argument("--compile-draft", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
+                        help="the fused steps' draft and extend phases run torch.compile'd (engine.compile_draft; "
+                             "default: on a GPU)")
     parser.add_argument("--prefill-graphs", default="64,128,256,512,1024",
                         help="prefill graph widths (engine.prefill_graphs); empty = eager prefill")
 
@@ -144,7 +147,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 def engine_options(args) -> dict:
     """SpecDecoder keyword arguments from add_engine_options' flags."""
     return {"eager_cudnn": args.eager_cudnn, "compile_layers": args.compile_layers,
-            "prefill_graphs": tuple(int(w) for w in args.prefill_graphs.split(",") if w)}
+            "compile_draft": args.compile_draft, "prefill_graphs": tuple(int(w) for w in args.prefill_graphs.split(",") if w)}
 
 
 def sync() -> None:

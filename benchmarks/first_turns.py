@@ -6,7 +6,9 @@
 
 --all-turns writes whole conversations instead (`{"id", "messages"}`) with every user turn and a
 one-character placeholder for each assistant turn: regeneration replaces every answer, and the
-source's own answers would make the file too large to carry (experiment=smollm2-h200-allturns).
+source's own answers would make the file too large to carry (experiment=smollm2-h200-turns3);
+--max-turns N cuts each conversation after its Nth user turn (regeneration is one batched pass per
+turn index, so a long tail of deep conversations costs many small, slow passes).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=6000)
     parser.add_argument("--max-chars", type=int, default=2000, help="longest first prompt kept")
     parser.add_argument("--all-turns", action="store_true", help="whole conversations, answers as placeholders")
+    parser.add_argument("--max-turns", type=int, default=None, help="with --all-turns: user turns kept")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     cfg = compose(["data=sharegpt", "data.val_fraction=0"])
@@ -34,18 +37,22 @@ def main() -> None:
         for conversation in splits["train"]:
             prompt = next(m["content"] for m in conversation["messages"] if m["role"] == "user")
             if len(prompt) <= args.max_chars:
-                out.write(json.dumps(row_of(conversation, prompt, args.all_turns)) + "\n")
+                out.write(json.dumps(row_of(conversation, prompt, args.all_turns, args.max_turns)) + "\n")
                 written += 1
             if written == args.limit:
                 break
     print(f"{written} {'conversations' if args.all_turns else 'first turns'} -> {args.out}")
 
 
-def row_of(conversation: dict, prompt: str, all_turns: bool) -> dict:
+def row_of(conversation: dict, prompt: str, all_turns: bool, max_turns: int | None = None) -> dict:
     if not all_turns:
         return {"id": conversation["id"], "prompt": prompt}
-    messages = [m if m["role"] != "assistant" else {"role": "assistant", "content": "."}
-                for m in conversation["messages"]]
+    messages, users = [], 0
+    for m in conversation["messages"]:
+        users += m["role"] == "user"
+        if max_turns is not None and users > max_turns:
+            break
+        messages.append(m if m["role"] != "assistant" else {"role": "assistant", "content": "."})
     return {"id": conversation["id"], "messages": messages}
 
 

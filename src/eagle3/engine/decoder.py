@@ -74,7 +74,8 @@ class SpecDecoder:
 
     def __init__(self, target: Target, drafter, spec: Spec, max_context: int | None = None,
                  cuda_graphs: bool = False, seed: int = 0, fused: bool = True, lean: bool = True,
-                 eager_cudnn: bool = False, compile_layers: bool = False, prefill_graphs: tuple[int, ...] = ()):
+                 eager_cudnn: bool = False, compile_layers: bool = False, prefill_graphs: tuple[int, ...] = (),
+                 compile_draft: bool = False):
         """fused: greedy steps run as FusedGreedy (static shapes, one host read per step, one CUDA
         graph per phase); False keeps every step on the step-by-step path below (same tokens).
         lean: a plain Llama target and the drafter run engine/llama.py's forwards instead of HF's
@@ -83,7 +84,8 @@ class SpecDecoder:
         compile_layers: verify forwards of fixed shape (graphs, fused steps) run the lean target's
         layers torch.compile'd (TargetRunner). prefill_graphs: with cuda_graphs, prompt lengths up
         to each of these widths replay a prefill graph captured at that width (the prompt padded; the
-        padding's cache slots lie past the prompt, where nothing attends before they are rewritten)."""
+        padding's cache slots lie past the prompt, where nothing attends before they are rewritten).
+        compile_draft: the fused steps' draft and extend phases run torch.compile'd (FusedGreedy)."""
         if spec.enabled and drafter is None:
             raise Eagle3Error(f"spec {spec.label} needs a drafter; use spec=off for plain decoding")
         self.target, self.spec = target, spec
@@ -97,7 +99,7 @@ class SpecDecoder:
                             if self.drafter is not None else None)
         self.device = target.device
         self.generator = torch.Generator().manual_seed(seed)
-        self.fused = FusedGreedy(self) if fused else None
+        self.fused = FusedGreedy(self, compile_draft) if fused else None
         self.prefill_widths: list[int] = []  # prompt lengths are padded up to the first that fits
         if cuda_graphs and self.device.type == "cuda":
             self.capture_graphs(sorted(w for w in set(prefill_graphs) if w < self.max_context))

@@ -23,7 +23,9 @@ from eagle3.engine.tree import ancestor_mask, keep_best, subtree
 
 
 class FusedGreedy:
-    def __init__(self, decoder):
+    def __init__(self, decoder, compiled: bool = False):
+        """compiled: the draft and extend phases (the drafter's layer and the tree bookkeeping, many
+        small kernels) go through torch.compile; verify's target layers follow compile_layers."""
         self.decoder, self.spec, self.device = decoder, decoder.spec, decoder.device
         self.size = self.spec.depth if self.spec.enabled else 1  # verified nodes per step (root included)
         self.drafter_run = decoder.drafter_run
@@ -36,6 +38,8 @@ class FusedGreedy:
             self.hidden = torch.zeros(1, self.drafter_run.drafter.config.hidden_size, dtype=self.drafter_run.dtype,
                                       device=self.device)
         self.phases = [self.draft, self.verify] + ([self.extend] if self.drafter_run is not None else [])
+        if compiled and self.drafter_run is not None:
+            self.phases = [compile_phase(self.draft), self.verify, compile_phase(self.extend)]
         self.graphs: dict[int, list[Graphed]] = {}  # cache width -> one graph per phase
         self.held: dict[int, list] = {}
         # attention reads only the cache slots in use, rounded up to a power of two (a graph each)
@@ -209,3 +213,11 @@ class FusedGreedy:
     def commit(self) -> None:
         self.root.copy_(self.bonus)
         self.position.add_(self.accepted[0] + 1)
+
+
+def compile_phase(phase):
+    """A phase through torch.compile. Not dynamic=False: each cache width is a new length of the
+    masks and of the cache slice attention reads, and automatic dynamic shapes compile the second
+    width generically, so a phase compiles twice instead of once per width."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(phase, fullgraph=True)

@@ -366,11 +366,12 @@ def build_service(cfg: DictConfig) -> EngineService:
     drafter, source = load_engine_drafter(cfg, target, spec)
     graphs = cfg.engine.cuda_graphs
     use_graphs = target.device.type == "cuda" if graphs == "auto" else bool(graphs)
-    compile_layers = use_graphs if cfg.engine.compile_layers == "auto" else bool(cfg.engine.compile_layers)
+    compile_layers, compile_draft = (use_graphs if setting == "auto" else bool(setting)
+                                     for setting in (cfg.engine.compile_layers, cfg.engine.compile_draft))
     decoder = SpecDecoder(target, drafter, spec, max_context=cfg.engine.max_context, cuda_graphs=use_graphs,
                           seed=cfg.engine.seed, lean=cfg.engine.lean_forward,
                           eager_cudnn=cfg.engine.eager_cudnn_attention, compile_layers=compile_layers,
-                          prefill_graphs=tuple(cfg.engine.prefill_graphs or ()))
+                          prefill_graphs=tuple(cfg.engine.prefill_graphs or ()), compile_draft=compile_draft)
     log.info("engine ready: target %s (%s forward), spec %s, drafter %s, context %d", cfg.target.name,
              "lean" if decoder.target_run.lean else "HF", spec.label, source, decoder.max_context)
     return EngineService(decoder, target.tokenizer, cfg.serve, source, cfg.target.name)
