@@ -478,3 +478,25 @@ def test_report_loops_counts_every_answer_of_every_split():
     counts = {}
     data.report_loops({"train": [conv(cycle * 4, "fine"), conv("fine")], "val": [conv(cycle * 3)]}, 8, counts)
     assert (counts["regen_answers"], counts["regen_looping"]) == (4, 2)
+
+
+def test_prompt_file_keeps_the_first_user_turns(tmp_path):
+    """benchmarks/first_turns.py --all-turns --max-turns 2: each conversation of the shipped slice
+    up to (not including) its third user turn, every assistant answer a '.' placeholder."""
+    from eagle3.common import compose
+    out = tmp_path / "turns2.jsonl"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_turns.py"
+    subprocess.run([sys.executable, str(script), "--all-turns", "--max-turns", "2", "--limit", "300",
+                    "--out", str(out)], check=True, capture_output=True)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    source = {c["id"]: c["messages"]
+              for c in data.conversations_for(compose(["data=sharegpt", "data.val_fraction=0"]).data, Counter())["train"]}
+    assert len(rows) == 300
+    for row in rows:
+        messages = source[row["id"]]
+        third = [i for i, m in enumerate(messages) if m["role"] == "user"][2:3]
+        expected = messages[:third[0]] if third else messages
+        assert [m["role"] for m in row["messages"]] == [m["role"] for m in expected]
+        assert [m["content"] for m in row["messages"]] == [
+            m["content"] if m["role"] != "assistant" else "." for m in expected]
+    assert sum(len([m for m in r["messages"] if m["role"] == "user"]) == 2 for r in rows) > 100

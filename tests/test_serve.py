@@ -99,7 +99,7 @@ def test_sglang_argv_accepted_by_sglangs_own_parser(make_cfg):
     SGLang 0.5.23 in .venv-sglang, built by `make sglang`) and come back with our spec."""
     assert SGLANG_PYTHON.exists(), "run `make sglang` (tools/setup_sglang.sh) to build .venv-sglang"
     cfg = make_cfg("serve=sglang", f"serve.python={SGLANG_PYTHON}")
-    specs = [resolve_spec(make_cfg(f"spec={preset}").spec) for preset in ("d16", "d10s5", "default")]
+    specs = [resolve_spec(make_cfg(f"spec={preset}").spec) for preset in spec_presets() if preset != "off"]
     stale = make_cfg("serve=sglang", f"serve.python={SGLANG_PYTHON}", "serve.version=0.5.19")
     argvs = [sglang_argv(cfg, spec, DRAFTER, TARGET, 30000) for spec in specs]
     argvs += [sglang_argv(cfg, OFF, None, TARGET, 30000), sglang_argv(stale, OFF, None, TARGET, 30000)]
@@ -114,6 +114,22 @@ def test_sglang_argv_accepted_by_sglangs_own_parser(make_cfg):
     assert off["parsed"]["speculative_algorithm"] is None and off["parsed"]["tp_size"] == 1
     # the parser really validates: the pre-0.5.20 flag is refused by 0.5.23
     assert "cuda-graph-max-bs" in refused["error"]
+
+
+def spec_presets() -> list[str]:
+    return sorted(path.stem for path in (REPO / "conf" / "spec").glob("*.yaml"))
+
+
+def test_spec_presets_say_their_sglang_flags(make_cfg):
+    """Every conf/spec preset's comment names the SGLang flags of the spec it resolves to."""
+    assert {"off", "default", "d4", "d6s3k2", "d8s4k2", "d12s5k3", "d16", "d10s5"} <= set(spec_presets())
+    for preset in spec_presets():
+        spec = resolve_spec(make_cfg(f"spec={preset}").spec)
+        lines = (REPO / "conf" / "spec" / f"{preset}.yaml").read_text().splitlines()
+        comment = " ".join(line.lstrip("# ") for line in lines if line.startswith("#"))
+        flags = (f"--speculative-num-draft-tokens {spec.depth} --speculative-num-steps {spec.steps} "
+                 f"--speculative-eagle-topk {spec.topk}")
+        assert (flags in comment) == spec.enabled, preset
 
 
 def test_spec_rules_match_sglangs(make_cfg):
