@@ -146,8 +146,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(args) -> dict:
     """SpecDecoder keyword arguments from add_engine_options' flags."""
-    return {"eager_cudnn": args.eager_cudnn, "compile_layers": args.compile_layers,
-            "compile_draft": args.compile_draft, "prefill_graphs": tuple(int(w) for w in args.prefill_graphs.split(",") if w)}
+    return {"eager_cudnn": args.eager_cudnn, "compile_layers": args.compile_layers, "compile_draft": args.compile_draft,
+            "prefill_graphs": tuple(int(w) for w in args.prefill_graphs.split(",") if w)}
 
 
 def sync() -> None:

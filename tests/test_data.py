@@ -489,8 +489,8 @@ def test_prompt_file_keeps_the_first_user_turns(tmp_path):
     subprocess.run([sys.executable, str(script), "--all-turns", "--max-turns", "2", "--limit", "300",
                     "--out", str(out)], check=True, capture_output=True)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    source = {c["id"]: c["messages"]
-              for c in data.conversations_for(compose(["data=sharegpt", "data.val_fraction=0"]).data, Counter())["train"]}
+    conversations = data.conversations_for(compose(["data=sharegpt", "data.val_fraction=0"]).data, Counter())["train"]
+    source = {c["id"]: c["messages"] for c in conversations}
     assert len(rows) == 300
     for row in rows:
         messages = source[row["id"]]

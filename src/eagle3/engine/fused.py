@@ -218,6 +218,7 @@ class FusedGreedy:
 def compile_phase(phase):
     """A phase through torch.compile. Not dynamic=False: each cache width is a new length of the
     masks and of the cache slice attention reads, and automatic dynamic shapes compile the second
-    width generically, so a phase compiles twice instead of once per width."""
+    width generically, so a phase compiles twice instead of once per width. Dynamo's cache is per
+    function, not per decoder: each decoder in a process (a spec sweep) adds its own entries."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(phase, fullgraph=True)
