@@ -319,6 +319,22 @@ def test_local_regeneration_answers_every_turn_with_the_targets_greedy_output(ma
     assert out.manifest()["sampling"] == {"backend": "local", "max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0}
 
 
+def test_another_draft_vocab_reuses_the_regenerated_answers(make_cfg, own_artifacts, monkeypatch):
+    """The answers depend on the target and data config only: a second data output for another
+    drafter.draft_vocab_size takes every answer from the shared log and generates nothing."""
+    first = data.run(regen_cfg(make_cfg, own_artifacts))
+    generated = []
+    monkeypatch.setattr(data.LocalGenerator, "generate", lambda self, prompts: generated.append(prompts) or [])
+    cfg = regen_cfg(make_cfg, own_artifacts, "drafter.draft_vocab_size=64")
+    second = data.run(cfg)
+    assert second.path != first.path and second.complete and generated == []
+    turns = first.manifest()["counts"]["regen_answers"]
+    assert second.manifest()["counts"]["regen_turns_resumed"] == turns == len(turn_records(second.path))
+    assert turn_records(second.path) == turn_records(first.path)
+    assert data.regen_log_path(cfg).read_text() == (first.path / "regen" / "turns.jsonl").read_text()
+    assert data.load_vocab_map(second.path)[0].numel() == 64
+
+
 class ChatServer:
     """A small real OpenAI-compatible server on 127.0.0.1 serving the tiny target's greedy answers.
     Failures are simulated on purpose: `always_fail` prompts get HTTP 500, `fail_once` prompts get
@@ -446,7 +462,7 @@ def test_kill_9_during_regeneration_resumes_without_loss_or_duplicates(make_cfg,
                  "data.regen.max_new_tokens=16", "data.regen.batch_size=1"]
     cfg = make_cfg(*overrides[1:])
     out = data.data_output(cfg)
-    turns_file = out.path / "regen" / "turns.jsonl"
+    turns_file = data.regen_log_path(cfg)
     proc = subprocess.Popen(app_command("data", overrides), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     kill_when(proc, lambda: turns_file.exists() and turns_file.read_bytes().count(b"\n") >= 3)
     written = turns_file.read_bytes().count(b"\n")

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import re
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -25,7 +26,7 @@ from omegaconf import DictConfig
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from eagle3.artifacts import StageOutput, stage_output, to_plain
+from eagle3.artifacts import StageOutput, config_hash, stage_output, to_plain
 from eagle3.common import Eagle3Error, app, log
 from eagle3.target import resolve_target_path, target_key
 
@@ -43,11 +44,22 @@ REGEN_EXECUTION_ONLY = ("batch_size", "concurrency", "timeout_s", "max_retries",
 
 def data_output(cfg: DictConfig) -> StageOutput:
     """The data stage's folder for this config (located, not run)."""
+    sections = {**answer_sections(cfg), "draft_vocab_size": cfg.drafter.draft_vocab_size}
+    return stage_output(cfg.paths.artifacts, "data", sections)
+
+
+def answer_sections(cfg: DictConfig) -> dict:
+    """What the conversations and their regenerated answers depend on: the target and the data config."""
     data = to_plain(cfg.data)
     data["regen"] = {k: v for k, v in data["regen"].items() if k not in REGEN_EXECUTION_ONLY}
-    sections = {"target": target_key(cfg.target), "data": data,
-                "draft_vocab_size": cfg.drafter.draft_vocab_size}
-    return stage_output(cfg.paths.artifacts, "data", sections)
+    return {"target": target_key(cfg.target), "data": data}
+
+
+def regen_log_path(cfg: DictConfig) -> Path:
+    """<artifacts>/regen/<hash>/turns.jsonl, keyed by answer_sections: every data output with the same
+    answers shares it, so another drafter.draft_vocab_size re-tokenizes instead of regenerating (hours
+    on a large target). The data output keeps its own copy in regen/turns.jsonl."""
+    return Path(cfg.paths.artifacts) / "regen" / config_hash(answer_sections(cfg)) / "turns.jsonl"
 
 
 def load_splits(path: str | Path):
@@ -498,7 +510,11 @@ def pending_turn(conversation: dict, answers: dict[int, str | None], turn: int) 
 def regenerate(cfg: DictConfig, out_dir: Path, splits: dict[str, list[dict]], tokenizer, counts: dict):
     """Let the target answer every user turn, turn-major so each batch mixes conversations."""
     rcfg = cfg.data.regen
-    turn_log = TurnLog(out_dir / "regen" / "turns.jsonl")
+    shared, own = regen_log_path(cfg), out_dir / "regen" / "turns.jsonl"
+    if own.exists() and not shared.exists():  # a run cut before the log was shared
+        shared.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(own, shared)
+    turn_log = TurnLog(shared)
     conversations = [c for convs in splits.values() for c in convs]
     counts["regen_turns_resumed"] = sum(len(a) for a in turn_log.answers.values())
     if rcfg.backend not in ("local", "openai"):
@@ -514,6 +530,9 @@ def regenerate(cfg: DictConfig, out_dir: Path, splits: dict[str, list[dict]], to
         items = skip_long_prompts(items, tokenizer, cfg.data, turn_log)
         if items:
             failed.update(generator.run(items, turn_log, desc=f"regenerate turn {turn + 1}"))
+    own.parent.mkdir(parents=True, exist_ok=True)
+    if shared.exists():  # absent when no conversation had a turn to answer
+        shutil.copyfile(shared, own)
     report_failures(out_dir, failed, rcfg, counts)
     splits = {name: [regenerated(c, turn_log.answers.get(c["id"], {})) for c in convs if c["id"] not in failed]
               for name, convs in splits.items()}
