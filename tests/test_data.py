@@ -320,19 +320,22 @@ def test_local_regeneration_answers_every_turn_with_the_targets_greedy_output(ma
 
 
 def test_another_draft_vocab_reuses_the_regenerated_answers(make_cfg, own_artifacts, monkeypatch):
-    """The answers depend on the target and data config only: a second data output for another
-    drafter.draft_vocab_size takes every answer from the shared log and generates nothing."""
+    """The answers depend on the target and data config only: data outputs for other
+    drafter.draft_vocab_size values take every answer from the shared log and generate nothing; without
+    the shared log (a data output from before it, or carried in alone) a sibling output's copy seeds it."""
+    import shutil
     first = data.run(regen_cfg(make_cfg, own_artifacts))
+    turns = first.manifest()["counts"]["regen_answers"]
     generated = []
     monkeypatch.setattr(data.LocalGenerator, "generate", lambda self, prompts: generated.append(prompts) or [])
-    cfg = regen_cfg(make_cfg, own_artifacts, "drafter.draft_vocab_size=64")
-    second = data.run(cfg)
-    assert second.path != first.path and second.complete and generated == []
-    turns = first.manifest()["counts"]["regen_answers"]
-    assert second.manifest()["counts"]["regen_turns_resumed"] == turns == len(turn_records(second.path))
-    assert turn_records(second.path) == turn_records(first.path)
-    assert data.regen_log_path(cfg).read_text() == (first.path / "regen" / "turns.jsonl").read_text()
-    assert data.load_vocab_map(second.path)[0].numel() == 64
+    for vocab in (64, 32):
+        cfg = regen_cfg(make_cfg, own_artifacts, f"drafter.draft_vocab_size={vocab}")
+        out = data.run(cfg)
+        assert out.path != first.path and out.complete and generated == []
+        assert out.manifest()["counts"]["regen_turns_resumed"] == turns == len(turn_records(out.path))
+        assert turn_records(out.path) == turn_records(first.path)
+        assert data.load_vocab_map(out.path)[0].numel() == vocab
+        shutil.rmtree(data.regen_log_path(cfg).parent)  # the second round seeds from a data output's copy
 
 
 class ChatServer:

@@ -62,6 +62,20 @@ def regen_log_path(cfg: DictConfig) -> Path:
     return Path(cfg.paths.artifacts) / "regen" / config_hash(answer_sections(cfg)) / "turns.jsonl"
 
 
+def seed_regen_log(cfg: DictConfig, shared: Path) -> None:
+    """A data output written before the shared log existed (this run's own, cut short, or one
+    carried from another machine) keeps its answers in its regen/turns.jsonl: the first one with the
+    same answer_sections starts the shared log."""
+    wanted = json.loads(json.dumps(answer_sections(cfg), default=str))
+    for manifest in sorted(Path(cfg.paths.artifacts, "data").glob("*/manifest.json")):
+        config = json.loads(manifest.read_text()).get("config", {})
+        answers = manifest.parent / "regen" / "turns.jsonl"
+        if answers.exists() and {name: config.get(name) for name in wanted} == wanted:
+            shared.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(answers, shared)
+            return
+
+
 def load_splits(path: str | Path):
     """The tokenized DatasetDict (splits train/val; columns id, input_ids, loss_mask)."""
     from datasets import load_from_disk
@@ -511,9 +525,8 @@ def regenerate(cfg: DictConfig, out_dir: Path, splits: dict[str, list[dict]], to
     """Let the target answer every user turn, turn-major so each batch mixes conversations."""
     rcfg = cfg.data.regen
     shared, own = regen_log_path(cfg), out_dir / "regen" / "turns.jsonl"
-    if own.exists() and not shared.exists():  # a run cut before the log was shared
-        shared.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(own, shared)
+    if not shared.exists():
+        seed_regen_log(cfg, shared)
     turn_log = TurnLog(shared)
     conversations = [c for convs in splits.values() for c in convs]
     counts["regen_turns_resumed"] = sum(len(a) for a in turn_log.answers.values())
