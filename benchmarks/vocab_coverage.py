@@ -1,0 +1,77 @@
+"""How much of the target's own greedy answers on the bench suites a draft vocabulary can express.
+
+A token outside the drafter's vocabulary is never drafted, so every verify step that meets one
+accepts nothing past it: the share of such tokens caps acceptance at every depth. Decodes the first
+--prompts prompts of each suite greedily with the engine (spec=off) and reports, per suite, the share
+of answer tokens outside --drafter's vocab map and outside the top-V training tokens of --data (the
+vocab map a data output with drafter.draft_vocab_size=V would build), for each V of --sizes:
+
+    python benchmarks/vocab_coverage.py --target artifacts/targets/smollm2-135m \\
+        --drafter artifacts/export/<hash>/sglang --data artifacts/data/<hash> \\
+        --suites suite_vicuna.jsonl,suite_humaneval.jsonl,suite_gsm8k.jsonl --json coverage.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from bench_engine import load, load_drafter
+from e2e_bench import read_suite, strip_eos
+from eagle3.data import load_splits
+from eagle3.engine import SpecDecoder
+from eagle3.spec import OFF
+
+
+def ranked_train_tokens(data_dir: str) -> list[int]:
+    """Target tokens by how often they are trained on (loss-masked positions of the train split)."""
+    train = load_splits(data_dir)["train"]
+    counts = Counter()
+    for ids, mask in zip(train["input_ids"], train["loss_mask"]):
+        counts.update(t for t, m in zip(ids, mask) if m)
+    return [token for token, _ in counts.most_common()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="HF model folder (with tokenizer)")
+    parser.add_argument("--drafter", help="exported drafter folder: its own vocab map")
+    parser.add_argument("--data", help="data stage folder: vocab maps of --sizes built from its train split")
+    parser.add_argument("--sizes", default="8192,16384,32768")
+    parser.add_argument("--suites", required=True, help="comma-separated suite JSONL files")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    target = load(SimpleNamespace(device=args.device, dtype=args.dtype, random_from=None, target=args.target))
+    vocabs: dict[str, set[int]] = {}
+    if args.drafter:
+        drafter = load_drafter(SimpleNamespace(drafter=args.drafter), target)
+        vocabs["drafter"] = set(drafter.t2d.nonzero().flatten().tolist())
+    if args.data:
+        ranked = ranked_train_tokens(args.data)
+        vocabs.update({f"top {size}": set(ranked[:size]) for size in map(int, args.sizes.split(","))})
+    eos = target.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    decoder = SpecDecoder(target, None, OFF)
+    rows = []
+    for suite in args.suites.split(","):
+        answers = []
+        for prompt in read_suite(Path(suite), target.tokenizer, args.prompts):
+            answers += strip_eos(decoder.generate(prompt, args.max_new_tokens, stop_ids=[eos]).tokens, eos)
+        outside = {name: sum(t not in vocab for t in answers) / len(answers) for name, vocab in vocabs.items()}
+        rows.append({"suite": Path(suite).stem, "tokens": len(answers), "outside": outside})
+        print(f"{Path(suite).stem:>20} {len(answers):5d} tokens, outside: "
+              + "  ".join(f"{name} {share:.3f}" for name, share in outside.items()), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
