@@ -1,6 +1,7 @@
 """Data stage: sources, normalisation, filters, loss masks, vocab map, the stage's output."""
 
 import json
+import shutil
 import subprocess
 import time
 import sys
@@ -322,8 +323,8 @@ def test_local_regeneration_answers_every_turn_with_the_targets_greedy_output(ma
 def test_another_draft_vocab_reuses_the_regenerated_answers(make_cfg, own_artifacts, monkeypatch):
     """The answers depend on the target and data config only: data outputs for other
     drafter.draft_vocab_size values take every answer from the shared log and generate nothing; without
-    the shared log (a data output from before it, or carried in alone) a sibling output's copy seeds it."""
-    import shutil
+    the shared log (a data output from before it, or carried in alone) a sibling output's copy seeds it.
+    The generator's generate is swapped for a recorder: any call would be a regeneration."""
     first = data.run(regen_cfg(make_cfg, own_artifacts))
     turns = first.manifest()["counts"]["regen_answers"]
     generated = []
