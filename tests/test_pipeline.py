@@ -28,3 +28,21 @@ def test_dry_run_rejects_an_impossible_spec_naming_the_rule(test_root):
                         "pipeline.bench_sweep=['spec.depth=16','spec.steps=3']")
     assert proc.returncode == 1
     assert "a chain drafts depth-1 = 15 steps" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_every_experiment_composes_and_its_bench_jobs_resolve(make_cfg):
+    """Each experiments/*.yaml composes, and every job of its bench sweep (as Hydra will split it) gives a
+    spec that passes the spec rules."""
+    from pathlib import Path
+    from eagle3.pipeline import bench_jobs
+    from eagle3.spec import resolve_spec
+    names = sorted(path.stem for path in (Path(__file__).resolve().parents[1] / "experiments").glob("*.yaml"))
+    assert {"quickstart", "smollm2-h200", "smollm2-h200-turns3", "smollm2-h200-turns3-v32k"} <= set(names)
+    for name in names:
+        jobs = bench_jobs(make_cfg(f"experiment={name}"))
+        assert jobs, name
+        for job in jobs:
+            resolve_spec(make_cfg(f"experiment={name}", *job).spec)
+    v32k = make_cfg("experiment=smollm2-h200-turns3-v32k")
+    assert v32k.drafter.draft_vocab_size == 32768 and v32k.data.regen.max_new_tokens == 192
+    assert len(bench_jobs(make_cfg("experiment=smollm2-h200"))) == 9  # 3 suites x d6s3k2, d8s4k2, d12s5k3
