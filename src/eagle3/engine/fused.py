@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from eagle3.engine.llama import compile_fixed
 from eagle3.engine.runners import Graphed
 from eagle3.engine.tree import ancestor_mask, keep_best, subtree
 
@@ -39,7 +40,10 @@ class FusedGreedy:
                                       device=self.device)
         self.phases = [self.draft, self.verify] + ([self.extend] if self.drafter_run is not None else [])
         if compiled and self.drafter_run is not None:
-            self.phases = [compile_phase(self.draft), self.verify, compile_phase(self.extend)]
+            # not dynamic=False: each cache width is a new length of the masks and of the cache slice
+            # attention reads; automatic dynamic shapes compile the second width generically, so a
+            # phase compiles twice instead of once per width
+            self.phases = [compile_fixed(self.draft), self.verify, compile_fixed(self.extend)]
         self.graphs: dict[int, list[Graphed]] = {}  # cache width -> one graph per phase
         self.held: dict[int, list] = {}
         # attention reads only the cache slots in use, rounded up to a power of two (a graph each)
@@ -213,12 +217,3 @@ class FusedGreedy:
     def commit(self) -> None:
         self.root.copy_(self.bonus)
         self.position.add_(self.accepted[0] + 1)
-
-
-def compile_phase(phase):
-    """A phase through torch.compile. Not dynamic=False: each cache width is a new length of the
-    masks and of the cache slice attention reads, and automatic dynamic shapes compile the second
-    width generically, so a phase compiles twice instead of once per width. Dynamo's cache is per
-    function, not per decoder: each decoder in a process (a spec sweep) adds its own entries."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(phase, fullgraph=True)

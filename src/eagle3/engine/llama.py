@@ -118,11 +118,8 @@ class LeanLlama(LeanBlocks):
         neighbours (the residual adds included), rotary and the K/V stacking into one kernel and
         silu * up into one (fewer kernels per replayed step). The cache write and attention stay
         outside: the cache is one buffer that all layers view."""
-        if self.compiled is None:
-            # each verify length is one entry of a segment's compile cache (torch's default limit is 8)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self.compiled = tuple(torch.compile(fn, dynamic=False, fullgraph=True)
-                                  for fn in (self.enter_layer, self.leave_layer))
+        if self.compiled is None:  # each verify length is one entry of a segment's compile cache
+            self.compiled = tuple(compile_fixed(fn, dynamic=False) for fn in (self.enter_layer, self.leave_layer))
         return self.compiled
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: SlotKV, mask: torch.Tensor,
@@ -190,6 +187,15 @@ class LeanDrafter(LeanBlocks):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(hidden, self.final_norm), self.lm_head)
+
+
+def compile_fixed(fn, **options):
+    """torch.compile(fullgraph) for the engine's fixed-shape pieces. Dynamo's compile cache is per
+    function, not per model or decoder, and torch's default limit of 8 entries is soon reached: one per
+    verify length or cache width, for every decoder in the process (a spec sweep); past it Dynamo
+    falls back to eager (with only a warning). The limit is raised process-wide."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(fn, fullgraph=True, **options)
 
 
 def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
