@@ -3,8 +3,8 @@
 A token outside the drafter's vocabulary is never drafted, so every verify step that meets one
 accepts nothing past it: the share of such tokens caps acceptance at every depth. Decodes the first
 --prompts prompts of each suite greedily with the engine (spec=off) and reports, per suite, the share
-of answer tokens outside --drafter's vocab map and outside the top-V training tokens of --data (the
-vocab map a data output with drafter.draft_vocab_size=V would build), for each V of --sizes:
+of answer tokens outside --drafter's vocab map and outside the vocab map that the data stage's own
+build_vocab_map makes from --data's train split with drafter.draft_vocab_size=V, for each V of --sizes:
 
     python benchmarks/vocab_coverage.py --target artifacts/targets/smollm2-135m \\
         --drafter artifacts/export/<hash>/sglang --data artifacts/data/<hash> \\
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,18 +22,9 @@ import torch
 
 from bench_engine import load, load_drafter
 from e2e_bench import read_suite, strip_eos
-from eagle3.data import load_splits
+from eagle3.data import build_vocab_map, load_splits
 from eagle3.engine import SpecDecoder
 from eagle3.spec import OFF
-
-
-def ranked_train_tokens(data_dir: str) -> list[int]:
-    """Target tokens by how often they are trained on (loss-masked positions of the train split)."""
-    train = load_splits(data_dir)["train"]
-    counts = Counter()
-    for ids, mask in zip(train["input_ids"], train["loss_mask"]):
-        counts.update(t for t, m in zip(ids, mask) if m)
-    return [token for token, _ in counts.most_common()]
 
 
 def main() -> None:
@@ -56,8 +46,10 @@ def main() -> None:
         drafter = load_drafter(SimpleNamespace(drafter=args.drafter), target)
         vocabs["drafter"] = set(drafter.t2d.nonzero().flatten().tolist())
     if args.data:
-        ranked = ranked_train_tokens(args.data)
-        vocabs.update({f"top {size}": set(ranked[:size]) for size in map(int, args.sizes.split(","))})
+        train = load_splits(args.data)["train"]
+        for size in map(int, args.sizes.split(",")):
+            _, t2d, _ = build_vocab_map(train["input_ids"], train["loss_mask"], target.vocab_size, size)
+            vocabs[f"vocab {size}"] = set(t2d.nonzero().flatten().tolist())
     eos = target.tokenizer.convert_tokens_to_ids("<|im_end|>")
     decoder = SpecDecoder(target, None, OFF)
     rows = []
