@@ -79,40 +79,49 @@ def test_fused_steps_match_step_by_step(tiny_target, fitted, references, name):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_first_draft_is_the_unrolls_step_zero(tiny_target, fitted, references, fused, monkeypatch):
-    """What the drafter sees at inference is what training showed it: at every step, the first
-    draft token equals the TTT unroll's step-0 argmax at that position of the committed sequence
-    (a wrong aux state, position or cache entry would change it, and lossless tests cannot see it)."""
+def test_every_chain_draft_is_the_unrolls_step(tiny_target, fitted, references, fused, monkeypatch):
+    """What the drafter sees at inference is what training showed it, at every depth: in a chain
+    drafted from root position p, draft k (0-based) equals the TTT unroll's step-k argmax at
+    position p - 1 of the committed sequence, wherever drafts 0..k-1 were the committed tokens
+    (the unroll feeds true tokens). A wrong aux state, RoPE position or cache entry, at the first
+    draft or a later one, changes it, and lossless tests cannot see it."""
     from eagle3.engine.fused import FusedGreedy
     from eagle3.ttt import unroll
-    drafts = []
+    chains = []
     if fused:
         draft_chain = FusedGreedy.draft_chain
 
         def recording_chain(self):
             draft_chain(self)
-            drafts.append((int(self.position), int(self.tokens[1])))
+            chains.append((int(self.position), self.tokens.tolist()))
         monkeypatch.setattr(FusedGreedy, "draft_chain", recording_chain)
     else:
         draft = SpecDecoder.draft
 
         def recording_draft(self, root, position, h_last, sampling):
             tree = draft(self, root, position, h_last, sampling)
-            drafts.append((position, int(tree.tokens[1])))
+            chains.append((position, tree.tokens.tolist()))
             return tree
         monkeypatch.setattr(SpecDecoder, "draft", recording_draft)
-    decoder = SpecDecoder(tiny_target, fitted, spec("d2"), fused=fused)
-    checked = 0
+    decoder = SpecDecoder(tiny_target, fitted, spec("d4"), fused=fused)
+    checked, drafted_steps = [0] * decoder.spec.steps, 0
     for prompt, expected in references:
-        drafts.clear()
+        chains.clear()
         assert decoder.generate(prompt, NEW_TOKENS).tokens == expected
-        sequence = torch.tensor([prompt + expected])
-        aux, _ = tiny_target.capture(sequence)
+        sequence = prompt + expected
+        aux, _ = tiny_target.capture(torch.tensor([sequence]))
         with torch.no_grad():
-            step0 = fitted.to_target_ids(unroll(fitted, sequence, aux, 1)[0][0].argmax(-1))
-        assert [token for _, token in drafts] == [int(step0[position - 1]) for position, _ in drafts]
-        checked += len(drafts)
-    assert checked > len(references) * NEW_TOKENS // 2
+            steps = unroll(fitted, torch.tensor([sequence]), aux, decoder.spec.steps)
+        argmax = [fitted.to_target_ids(logits[0].argmax(-1)).tolist() for logits in steps]
+        drafted_steps += len(chains)
+        for position, chain in chains:
+            for k, drafted in enumerate(chain[1:]):
+                assert drafted == argmax[k][position - 1], (position, k)
+                checked[k] += 1
+                if position + k + 1 >= len(sequence) or drafted != sequence[position + k + 1]:
+                    break
+    assert checked[0] == drafted_steps > len(references)
+    assert all(count > 0 for count in checked), checked
 
 
 @pytest.mark.parametrize("fused", [True, False])
