@@ -119,6 +119,38 @@ def test_loss_decreases_and_tau_rises(make_cfg, target, tmp_path, caplog):
     torch.testing.assert_close(drafter.embed_tokens.weight, target.model.get_input_embeddings().weight)
 
 
+def test_init_from_starts_where_the_source_ended(make_cfg, target, tmp_path):
+    """train.init_from loads a trained drafter (its train folder, or its SGLang export) as the start:
+    at lr 0 the run ends with exactly the source's weights, where a fresh init ends elsewhere; a
+    source of another shape or vocab map is refused, naming what differs."""
+    from safetensors.torch import load_file
+    from eagle3.export import export_sglang
+    source = tmp_path / "source"
+    synthetic_fit(make_cfg(*BASE, "train.epochs=1"), source, target=target)
+    export_sglang(load_trained_drafter(source, target), tmp_path / "sglang", recipe={})
+    trained = load_file(str(source / "best.safetensors"))
+    fresh = tmp_path / "fresh"
+    synthetic_fit(make_cfg(*BASE, "train.epochs=1", "train.lr=0"), fresh, target=target)
+    assert not torch.equal(load_file(str(fresh / "drafter.safetensors"))["fc.weight"], trained["fc.weight"])
+    for init in (source, tmp_path / "sglang"):
+        started = tmp_path / f"from_{init.name}"
+        synthetic_fit(make_cfg(*BASE, "train.epochs=1", "train.lr=0", f"train.init_from={init}"), started,
+                      target=target)
+        weights = load_file(str(started / "drafter.safetensors"))
+        assert weights.keys() == trained.keys()
+        for key, value in trained.items():
+            torch.testing.assert_close(weights[key], value, rtol=0, atol=0, msg=key)
+    with pytest.raises(Eagle3Error, match=r"init_from=.*num_hidden_layers 1 \(this run: 2\)"):
+        synthetic_fit(make_cfg(*BASE, "drafter.num_layers=2", f"train.init_from={source}"), tmp_path / "two",
+                      target=target)
+    train_set, val_set, d2t, t2d = synthetic_data(target)
+    t2d = t2d.roll(1)  # the same size, other tokens
+    d2t = t2d.nonzero().flatten() - torch.arange(DRAFT_VOCAB)
+    with pytest.raises(Eagle3Error, match="vocab map differs"):
+        fit(make_cfg(*BASE, f"train.init_from={source}"), target, DrafterData(train_set, val_set,
+            make_cfg(*BASE).train, 0, pad_id=0), tmp_path / "other_vocab", d2t, t2d)
+
+
 def test_bucket_sampler_shards_and_resumes():
     lengths = [5, 9, 3, 12, 7, 7, 1, 20, 11, 4, 6]
     ranks = [BucketBatchSampler(lengths, 2, 2, seed=1, shuffle=True, rank=r, world=2) for r in range(2)]

@@ -3,6 +3,7 @@
 Data: `train.hidden_states=offline` reads the extract stage's shards (aux + final hidden
 states per token); `online` reads the data stage's token ids and runs the target inside
 the step through the same capture code (eagle3.target.capture_hidden_states).
+Start: a fresh drafter, or train.init_from's weights (same shapes and vocab map).
 Batches: length-bucketed, right-padded, one deterministic order per (seed, epoch), sharded
 over DDP ranks, resumable mid-epoch. AdamW, linear warmup then cosine, grad clipping.
 
@@ -70,6 +71,8 @@ def shards_output(cfg: DictConfig) -> StageOutput:
 def train_output(cfg: DictConfig) -> StageOutput:
     """The train stage's folder for this config (located, not run)."""
     train = {k: v for k, v in to_plain(cfg.train).items() if k not in HASH_EXCLUDED}
+    if train.get("init_from") is None:  # a fresh init: the hashes of runs from before the key existed
+        train.pop("init_from", None)
     drafter = {k: v for k, v in to_plain(cfg.drafter).items() if k != "path"}
     sections = {"drafter": drafter, "train": train, "target": target_key(cfg.target), "seed": cfg.seed}
     return stage_output(cfg.paths.artifacts, "train", sections, upstream_hashes(cfg))
@@ -524,6 +527,8 @@ def fit(cfg: DictConfig, target: Target, datamodule: DrafterData, folder: Path, 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     drafter = build_drafter(target, cfg.drafter).float()
     drafter.set_vocab_map(d2t.to(drafter.d2t.device), t2d.to(drafter.t2d.device))
+    if cfg.train.get("init_from"):
+        start_from(drafter, cfg.train.init_from, target)
     module = DrafterModule(drafter, target.model.get_output_embeddings().weight, cfg.train, target, evaluation)
     throughput = Throughput(0 if cfg.trainer.progress_bar else cfg.trainer.log_every_n_steps)
     trainer = build_trainer(cfg, folder, logger, [throughput, *callbacks])
@@ -539,6 +544,36 @@ def fit(cfg: DictConfig, target: Target, datamodule: DrafterData, folder: Path, 
     if trainer.is_global_zero:
         write_weights(folder, drafter)
     return {**{k: float(v) for k, v in trainer.callback_metrics.items()}, **getattr(throughput, "result", {})}
+
+
+# what must agree for one drafter's weights to start another's training
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "draft_vocab_size", "target_hidden_size", "aux_layer_ids")
+
+
+def start_from(drafter: Eagle3Drafter, source: str, target: Target) -> None:
+    """Load train.init_from's weights (a train output folder, an export, its sglang/vllm folder or a
+    models:/ URI) into `drafter`; its shapes and vocab map must equal this run's, else an error names them."""
+    if (Path(source) / DRAFTER_CONFIG).exists():
+        initial = load_trained_drafter(source, target)
+    else:
+        from eagle3.export import load_drafter
+        initial = load_drafter(source)
+    ours, theirs = drafter.config, initial.config
+    problems = [f"{key} {getattr(theirs, key, None)} (this run: {getattr(ours, key)})" for key in SHAPE_KEYS
+                if _plain(getattr(theirs, key, None)) != _plain(getattr(ours, key))]
+    if not problems and not (torch.equal(initial.d2t.cpu(), drafter.d2t.cpu())
+                             and torch.equal(initial.t2d.cpu(), drafter.t2d.cpu())):
+        problems.append("its vocab map differs from this run's data stage's (another data config or draft vocab)")
+    if problems:
+        raise Eagle3Error(f"train.init_from={source} cannot start this training: " + "; ".join(problems))
+    weights = {k: v for k, v in initial.state_dict().items() if not k.startswith("embed_tokens.")}
+    drafter.load_state_dict(weights, strict=False)
+    log.info("train: starting from the weights of %s", source)
+
+
+def _plain(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def write_weights(folder: Path, drafter: Eagle3Drafter) -> None:
