@@ -528,7 +528,7 @@ def fit(cfg: DictConfig, target: Target, datamodule: DrafterData, folder: Path, 
     drafter = build_drafter(target, cfg.drafter).float()
     drafter.set_vocab_map(d2t.to(drafter.d2t.device), t2d.to(drafter.t2d.device))
     if cfg.train.get("init_from"):
-        start_from(drafter, cfg.train.init_from, target)
+        start_from(drafter, cfg.train.init_from, target, cfg.tracking.uri)
     module = DrafterModule(drafter, target.model.get_output_embeddings().weight, cfg.train, target, evaluation)
     throughput = Throughput(0 if cfg.trainer.progress_bar else cfg.trainer.log_every_n_steps)
     trainer = build_trainer(cfg, folder, logger, [throughput, *callbacks])
@@ -551,14 +551,14 @@ SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atte
               "draft_vocab_size", "target_hidden_size", "aux_layer_ids")
 
 
-def start_from(drafter: Eagle3Drafter, source: str, target: Target) -> None:
+def start_from(drafter: Eagle3Drafter, source: str, target: Target, tracking_uri: str | None = None) -> None:
     """Load train.init_from's weights (a train output folder, an export, its sglang/vllm folder or a
     models:/ URI) into `drafter`; its shapes and vocab map must equal this run's, else an error names them."""
     if (Path(source) / DRAFTER_CONFIG).exists():
         initial = load_trained_drafter(source, target)
     else:
         from eagle3.export import load_drafter
-        initial = load_drafter(source)
+        initial = load_drafter(source, tracking_uri=tracking_uri)
     ours, theirs = drafter.config, initial.config
     problems = [f"{key} {getattr(theirs, key, None)} (this run: {getattr(ours, key)})" for key in SHAPE_KEYS
                 if _plain(getattr(theirs, key, None)) != _plain(getattr(ours, key))]
