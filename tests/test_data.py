@@ -1,6 +1,7 @@
 """Data stage: sources, normalisation, filters, loss masks, vocab map, the stage's output."""
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -337,6 +338,55 @@ def test_another_draft_vocab_reuses_the_regenerated_answers(make_cfg, own_artifa
         assert turn_records(out.path) == turn_records(first.path)
         assert data.load_vocab_map(out.path)[0].numel() == vocab
         shutil.rmtree(data.regen_log_path(cfg).parent)  # the second round seeds from a data output's copy
+
+
+LOCK_HOLDER = """
+import fcntl, os, pathlib, sys, time
+folder, release = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+folder.mkdir(parents=True, exist_ok=True)
+handle = open(folder / "lock", "a+")
+fcntl.flock(handle, fcntl.LOCK_EX)
+handle.truncate(0); handle.write(f"pid {os.getpid()}"); handle.flush()
+print("holding", flush=True)
+while not release.exists():
+    time.sleep(0.05)
+"""
+
+
+def test_a_second_run_waits_for_the_one_regenerating(make_cfg, own_artifacts, caplog):
+    """Two data runs with the same answers: the second waits on the shared log's lock, naming the
+    holder, and regenerates only once it is free. The first run is played by a process that holds the
+    real lock until told to let go, so the wait is seen without racing two regenerations."""
+    import threading
+    cfg = regen_cfg(make_cfg, own_artifacts)
+    shared, release = data.regen_log_path(cfg), own_artifacts / "release"
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(shared.parent), str(release)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "holding"
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(out=data.run(cfg)))
+
+    def waiting() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "is regenerating the answers" in r.getMessage()]
+    try:
+        with caplog.at_level("INFO", logger="eagle3"):
+            thread.start()
+            deadline = time.time() + 300
+            while not waiting() and thread.is_alive() and time.time() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)
+            assert thread.is_alive() and not shared.exists()  # blocked before writing a single answer
+            release.touch()
+            thread.join(300)
+    finally:
+        release.touch()
+    assert holder.wait(30) == 0
+    assert waiting() == [f"data: another data run (pid {holder.pid}) is regenerating the answers in "
+                         f"{shared.parent}; waiting for it, then its answers are reused"]
+    source = [c for s in data.conversations_for(cfg.data, {}).values() for c in s]
+    counts = result["out"].manifest()["counts"]
+    assert counts["regen_turns_resumed"] == 0 and counts["regen_answers"] == sum(map(data.user_turns, source))
+    assert (shared.parent / "lock").read_text() == f"pid {os.getpid()}"  # the last holder: this run
 
 
 class ChatServer:

@@ -9,6 +9,7 @@ turns by the target (resumable) -> chat template + loss mask -> vocab map -> Arr
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ import re
 import shutil
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -522,9 +524,46 @@ def pending_turn(conversation: dict, answers: dict[int, str | None], turn: int) 
 
 
 def regenerate(cfg: DictConfig, out_dir: Path, splits: dict[str, list[dict]], tokenizer, counts: dict):
-    """Let the target answer every user turn, turn-major so each batch mixes conversations."""
-    rcfg = cfg.data.regen
+    """Let the target answer every user turn (into the shared log), then take the answers."""
     shared, own = regen_log_path(cfg), out_dir / "regen" / "turns.jsonl"
+    with regen_lock(shared.parent):
+        turn_log, failed = answer_turns(cfg, shared, splits, tokenizer, counts)
+    own.parent.mkdir(parents=True, exist_ok=True)
+    if shared.exists():  # absent when no conversation had a turn to answer
+        shutil.copyfile(shared, own)
+    report_failures(out_dir, failed, cfg.data.regen, counts)
+    splits = {name: [regenerated(c, turn_log.answers.get(c["id"], {})) for c in convs if c["id"] not in failed]
+              for name, convs in splits.items()}
+    report_loops(splits, cfg.data.regen.loop_ngram, counts)
+    return splits
+
+
+@contextmanager
+def regen_lock(folder: Path) -> Iterator[None]:
+    """One writer per shared answer log: a second data run with the same answers (another draft vocab in
+    a parallel sweep) waits here, then finds every answer logged instead of generating them again.
+    An flock is released by the kernel when its holder dies, so a crash leaves no stale lock."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            log.info("data: another data run (%s) is regenerating the answers in %s; waiting for it, then "
+                     "its answers are reused", handle.read().strip() or "pid unknown", folder)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.truncate(0)
+        handle.write(f"pid {os.getpid()}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def answer_turns(cfg: DictConfig, shared: Path, splits: dict[str, list[dict]], tokenizer, counts: dict):
+    """Turn-major, so each batch mixes conversations: -> (the shared TurnLog, {conversation id: error})."""
+    rcfg = cfg.data.regen
     if not shared.exists():
         seed_regen_log(cfg, shared)
     turn_log = TurnLog(shared)
@@ -543,14 +582,7 @@ def regenerate(cfg: DictConfig, out_dir: Path, splits: dict[str, list[dict]], to
         items = skip_long_prompts(items, tokenizer, cfg.data, turn_log)
         if items:
             failed.update(generator.run(items, turn_log, desc=f"regenerate turn {turn + 1}"))
-    own.parent.mkdir(parents=True, exist_ok=True)
-    if shared.exists():  # absent when no conversation had a turn to answer
-        shutil.copyfile(shared, own)
-    report_failures(out_dir, failed, rcfg, counts)
-    splits = {name: [regenerated(c, turn_log.answers.get(c["id"], {})) for c in convs if c["id"] not in failed]
-              for name, convs in splits.items()}
-    report_loops(splits, rcfg.loop_ngram, counts)
-    return splits
+    return turn_log, failed
 
 
 def loop_start(text: str, ngram: int) -> int | None:
