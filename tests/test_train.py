@@ -101,6 +101,9 @@ def test_loss_decreases_and_tau_rises(make_cfg, target, tmp_path, caplog):
     assert [m.split()[2] for m in progress] == ["5/24", "10/24", "15/24", "20/24"]
     assert all(float(m.split("samples/s")[0].split()[-1]) > 0 for m in progress)
     assert all(0 <= float(m.split("% between steps")[0].split("(")[-1]) < 100 for m in progress)
+    validations = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train: validation")]
+    assert [m.split()[4] for m in validations] == ["0:", "1:", "2:", "3:"]  # one per epoch, no sanity check
+    assert float(validations[-1].split("tau_hat ")[1].split(",")[0]) == pytest.approx(recorder.val_tau[-1], abs=5e-4)
     per_epoch = len(recorder.train_loss) // 4
     first, last = recorder.train_loss[:per_epoch], recorder.train_loss[-per_epoch:]
     assert sum(last) / len(last) < 0.7 * sum(first) / len(first)
