@@ -12,7 +12,7 @@ share), and predicts for every spec row of --tau (another e2e_bench.py JSON, e.g
 
 and its ratio to --gpu's spec=off:
 
-    PYTHONPATH=benchmarks python benchmarks/tree_shapes.py --tau cpu_tree_grid.json --gpu e2e_v32k_32.json
+    PYTHONPATH=benchmarks python benchmarks/tree_shapes.py --tau cpu_tree_grid.json [more.json] --gpu e2e_v32k_32.json
 
 Rows the --gpu file measured too print their measured tok/s beside the prediction.
 """
@@ -27,10 +27,10 @@ from pathlib import Path
 from bench_engine import parse_spec
 
 
-def totals(path: Path) -> dict[str, dict]:
-    """Per method over all suites: tokens, wall seconds, verify steps, draft and verify seconds."""
+def totals(*paths: Path) -> dict[str, dict]:
+    """Per method over all suites (and files): tokens, wall seconds, verify steps, draft and verify seconds."""
     sums: dict[str, dict] = defaultdict(lambda: defaultdict(float))
-    for row in json.loads(path.read_text())["rows"]:
+    for row in (row for path in paths for row in json.loads(path.read_text())["rows"]):
         total = sums[row["method"]]
         for key in ("tokens", "wall_s", "verify_steps"):
             total[key] += row[key]
@@ -51,11 +51,11 @@ def fit_step(gpu: dict[str, dict]) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tau", required=True, type=Path, help="e2e_bench.py JSON whose τ per shape is used")
+    parser.add_argument("--tau", required=True, type=Path, nargs="+", help="e2e_bench.py JSONs whose τ per shape is used")
     parser.add_argument("--gpu", required=True, type=Path, help="e2e_bench.py JSON from the GPU, with spec=off")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    gpu, measured = totals(args.gpu), totals(args.tau)
+    gpu, measured = totals(args.gpu), totals(*args.tau)
     if "off" not in gpu:
         raise SystemExit(f"{args.gpu} has no spec=off rows")
     base, per_step = fit_step(gpu)
