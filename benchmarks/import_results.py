@@ -3,7 +3,7 @@
 The lent GPU machines run the stages with tracking off (no mlflow there); what comes back is
 a folder of JSON and log files (benchmarks/results/<name>/: e2e.json or e2e_<variant>.json from
 e2e_bench.py (one engine setting per file; the run names end with the variant), engine_*.json from
-bench_engine.py, *_progress.log from the train stage's progress lines,
+bench_engine.py, *_progress.log from the train stage's progress and validation lines,
 *_manifest.json from the stage outputs, gpu.txt). This logs one parent run named after the
 folder with a child run per bench row, engine-step row, training and DDP run:
 
@@ -27,11 +27,23 @@ from eagle3.tracking import flatten, setup
 PROGRESS = re.compile(r"train: step (\d+)/\d+ epoch \d+ loss ([\d.]+) tau_hat ([\d.]+)\s+([\d.]+) samples/s")
 
 
+VALIDATION = re.compile(r"train: validation after epoch \d+ \(step (\d+)\): tau_hat ([\d.]+)"
+                        r"(?:, over the first \d+ tokens ([\d.]+))?, loss ([\d.]+)")
+
+
 def progress_rows(path: Path) -> list[dict]:
-    """The train stage's progress lines: step, loss, tau_hat, samples/s of the window."""
-    rows = [PROGRESS.search(line) for line in path.read_text().splitlines()]
-    return [{"step": int(m[1]), "train/loss": float(m[2]), "train/tau_hat": float(m[3]),
-             "train/samples_per_s": float(m[4])} for m in rows if m]
+    """The train stage's progress lines (step, loss, tau_hat, samples/s of the window) and validation
+    lines (val/tau_hat, val/tau_hat_head, val/loss at their step). A run resumed after a kill repeats
+    the steps since its last checkpoint: the later line of a step wins."""
+    train, val = {}, {}
+    for line in path.read_text().splitlines():
+        if m := PROGRESS.search(line):
+            train[int(m[1])] = {"step": int(m[1]), "train/loss": float(m[2]), "train/tau_hat": float(m[3]),
+                                "train/samples_per_s": float(m[4])}
+        elif m := VALIDATION.search(line):
+            head = {"val/tau_hat_head": float(m[3])} if m[3] else {}
+            val[int(m[1])] = {"step": int(m[1]), "val/tau_hat": float(m[2]), **head, "val/loss": float(m[4])}
+    return [train[step] for step in sorted(train)] + [val[step] for step in sorted(val)]
 
 
 def e2e_runs(data: dict) -> list[tuple[str, dict, dict, dict]]:

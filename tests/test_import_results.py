@@ -85,3 +85,32 @@ def test_import_takes_every_e2e_and_engine_file_of_a_folder(tmp_path):
     assert run.data.metrics["prefill_ms_per_prompt"] == row["prefill_ms_per_prompt"]
     assert runs["gsm8k d6s3k2"].data.metrics["tok_per_s"] == next(
         r for r in e2e["e2e"] if r["suite"] == "gsm8k" and r["method"] == "d6s3k2")["tok_per_s"]
+
+
+def test_import_keeps_the_last_line_of_a_repeated_step_and_the_validations(tmp_path):
+    """A train log cut by kills and resumed repeats the steps since the last checkpoint: one point per
+    step, the later line's value. Validation lines become val/* metrics at their step."""
+    import shutil
+    folder = tmp_path / "h200-resumed"
+    shutil.copytree(ROOT / "benchmarks" / "results" / "h200-2026-12-01", folder)
+    log = folder / "train_progress.log"
+    lines = log.read_text().splitlines()
+    repeated = lines[100].replace("tau_hat ", "tau_hat 9")  # step of line 100, run again after a resume
+    validations = ["[t][eagle3][INFO] - train: validation after epoch 0 (step 861): tau_hat 2.500, over the first "
+                   "128 tokens 2.100, loss 9.1000, acc 0.700 0.600",
+                   "[t][eagle3][INFO] - train: validation after epoch 1 (step 1722): tau_hat 3.000, loss 8.0000, acc 0.8"]
+    log.write_text("\n".join(lines + [repeated] + validations) + "\n")
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "import_results.py"), str(folder),
+                    f"paths.root={tmp_path}"], capture_output=True, text=True, check=True)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    train = client.search_runs([client.get_experiment_by_name("eagle3").experiment_id],
+                               "attributes.run_name = 'train'")[0].info.run_id
+    history = {m.step: m.value for m in client.get_metric_history(train, "train/tau_hat")}
+    steps = [int(line.split("train: step ")[1].split("/")[0]) for line in lines]
+    assert len(client.get_metric_history(train, "train/tau_hat")) == len(set(steps)) == len(history)
+    step = int(repeated.split("train: step ")[1].split("/")[0])
+    assert history[step] == float(repeated.split("tau_hat ")[1].split()[0]) > 9
+    assert [(m.step, m.value) for m in client.get_metric_history(train, "val/tau_hat")] in (
+        [(861, 2.5), (1722, 3.0)], [(1722, 3.0), (861, 2.5)])
+    assert [(m.step, m.value) for m in client.get_metric_history(train, "val/tau_hat_head")] == [(861, 2.1)]
+    assert sorted(m.value for m in client.get_metric_history(train, "val/loss")) == [8.0, 9.1]

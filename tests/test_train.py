@@ -102,7 +102,8 @@ def test_loss_decreases_and_tau_rises(make_cfg, target, tmp_path, caplog):
     assert all(float(m.split("samples/s")[0].split()[-1]) > 0 for m in progress)
     assert all(0 <= float(m.split("% between steps")[0].split("(")[-1]) < 100 for m in progress)
     validations = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train: validation")]
-    assert [m.split()[4] for m in validations] == ["0:", "1:", "2:", "3:"]  # one per epoch, no sanity check
+    # one per epoch (6 steps each), none for the sanity check
+    assert [m.split(":")[1] for m in validations] == [f" validation after epoch {e} (step {6 * e + 6})" for e in range(4)]
     assert float(validations[-1].split("tau_hat ")[1].split(",")[0]) == pytest.approx(recorder.val_tau[-1], abs=5e-4)
     per_epoch = len(recorder.train_loss) // 4
     first, last = recorder.train_loss[:per_epoch], recorder.train_loss[-per_epoch:]

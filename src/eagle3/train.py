@@ -332,8 +332,9 @@ class DrafterModule(L.LightningModule):
                 self.log(f"val/acc_head_{k}", acc)
             head_line = f", over the first {self.tcfg.val_head_tokens} tokens {float(tau_hat(head.cpu())):.3f}"
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:  # runs without MLflow see it too
-            log.info("train: validation after epoch %d: tau_hat %.3f%s, loss %.4f, acc %s", self.current_epoch,
-                     float(tau_hat(accuracies.cpu())), head_line, float((losses * decay).sum()),
+            log.info("train: validation after epoch %d (step %d): tau_hat %.3f%s, loss %.4f, acc %s",
+                     self.current_epoch, self.global_step, float(tau_hat(accuracies.cpu())), head_line,
+                     float((losses * decay).sum()),
                      " ".join(f"{a:.3f}" for a in accuracies.tolist()))
         if self.evaluation.get("prompts") and not self.trainer.sanity_checking:
             self.log_measured_acceptance()
