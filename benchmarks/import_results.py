@@ -25,8 +25,6 @@ from eagle3.common import compose
 from eagle3.tracking import flatten, setup
 
 PROGRESS = re.compile(r"train: step (\d+)/\d+ epoch \d+ loss ([\d.]+) tau_hat ([\d.]+)\s+([\d.]+) samples/s")
-
-
 VALIDATION = re.compile(r"train: validation after epoch \d+ \(step (\d+)\): tau_hat ([\d.]+)"
                         r"(?:, over the first \d+ tokens ([\d.]+))?, loss ([\d.]+)")
 
@@ -142,6 +140,7 @@ def ddp_rate(steps: list[dict], devices: int) -> dict:
     """Samples/s from the first to the last progress line (start-up excluded). Each line's rate
     covers the steps since the line before, and every step takes batch_size x devices samples,
     so the whole span's rate is the step-weighted harmonic mean of the line rates."""
+    steps = [row for row in steps if "train/samples_per_s" in row]  # not the validation rows
     if len(steps) < 2:
         return {}
     pairs = list(zip(steps, steps[1:]))
