@@ -28,14 +28,13 @@ from bench_engine import parse_spec
 
 
 def totals(*paths: Path) -> dict[str, dict]:
-    """Per method over all suites (and files): tokens, wall seconds, verify steps, draft and verify seconds."""
+    """Per method over all suites (and files): tokens, wall seconds, verify steps, draft seconds."""
     sums: dict[str, dict] = defaultdict(lambda: defaultdict(float))
     for row in (row for path in paths for row in json.loads(path.read_text())["rows"]):
         total = sums[row["method"]]
         for key in ("tokens", "wall_s", "verify_steps"):
             total[key] += row[key]
         total["draft_s"] += row["draft_ms_per_step"] * row["verify_steps"] / 1e3
-        total["verify_s"] += row["verify_ms_per_step"] * row["verify_steps"] / 1e3
     return dict(sums)
 
 
@@ -79,7 +78,7 @@ def main() -> None:
         print(f"{row['spec']:>10}: τ {row['tau']:.2f} -> {row['predicted_tok_per_s']:7.1f} tok/s "
               f"({row['predicted_speedup']:.2f}x){seen}")
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+        args.json.write_text(json.dumps({"args": {"tau": list(map(str, args.tau)), "gpu": str(args.gpu)},
                                          "base_s": base, "per_step_s": per_step, "rows": rows}, indent=2))
 
 

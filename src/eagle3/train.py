@@ -320,21 +320,22 @@ class DrafterModule(L.LightningModule):
         accuracies, losses = sums[:, 1] / counts, sums[:, 0] / counts
         decay = torch.tensor([self.tcfg.step_decay ** k for k in range(len(losses))], dtype=losses.dtype,
                              device=losses.device)
-        self.log("val/tau_hat", float(tau_hat(accuracies.cpu())), prog_bar=True)
-        self.log("val/loss", float((losses * decay).sum()))
+        val_tau, val_loss = float(tau_hat(accuracies.cpu())), float((losses * decay).sum())
+        self.log("val/tau_hat", val_tau, prog_bar=True)
+        self.log("val/loss", val_loss)
         for k, acc in enumerate(accuracies.tolist()):
             self.log(f"val/acc_{k}", acc)
         head_line = ""
         if self.tcfg.get("val_head_tokens"):
             head = sums[:, 3] / sums[:, 4].clamp(min=1)
-            self.log("val/tau_hat_head", float(tau_hat(head.cpu())))
+            head_tau = float(tau_hat(head.cpu()))
+            self.log("val/tau_hat_head", head_tau)
             for k, acc in enumerate(head.tolist()):
                 self.log(f"val/acc_head_{k}", acc)
-            head_line = f", over the first {self.tcfg.val_head_tokens} tokens {float(tau_hat(head.cpu())):.3f}"
+            head_line = f", over the first {self.tcfg.val_head_tokens} tokens {head_tau:.3f}"
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:  # runs without MLflow see it too
             log.info("train: validation after epoch %d (step %d): tau_hat %.3f%s, loss %.4f, acc %s",
-                     self.current_epoch, self.global_step, float(tau_hat(accuracies.cpu())), head_line,
-                     float((losses * decay).sum()),
+                     self.current_epoch, self.global_step, val_tau, head_line, val_loss,
                      " ".join(f"{a:.3f}" for a in accuracies.tolist()))
         if self.evaluation.get("prompts") and not self.trainer.sanity_checking:
             self.log_measured_acceptance()
