@@ -2,15 +2,16 @@
 
 τ depends on the target, the drafter and the prompts, not on the machine (up to low-precision
 ties), so a grid of shapes can be decoded on a CPU; the GPU's step cost depends on the shape
-mostly through the number of draft steps: at batch 1 verify is about flat in the tree's size
-(1.39-1.52 ms for 6-24 nodes on the H200, not monotonic) and a draft step costs about the same for any
-top-k. From the spec rows of --gpu (an e2e_bench.py JSON) this takes the draft time per draft step
-(least squares through 0), the mean verify time and the mean rest of the all-in step (host, prefill
-share), and predicts for every spec row of --tau (another e2e_bench.py JSON, e.g. a CPU run)
+mostly through the number of draft steps: a draft step costs about the same for any top-k, and at
+batch 1 verify grows only slowly with the tree's size (H200: 1.39 ms at 8 nodes, 1.45 at 32, 1.52
+at 64). From the spec rows of --gpu (an e2e_bench.py JSON) this fits the draft time per draft step
+(least squares through 0) and the rest of the all-in step (verify, host, prefill share) as a line in
+the tree's size (least squares; flat when every row has one size), and predicts for every spec row
+of --tau (another e2e_bench.py JSON, e.g. a CPU run)
 
-    tok/s = τ / (rest + verify + per_draft_step * steps)
+    tok/s = τ / (rest + per_node * depth + per_draft_step * steps)
 
-and its ratio to --gpu's spec=off:
+its ratio to --gpu's spec=off, and the τ the shape would need for --target times spec=off:
 
     PYTHONPATH=benchmarks python benchmarks/tree_shapes.py --tau cpu_tree_grid.json [more.json] --gpu e2e_v32k_32.json
 
@@ -38,37 +39,45 @@ def totals(*paths: Path) -> dict[str, dict]:
     return dict(sums)
 
 
-def fit_step(gpu: dict[str, dict]) -> tuple[float, float]:
-    """(seconds per verify step besides drafting, draft seconds per draft step) over the spec rows."""
-    rows = [(parse_spec(m).steps, t) for m, t in gpu.items() if m != "off"]
+def fit_step(gpu: dict[str, dict]) -> tuple[float, float, float]:
+    """(seconds per verify step besides drafting at size 0, their growth per verified node,
+    draft seconds per draft step) over the spec rows."""
+    rows = [(parse_spec(m), t) for m, t in gpu.items() if m != "off"]
     if not rows:
         raise SystemExit("--gpu has no spec rows")
-    per_step = sum(s * t["draft_s"] / t["verify_steps"] for s, t in rows) / sum(s * s for s, _ in rows)
-    fixed = sum((t["wall_s"] - t["draft_s"]) / t["verify_steps"] for _, t in rows) / len(rows)
-    return fixed, per_step
+    per_step = (sum(s.steps * t["draft_s"] / t["verify_steps"] for s, t in rows)
+                / sum(s.steps ** 2 for s, _ in rows))
+    sizes = [s.depth for s, _ in rows]
+    rests = [(t["wall_s"] - t["draft_s"]) / t["verify_steps"] for _, t in rows]
+    mean_size, mean_rest = sum(sizes) / len(sizes), sum(rests) / len(rests)
+    spread = sum((n - mean_size) ** 2 for n in sizes)
+    per_node = sum((n - mean_size) * (r - mean_rest) for n, r in zip(sizes, rests)) / spread if spread else 0.0
+    return mean_rest - per_node * mean_size, per_node, per_step
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tau", required=True, type=Path, nargs="+", help="e2e_bench.py JSONs whose τ per shape is used")
     parser.add_argument("--gpu", required=True, type=Path, help="e2e_bench.py JSON from the GPU, with spec=off")
+    parser.add_argument("--target", type=float, default=2.5, help="speedup over spec=off whose τ each row reports")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     gpu, measured = totals(args.gpu), totals(*args.tau)
     if "off" not in gpu:
         raise SystemExit(f"{args.gpu} has no spec=off rows")
-    base, per_step = fit_step(gpu)
+    base, per_node, per_step = fit_step(gpu)
     off = gpu["off"]["tokens"] / gpu["off"]["wall_s"]
-    print(f"GPU step = {base * 1e3:.3f} ms (verify, host, prefill) + {per_step * 1e3:.3f} ms x draft steps; "
-          f"spec=off {off:.1f} tok/s")
+    print(f"GPU step = {base * 1e3:.3f} ms + {per_node * 1e3:.4f} ms x verified nodes (verify, host, prefill) "
+          f"+ {per_step * 1e3:.3f} ms x draft steps; spec=off {off:.1f} tok/s")
     rows = []
     for method, t in measured.items():
         if method == "off":
             continue
-        steps, tau = parse_spec(method).steps, t["tokens"] / t["verify_steps"]
-        predicted = tau / (base + per_step * steps)
-        row = {"spec": method, "steps": steps, "tau": tau, "predicted_tok_per_s": predicted,
-               "predicted_speedup": predicted / off}
+        spec, tau = parse_spec(method), t["tokens"] / t["verify_steps"]
+        steps = spec.steps
+        step_s = base + per_node * spec.depth + per_step * steps
+        row = {"spec": method, "steps": steps, "tau": tau, "predicted_tok_per_s": tau / step_s,
+               "predicted_speedup": tau / step_s / off, "tau_for_target": args.target * off * step_s}
         if method in gpu:
             row["gpu_tau"] = gpu[method]["tokens"] / gpu[method]["verify_steps"]
             row["gpu_tok_per_s"] = gpu[method]["tokens"] / gpu[method]["wall_s"]
@@ -76,10 +85,11 @@ def main() -> None:
     for row in sorted(rows, key=lambda r: -r["predicted_tok_per_s"]):
         seen = f"  (GPU: τ {row['gpu_tau']:.2f}, {row['gpu_tok_per_s']:.1f} tok/s)" if "gpu_tau" in row else ""
         print(f"{row['spec']:>10}: τ {row['tau']:.2f} -> {row['predicted_tok_per_s']:7.1f} tok/s "
-              f"({row['predicted_speedup']:.2f}x){seen}")
+              f"({row['predicted_speedup']:.2f}x; {args.target:g}x needs τ {row['tau_for_target']:.2f}){seen}")
     if args.json:
         args.json.write_text(json.dumps({"args": {"tau": list(map(str, args.tau)), "gpu": str(args.gpu)},
-                                         "base_s": base, "per_step_s": per_step, "rows": rows}, indent=2))
+                                         "base_s": base, "per_node_s": per_node,
+                                         "per_step_s": per_step, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

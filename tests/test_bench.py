@@ -354,13 +354,17 @@ def test_sweep_without_a_drafter_names_the_command(test_root, tmp_path):
 
 def test_tree_shapes_predicts_from_gpu_step_costs(tmp_path):
     """benchmarks/tree_shapes.py on e2e_bench-shaped files with known costs: GPU steps cost 1.6 ms plus
-    0.13 ms per draft step; a shape's prediction is its τ (summed over suites) over that step time."""
+    0.002 ms per verified node plus 0.13 ms per draft step; a shape's prediction is its τ (summed over
+    suites) over that step time."""
     def row(suite, method, steps, tau, draft_ms, all_in_ms):
         return {"suite": suite, "method": method, "tokens": tau * steps, "verify_steps": steps,
                 "wall_s": steps * all_in_ms / 1e3, "draft_ms_per_step": draft_ms, "verify_ms_per_step": 1.4}
+
+    def step_ms(depth, steps):
+        return 1.6 + 0.002 * depth + 0.13 * steps
     gpu = [row("a", "off", 1000, 1.0, 0.02, 1.4)] + [
-        row("a", spec, 400, 2.5, 0.13 * steps, 1.6 + 0.13 * steps)
-        for spec, steps in (("d6s3k2", 3), ("d8s4k2", 4), ("d12s5k3", 5))]
+        row("a", f"d{depth}s{steps}k{k}", 400, 2.5, 0.13 * steps, step_ms(depth, steps))
+        for depth, steps, k in ((6, 3, 2), (8, 4, 2), (32, 4, 8), (64, 5, 16))]
     taus = [row("a", "d16s4k8", 300, 3.0, 0, 1), row("b", "d16s4k8", 100, 2.0, 0, 1),
             row("a", "d24s6k8", 200, 3.5, 0, 1), row("a", "d8s4k2", 50, 2.0, 0, 1)]
     for name, rows in (("gpu", gpu), ("tau", taus)):
@@ -370,9 +374,11 @@ def test_tree_shapes_predicts_from_gpu_step_costs(tmp_path):
                     str(tmp_path / "gpu.json"), "--json", str(tmp_path / "out.json")], check=True, capture_output=True)
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["base_s"] == pytest.approx(1.6e-3) and out["per_step_s"] == pytest.approx(0.13e-3)
+    assert out["per_node_s"] == pytest.approx(0.002e-3)
     predicted = {r["spec"]: r for r in out["rows"]}
     assert predicted["d16s4k8"]["tau"] == pytest.approx(2.75)  # (900 + 200) tokens / 400 steps
-    assert predicted["d16s4k8"]["predicted_tok_per_s"] == pytest.approx(2.75 / (1.6e-3 + 4 * 0.13e-3))
-    assert predicted["d24s6k8"]["predicted_speedup"] == pytest.approx(3.5 / (1.6e-3 + 6 * 0.13e-3) / (1 / 1.4e-3))
-    assert predicted["d8s4k2"]["gpu_tok_per_s"] == pytest.approx(2.5 / (1.6e-3 + 4 * 0.13e-3))
+    assert predicted["d16s4k8"]["predicted_tok_per_s"] == pytest.approx(2.75 / (step_ms(16, 4) / 1e3))
+    assert predicted["d24s6k8"]["predicted_speedup"] == pytest.approx(3.5 / step_ms(24, 6) * 1.4)
+    assert predicted["d24s6k8"]["tau_for_target"] == pytest.approx(2.5 * step_ms(24, 6) / 1.4)
+    assert predicted["d8s4k2"]["gpu_tok_per_s"] == pytest.approx(2.5 / (step_ms(8, 4) / 1e3))
     assert "gpu_tau" not in predicted["d24s6k8"]
