@@ -13,7 +13,8 @@ of --tau (another e2e_bench.py JSON, e.g. a CPU run)
 
 its ratio to --gpu's spec=off, and the τ the shape would need for --target times spec=off:
 
-    PYTHONPATH=benchmarks python benchmarks/tree_shapes.py --tau cpu_tree_grid.json [more.json] --gpu e2e_v32k_32.json
+    PYTHONPATH=benchmarks python benchmarks/tree_shapes.py --tau cpu_tree_grid.json [more.json] --gpu e2e_v32k_32.json \
+        [more.json] [--plot tree_shapes.png]
 
 Rows the --gpu file measured too print their measured tok/s beside the prediction.
 """
@@ -55,27 +56,61 @@ def fit_step(gpu: dict[str, dict]) -> tuple[float, float, float]:
     return mean_rest - per_node * mean_size, per_node, per_step
 
 
+def plot(rows: list[dict], gpu: dict[str, dict], off: float, step_s, target: float, path: Path) -> None:
+    """τ against step time: each --tau shape at its fitted step, each --gpu spec where it was measured,
+    and lines of equal speedup over spec=off (τ = speedup x off tok/s x step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    predicted = [(step_s(r["spec"]) * 1e3, r["tau"], r["spec"]) for r in rows]
+    measured = [(t["wall_s"] / t["verify_steps"] * 1e3, t["tokens"] / t["verify_steps"], m)
+                for m, t in gpu.items() if m != "off"]
+    for points, marker, label in ((predicted, "o", "τ from --tau, fitted GPU step"),
+                                  (measured, "^", "measured on the GPU")):
+        ax.scatter([x for x, _, _ in points], [y for _, y, _ in points], marker=marker, label=label)
+        for x, y, name in points:
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    steps = [x for x, _, _ in predicted + measured]
+    span = [min(steps) * 0.95, max(steps) * 1.05]
+    for speedup in sorted({2.0, target}):
+        ax.plot(span, [speedup * off * ms / 1e3 for ms in span], "--", lw=1, label=f"{speedup:g}x spec=off")
+    ax.set_xlabel("step time (ms, all in)")
+    ax.set_ylabel("τ (tokens per verify step)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tau", required=True, type=Path, nargs="+", help="e2e_bench.py JSONs whose τ per shape is used")
-    parser.add_argument("--gpu", required=True, type=Path, help="e2e_bench.py JSON from the GPU, with spec=off")
+    parser.add_argument("--gpu", required=True, type=Path, nargs="+",
+                        help="e2e_bench.py JSONs from one GPU lease, with spec=off")
     parser.add_argument("--target", type=float, default=2.5, help="speedup over spec=off whose τ each row reports")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path, help="write τ against step time, with lines of equal speedup (PNG)")
     args = parser.parse_args()
-    gpu, measured = totals(args.gpu), totals(*args.tau)
+    gpu, measured = totals(*args.gpu), totals(*args.tau)
     if "off" not in gpu:
-        raise SystemExit(f"{args.gpu} has no spec=off rows")
+        raise SystemExit(f"no spec=off rows in {', '.join(map(str, args.gpu))}")
     base, per_node, per_step = fit_step(gpu)
     off = gpu["off"]["tokens"] / gpu["off"]["wall_s"]
     print(f"GPU step = {base * 1e3:.3f} ms + {per_node * 1e3:.4f} ms x verified nodes (verify, host, prefill) "
           f"+ {per_step * 1e3:.3f} ms x draft steps; spec=off {off:.1f} tok/s")
+
+    def step_of(method: str) -> float:
+        spec = parse_spec(method)
+        return base + per_node * spec.depth + per_step * spec.steps
     rows = []
     for method, t in measured.items():
         if method == "off":
             continue
-        spec, tau = parse_spec(method), t["tokens"] / t["verify_steps"]
-        steps = spec.steps
-        step_s = base + per_node * spec.depth + per_step * steps
+        steps, tau, step_s = parse_spec(method).steps, t["tokens"] / t["verify_steps"], step_of(method)
         row = {"spec": method, "steps": steps, "tau": tau, "predicted_tok_per_s": tau / step_s,
                "predicted_speedup": tau / step_s / off, "tau_for_target": args.target * off * step_s}
         if method in gpu:
@@ -86,8 +121,10 @@ def main() -> None:
         seen = f"  (GPU: τ {row['gpu_tau']:.2f}, {row['gpu_tok_per_s']:.1f} tok/s)" if "gpu_tau" in row else ""
         print(f"{row['spec']:>10}: τ {row['tau']:.2f} -> {row['predicted_tok_per_s']:7.1f} tok/s "
               f"({row['predicted_speedup']:.2f}x; {args.target:g}x needs τ {row['tau_for_target']:.2f}){seen}")
+    if args.plot:
+        plot(rows, gpu, off, step_of, args.target, args.plot)
     if args.json:
-        args.json.write_text(json.dumps({"args": {"tau": list(map(str, args.tau)), "gpu": str(args.gpu)},
+        args.json.write_text(json.dumps({"args": {"tau": list(map(str, args.tau)), "gpu": list(map(str, args.gpu))},
                                          "base_s": base, "per_node_s": per_node,
                                          "per_step_s": per_step, "rows": rows}, indent=2))
 

@@ -371,7 +371,9 @@ def test_tree_shapes_predicts_from_gpu_step_costs(tmp_path):
         (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "tree_shapes.py"
     subprocess.run([sys.executable, str(script), "--tau", str(tmp_path / "tau.json"), "--gpu",
-                    str(tmp_path / "gpu.json"), "--json", str(tmp_path / "out.json")], check=True, capture_output=True)
+                    str(tmp_path / "gpu.json"), "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "shapes.png")],
+                   check=True, capture_output=True)
+    assert (tmp_path / "shapes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["base_s"] == pytest.approx(1.6e-3) and out["per_step_s"] == pytest.approx(0.13e-3)
     assert out["per_node_s"] == pytest.approx(0.002e-3)
