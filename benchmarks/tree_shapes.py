@@ -4,7 +4,7 @@
 ties), so a grid of shapes can be decoded on a CPU; the GPU's step cost depends on the shape
 mostly through the number of draft steps: a draft step costs about the same for any top-k, and at
 batch 1 verify grows only slowly with the tree's size (H200: 1.39 ms at 8 nodes, 1.45 at 32, 1.52
-at 64). From the spec rows of --gpu (an e2e_bench.py JSON) this fits the draft time per draft step
+at 64). From the spec rows of --gpu (e2e_bench.py JSONs of one lease) this fits the draft time per draft step
 (least squares through 0) and the rest of the all-in step (verify, host, prefill share) as a line in
 the tree's size (least squares; flat when every row has one size), and predicts for every spec row
 of --tau (another e2e_bench.py JSON, e.g. a CPU run)
@@ -16,7 +16,7 @@ its ratio to --gpu's spec=off, and the τ the shape would need for --target time
     PYTHONPATH=benchmarks python benchmarks/tree_shapes.py --tau cpu_tree_grid.json [more.json] --gpu e2e_v32k_32.json \
         [more.json] [--plot tree_shapes.png]
 
-Rows the --gpu file measured too print their measured tok/s beside the prediction.
+Rows the --gpu files measured too print their measured tok/s beside the prediction.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def plot(rows: list[dict], gpu: dict[str, dict], off: float, step_s, target: flo
         ax.scatter([x for x, _, _ in points], [y for _, y, _ in points], marker=marker, label=label)
         for x, y, name in points:
             ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
-    steps = [x for x, _, _ in predicted + measured]
-    span = [min(steps) * 0.95, max(steps) * 1.05]
+    times = [x for x, _, _ in predicted + measured]
+    span = [min(times) * 0.95, max(times) * 1.05]
     for speedup in sorted({2.0, target}):
         ax.plot(span, [speedup * off * ms / 1e3 for ms in span], "--", lw=1, label=f"{speedup:g}x spec=off")
     ax.set_xlabel("step time (ms, all in)")
