@@ -4,8 +4,9 @@ The lent GPU machines run the stages with tracking off (no mlflow there); what c
 a folder of JSON and log files (benchmarks/results/<name>/: e2e.json or e2e_<variant>.json from
 e2e_bench.py (one engine setting per file; the run names end with the variant), engine_*.json from
 bench_engine.py, *_progress.log from the train stage's progress and validation lines,
-*_manifest.json from the stage outputs, gpu.txt). This logs one parent run named after the
-folder with a child run per bench row, engine-step row, training and DDP run:
+*_manifest.json from the stage outputs, gpu.txt, *.png plots made from them). This logs one parent
+run named after the folder, with the plots as its artifacts, and a child run per bench row,
+engine-step row, training and DDP run:
 
     python benchmarks/import_results.py benchmarks/results/h200-2026-11-30 [hydra overrides]
 
@@ -131,6 +132,8 @@ def import_folder(folder: Path, overrides: list[str]) -> dict:
         path_name = path.stem.removeprefix("engine_")
         for name, params, metrics, curve in engine_runs(json.loads(path.read_text()), path_name):
             children.append(log_child(mlflow, parent, name, params, metrics, tags={"stage": "engine"}))
+    for picture in sorted(folder.glob("*.png")):  # plots made from the folder's files (tree_shapes.py --plot)
+        mlflow.log_artifact(parent.info.run_id, str(picture))
     mlflow.set_terminated(parent.info.run_id)
     return {"parent": parent.info.run_id, "children": len(children), "replaced": replaced,
             "uri": cfg.tracking.uri}

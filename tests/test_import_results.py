@@ -114,3 +114,19 @@ def test_import_keeps_the_last_line_of_a_repeated_step_and_the_validations(tmp_p
         [(861, 2.5), (1722, 3.0)], [(1722, 3.0), (861, 2.5)])
     assert [(m.step, m.value) for m in client.get_metric_history(train, "val/tau_hat_head")] == [(861, 2.1)]
     assert sorted(m.value for m in client.get_metric_history(train, "val/loss")) == [8.0, 9.1]
+
+
+def test_import_attaches_the_folders_plots_to_the_parent_run(tmp_path):
+    """The seventh session's folder: a child run per bench row plus the train run, and its
+    tree_shapes.png as an artifact of the parent run, byte for byte."""
+    folder = ROOT / "benchmarks" / "results" / "h200-2026-12-01b"
+    rows = sum(len(json.loads(p.read_text())["rows"]) for p in folder.glob("e2e*.json"))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "import_results.py"), str(folder),
+                           f"paths.root={tmp_path}"], capture_output=True, text=True, check=True)
+    assert f"{rows + 1} child runs (0 earlier" in done.stdout and rows == 24
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    parent = client.search_runs([client.get_experiment_by_name("eagle3").experiment_id],
+                                f"attributes.run_name = '{folder.name}'")[0].info.run_id
+    assert [a.path for a in client.list_artifacts(parent)] == ["tree_shapes.png"]
+    copy = client.download_artifacts(parent, "tree_shapes.png", str(tmp_path))
+    assert Path(copy).read_bytes() == (folder / "tree_shapes.png").read_bytes()
