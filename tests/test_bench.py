@@ -370,8 +370,8 @@ def test_tree_shapes_predicts_from_gpu_step_costs(tmp_path):
     for name, rows in (("gpu", gpu), ("tau", taus)):
         (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "tree_shapes.py"
-    subprocess.run([sys.executable, str(script), "--tau", str(tmp_path / "tau.json"), "--gpu",
-                    str(tmp_path / "gpu.json"), "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "shapes.png")],
+    subprocess.run([sys.executable, str(script), "--tau", str(tmp_path / "tau.json"), "--gpu", str(tmp_path / "gpu.json"),
+                    "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "shapes.png")],
                    check=True, capture_output=True)
     assert (tmp_path / "shapes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = json.loads((tmp_path / "out.json").read_text())
