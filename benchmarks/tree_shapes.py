@@ -56,7 +56,7 @@ def fit_step(gpu: dict[str, dict]) -> tuple[float, float, float]:
     return mean_rest - per_node * mean_size, per_node, per_step
 
 
-def plot(rows: list[dict], gpu: dict[str, dict], off: float, step_s, target: float, path: Path) -> None:
+def plot(rows: list[dict], gpu: dict[str, dict], off: float, target: float, path: Path) -> None:
     """τ against step time: each --tau shape at its fitted step, each --gpu spec where it was measured,
     and lines of equal speedup over spec=off (τ = speedup x off tok/s x step)."""
     import matplotlib
@@ -65,7 +65,7 @@ def plot(rows: list[dict], gpu: dict[str, dict], off: float, step_s, target: flo
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    predicted = [(step_s(r["spec"]) * 1e3, r["tau"], r["spec"]) for r in rows]
+    predicted = [(r["tau"] / r["predicted_tok_per_s"] * 1e3, r["tau"], r["spec"]) for r in rows]
     measured = [(t["wall_s"] / t["verify_steps"] * 1e3, t["tokens"] / t["verify_steps"], m)
                 for m, t in gpu.items() if m != "off"]
     for points, marker, label in ((predicted, "o", "τ from --tau, fitted GPU step"),
@@ -102,16 +102,13 @@ def main() -> None:
     off = gpu["off"]["tokens"] / gpu["off"]["wall_s"]
     print(f"GPU step = {base * 1e3:.3f} ms + {per_node * 1e3:.4f} ms x verified nodes (verify, host, prefill) "
           f"+ {per_step * 1e3:.3f} ms x draft steps; spec=off {off:.1f} tok/s")
-
-    def step_of(method: str) -> float:
-        spec = parse_spec(method)
-        return base + per_node * spec.depth + per_step * spec.steps
     rows = []
     for method, t in measured.items():
         if method == "off":
             continue
-        steps, tau, step_s = parse_spec(method).steps, t["tokens"] / t["verify_steps"], step_of(method)
-        row = {"spec": method, "steps": steps, "tau": tau, "predicted_tok_per_s": tau / step_s,
+        spec, tau = parse_spec(method), t["tokens"] / t["verify_steps"]
+        step_s = base + per_node * spec.depth + per_step * spec.steps
+        row = {"spec": method, "steps": spec.steps, "tau": tau, "predicted_tok_per_s": tau / step_s,
                "predicted_speedup": tau / step_s / off, "tau_for_target": args.target * off * step_s}
         if method in gpu:
             row["gpu_tau"] = gpu[method]["tokens"] / gpu[method]["verify_steps"]
@@ -122,7 +119,7 @@ def main() -> None:
         print(f"{row['spec']:>10}: τ {row['tau']:.2f} -> {row['predicted_tok_per_s']:7.1f} tok/s "
               f"({row['predicted_speedup']:.2f}x; {args.target:g}x needs τ {row['tau_for_target']:.2f}){seen}")
     if args.plot:
-        plot(rows, gpu, off, step_of, args.target, args.plot)
+        plot(rows, gpu, off, args.target, args.plot)
     if args.json:
         args.json.write_text(json.dumps({"args": {"tau": list(map(str, args.tau)), "gpu": list(map(str, args.gpu))},
                                          "base_s": base, "per_node_s": per_node,
