@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-11-30"
 
 
-def run_import(tmp_path: Path) -> str:
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "import_results.py"), str(RESULTS),
+def run_import(tmp_path: Path, folder: Path = RESULTS) -> str:
+    """import_results.py on `folder` into a sqlite store under tmp_path; its stdout."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "import_results.py"), str(folder),
                            f"paths.root={tmp_path}"], capture_output=True, text=True, check=True)
     return done.stdout
 
@@ -55,8 +56,7 @@ def test_import_logs_the_per_ttt_step_accuracies(tmp_path):
     manifest = json.loads((folder / "train_manifest.json").read_text())
     manifest["counts"]["val_acc"] = [0.5, 0.25, 0.125]
     (folder / "train_manifest.json").write_text(json.dumps(manifest))
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "import_results.py"), str(folder),
-                    f"paths.root={tmp_path}"], capture_output=True, text=True, check=True)
+    run_import(tmp_path, folder)
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     train = client.search_runs([client.get_experiment_by_name("eagle3").experiment_id],
                                "attributes.run_name = 'train'")[0]
@@ -71,9 +71,8 @@ def test_import_takes_every_e2e_and_engine_file_of_a_folder(tmp_path):
     e2e = {p.stem: json.loads(p.read_text())["rows"] for p in folder.glob("e2e*.json")}
     engine = sum(len(json.loads(p.read_text())["rows"]) for p in folder.glob("engine_*.json"))
     children = 1 + sum(map(len, e2e.values())) + engine  # train + bench rows + engine rows
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "import_results.py"), str(folder),
-                           f"paths.root={tmp_path}"], capture_output=True, text=True, check=True)
-    assert f"{children} child runs (0 earlier" in done.stdout and len(e2e) == 5
+    out = run_import(tmp_path, folder)
+    assert f"{children} child runs (0 earlier" in out and len(e2e) == 5
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     runs = {r.info.run_name: r for r in client.search_runs(
         [client.get_experiment_by_name("eagle3").experiment_id], max_results=1000)}
@@ -100,8 +99,7 @@ def test_import_keeps_the_last_line_of_a_repeated_step_and_the_validations(tmp_p
                    "128 tokens 2.100, loss 9.1000, acc 0.700 0.600",
                    "[t][eagle3][INFO] - train: validation after epoch 1 (step 1722): tau_hat 3.000, loss 8.0000, acc 0.8"]
     log.write_text("\n".join(lines + [repeated] + validations) + "\n")
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "import_results.py"), str(folder),
-                    f"paths.root={tmp_path}"], capture_output=True, text=True, check=True)
+    run_import(tmp_path, folder)
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     train = client.search_runs([client.get_experiment_by_name("eagle3").experiment_id],
                                "attributes.run_name = 'train'")[0].info.run_id
@@ -121,9 +119,8 @@ def test_import_attaches_the_folders_plots_to_the_parent_run(tmp_path):
     tree_shapes.png as an artifact of the parent run, byte for byte."""
     folder = ROOT / "benchmarks" / "results" / "h200-2026-12-01b"
     rows = sum(len(json.loads(p.read_text())["rows"]) for p in folder.glob("e2e*.json"))
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "import_results.py"), str(folder),
-                           f"paths.root={tmp_path}"], capture_output=True, text=True, check=True)
-    assert f"{rows + 1} child runs (0 earlier" in done.stdout and rows == 24
+    out = run_import(tmp_path, folder)
+    assert f"{rows + 1} child runs (0 earlier" in out and rows == 24
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     parent = client.search_runs([client.get_experiment_by_name("eagle3").experiment_id],
                                 f"attributes.run_name = '{folder.name}'")[0].info.run_id
