@@ -12,8 +12,9 @@ Per config it prints tok/s, tau, verify steps and the mean draft / verify time p
 cost, and whether the greedy tokens equal spec=off's; `--json` writes all rows. Speedup is
 against the engine's own spec=off, same run. `--no-fused` times the step-by-step path,
 `--no-lean` HF's target forward and the drafter module instead of the engine's lean ones
-(engine/llama.py); `--[no-]compile-layers`, `--[no-]compile-draft`, `--prefill-graphs` and
-`--eager-cudnn` set conf/engine's compile_layers, compile_draft, prefill_graphs and eager_cudnn_attention.
+(engine/llama.py); `--[no-]compile-layers`, `--[no-]compile-draft`, `--[no-]overlap-steps`, `--prefill-graphs`
+and `--eager-cudnn` set conf/engine's compile_layers, compile_draft, overlap_steps, prefill_graphs and
+eager_cudnn_attention.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def bench(target, drafter, spec: Spec, prompts, args) -> dict:
     summary = summarize(stats)
     steps = max(summary["verify_steps"], 1)
     return {"spec": spec.label, "lean_forward": decoder.target_run.lean is not None,
-            "compile_layers": args.compile_layers, "compile_draft": args.compile_draft, "capture_s": capture_s,
+            "compile_layers": args.compile_layers, "compile_draft": args.compile_draft,
+            "overlap_steps": args.overlap_steps, "capture_s": capture_s,
             "tok_per_s": summary["completion_tokens"] / elapsed, "tau": summary["tau"],
             "completion_tokens": summary["completion_tokens"], "verify_steps": summary["verify_steps"],
             "step_ms": 1000 * elapsed / steps, "draft_ms_per_step": 1000 * summary["draft_time_s"] / steps,
@@ -128,6 +130,7 @@ def profile(decoder, prompt, stop, label: str, args) -> None:
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     if args.json:
         Path(args.json).with_suffix(f".profile_{label}.txt").write_text(table)
+        prof.export_chrome_trace(str(Path(args.json).with_suffix(f".trace_{label}.json")))
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -140,6 +143,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-draft", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
                         help="the fused steps' draft and extend phases run torch.compile'd (engine.compile_draft; "
                              "default: on a GPU)")
+    parser.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=True,
+                        help="enqueue each fused step before reading the last one's result (engine.overlap_steps)")
     parser.add_argument("--prefill-graphs", default="64,128,256,512,1024",
                         help="prefill graph widths (engine.prefill_graphs); empty = eager prefill")
 
@@ -147,6 +152,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 def engine_options(args) -> dict:
     """SpecDecoder keyword arguments from add_engine_options' flags."""
     return {"eager_cudnn": args.eager_cudnn, "compile_layers": args.compile_layers, "compile_draft": args.compile_draft,
+            "overlap_steps": args.overlap_steps,
             "prefill_graphs": tuple(int(w) for w in args.prefill_graphs.split(",") if w)}
 
 

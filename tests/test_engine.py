@@ -78,6 +78,34 @@ def test_fused_steps_match_step_by_step(tiny_target, fitted, references, name):
         assert a.stats.verify_steps == b.stats.verify_steps and a.stats.draft_time_s > 0
 
 
+@pytest.mark.parametrize("name", ["off", "d6", "d10s5k4"])
+def test_overlapped_steps_commit_the_same_and_waste_at_most_one(tiny_target, fitted, references, name, monkeypatch):
+    """engine.overlap_steps: each fused step is launched before the last one is read. Same tokens and
+    acceptance as one step at a time; a generation that ends on its budget launches exactly the steps it
+    counts, one that ends on a stop token at most one more; a context that ends mid-way leaves the
+    look-ahead out (its steps would not fit) and finishes on plain steps."""
+    from eagle3.engine.fused import FusedGreedy
+    launched, from_host = [], []  # every step launched; those launched from the host's state
+    launch, launch_next = FusedGreedy.launch, FusedGreedy.launch_next
+    monkeypatch.setattr(FusedGreedy, "launch_next", lambda self, bound: launched.append(bound) or launch_next(self, bound))
+    monkeypatch.setattr(FusedGreedy, "launch", lambda self, *args: from_host.append(1) or launch(self, *args))
+    overlapped = SpecDecoder(tiny_target, fitted, spec(name))
+    serial = SpecDecoder(tiny_target, fitted, spec(name), overlap_steps=False)
+    for prompt, expected in references:
+        b = serial.generate(prompt, NEW_TOKENS)
+        launched.clear(), from_host.clear()
+        a = overlapped.generate(prompt, NEW_TOKENS)
+        assert a.tokens == b.tokens == expected and a.stats.accepted_per_step == b.stats.accepted_per_step
+        assert len(launched) == a.stats.verify_steps and len(from_host) < len(launched) // 2  # the rest ran ahead
+        launched.clear()
+        stop = expected[NEW_TOKENS // 2]
+        a = overlapped.generate(prompt, NEW_TOKENS, stop_ids=[stop])
+        assert a.tokens == expected[:expected.index(stop) + 1]
+        assert a.stats.verify_steps <= len(launched) <= a.stats.verify_steps + 1
+    short = SpecDecoder(tiny_target, fitted, spec(name), max_context=len(references[0][0]) + 12)
+    assert short.generate(references[0][0], NEW_TOKENS).tokens == references[0][1][:12]
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_every_chain_draft_is_the_unrolls_step(tiny_target, fitted, references, fused, monkeypatch):
     """What the drafter sees at inference is what training showed it, at every depth: in a chain
@@ -296,6 +324,23 @@ def test_context_limits(tiny_target, fitted, references):
         decoder.generate([], 4)
     with pytest.raises(Eagle3Error, match="needs a drafter"):
         SpecDecoder(tiny_target, None, spec("d6"))
+
+
+@pytest.mark.parametrize("n,k", [(32768, 8), (32768, 16), (49152, 1), (1000, 3), (7, 7)])
+def test_top_children_are_a_stable_sorts_first_k(n, k):
+    """tree.top_k (two rounds of short sorts) equals a full stable descending sort's first k, ties
+    to the lower index, on rows full of ties; top_children's scores are the log-softmax's values."""
+    from eagle3.engine.tree import top_children, top_k
+    generator = torch.Generator().manual_seed(n + k)
+    rows = torch.randn(6, n, generator=generator).bfloat16().float()  # bf16 logits: many exact ties
+    rows[0] = 1.0  # one row all tied
+    rows[1, n // 2:] = rows[1, :n - n // 2].clone()  # values repeated, far apart
+    values, indices = top_k(rows, k)
+    reference = torch.sort(rows, dim=-1, descending=True, stable=True)
+    assert torch.equal(indices, reference.indices[:, :k]) and torch.equal(values, reference.values[:, :k])
+    log_probs, ids = top_children(rows, k)
+    assert torch.equal(ids, indices)
+    assert torch.allclose(log_probs, torch.log_softmax(rows, dim=-1).gather(-1, indices), atol=1e-5)
 
 
 def test_stats_arithmetic():

@@ -21,7 +21,7 @@ from eagle3.common import Eagle3Error, log
 from eagle3.engine.fused import FusedGreedy
 from eagle3.engine.runners import DrafterRunner, TargetRunner
 from eagle3.engine.sampling import Sampling, greedy_path, probabilities, sampled_path
-from eagle3.engine.tree import DraftTree, ancestor_mask, keep_best, root_only, subtree
+from eagle3.engine.tree import DraftTree, ancestor_mask, keep_best, root_only, subtree, top_children
 from eagle3.spec import Spec
 from eagle3.target import Target
 
@@ -75,7 +75,7 @@ class SpecDecoder:
     def __init__(self, target: Target, drafter, spec: Spec, max_context: int | None = None,
                  cuda_graphs: bool = False, seed: int = 0, fused: bool = True, lean: bool = True,
                  eager_cudnn: bool = False, compile_layers: bool = False, prefill_graphs: tuple[int, ...] = (),
-                 compile_draft: bool = False):
+                 compile_draft: bool = False, overlap_steps: bool = True):
         """fused: greedy steps run as FusedGreedy (static shapes, one host read per step, one CUDA
         graph per phase); False keeps every step on the step-by-step path below (same tokens).
         lean: a plain Llama target and the drafter run engine/llama.py's forwards instead of HF's
@@ -85,7 +85,8 @@ class SpecDecoder:
         layers torch.compile'd (TargetRunner). prefill_graphs: with cuda_graphs, prompt lengths up
         to each of these widths replay a prefill graph captured at that width (the prompt padded; the
         padding's cache slots lie past the prompt, where nothing attends before they are rewritten).
-        compile_draft: the fused steps' draft and extend phases run torch.compile'd (FusedGreedy)."""
+        compile_draft: the fused steps' draft and extend phases run torch.compile'd (FusedGreedy).
+        overlap_steps: the fused greedy loop enqueues each step before reading the last one's result."""
         if spec.enabled and drafter is None:
             raise Eagle3Error(f"spec {spec.label} needs a drafter; use spec=off for plain decoding")
         self.target, self.spec = target, spec
@@ -100,6 +101,7 @@ class SpecDecoder:
         self.device = target.device
         self.generator = torch.Generator().manual_seed(seed)
         self.fused = FusedGreedy(self, compile_draft) if fused else None
+        self.overlap_steps = overlap_steps
         self.prefill_widths: list[int] = []  # prompt lengths are padded up to the first that fits
         if cuda_graphs and self.device.type == "cuda":
             self.capture_graphs(sorted(w for w in set(prefill_graphs) if w < self.max_context))
@@ -126,10 +128,14 @@ class SpecDecoder:
         stats.prefill_time_s = time.perf_counter() - started
         out, stop_ids = [root], set(stop_ids)
         finish = self._finished(out, budget, stop_ids, on_tokens, [root])
-        position = len(prompt_ids)
+        position, pending = len(prompt_ids), None
         while finish is None:
-            if not sampling.random and self.fused is not None and self.fused.fits(position):
-                new, h_last = self.fused.step(root, position, h_last, stats)
+            if pending is None and not sampling.random and self.fused is not None and self.fused.fits(position):
+                pending = self.fused.launch(root, position, h_last)
+            if pending is not None:
+                ahead = self._launch_ahead(position, len(out), budget)
+                new, h_last = self.fused.collect(pending, stats)
+                pending = ahead
             else:
                 new, h_last = self.step(root, position, h_last, sampling, stats)
             out += new
@@ -140,6 +146,15 @@ class SpecDecoder:
         tokens = self._truncate(out, budget, stop_ids)
         stats.completion_tokens = len(tokens)
         return GenerationResult(tokens, finish, stats)
+
+    def _launch_ahead(self, position: int, produced: int, budget: int):
+        """With overlap_steps, the fused step after the one in flight, enqueued before the host reads
+        that one, so the device never waits on the host. Launched only where it fits and the budget
+        cannot run out in the step before it; a stop token there leaves it unused (at most one per request)."""
+        furthest = position + self.fused.max_commit
+        if self.overlap_steps and self.fused.fits(furthest) and produced + self.fused.max_commit < budget:
+            return self.fused.launch_next(furthest)
+        return None
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -262,8 +277,8 @@ class SpecDecoder:
             q_target.index_add_(1, drafter.to_target_ids(torch.arange(q_draft.shape[-1], device=self.device)),
                                 q_draft)
             return drafter.to_target_ids(choice), score, q_target
-        top = torch.log_softmax(logits.float(), dim=-1).topk(self.spec.topk, dim=-1)
-        return drafter.to_target_ids(top.indices), base[:, None] + top.values, None
+        log_probs, ids = top_children(logits, self.spec.topk)
+        return drafter.to_target_ids(ids), base[:, None] + log_probs, None
 
     # ------------------------------------------------------------ masks
 

@@ -15,12 +15,21 @@ accepted nodes form one chain from the root and its deepest node ends the path.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from eagle3.engine.llama import compile_fixed
 from eagle3.engine.runners import Graphed
-from eagle3.engine.tree import ancestor_mask, keep_best, subtree
+from eagle3.engine.tree import ancestor_mask, keep_best, subtree, top_children
+
+
+@dataclass
+class Pending:
+    """A launched step: its host copy's slot, its phase marks and the mark after its copy."""
+    slot: int
+    marks: list
+    done: object
 
 
 class FusedGreedy:
@@ -34,6 +43,11 @@ class FusedGreedy:
         self.position = torch.zeros((), dtype=torch.long, device=self.device)
         # what the host reads (accepted count, committed tokens): one buffer that every width's graphs write
         self.packed = torch.zeros(1 + self.size, dtype=torch.long, device=self.device)
+        # two host copies: the host reads one step's while the next step (launched before the read) runs
+        self.host = [torch.zeros(1 + self.size, dtype=torch.long, pin_memory=self.device.type == "cuda")
+                     for _ in range(2)]
+        self.next_slot = 0
+        self.max_commit = min(self.size, self.spec.steps + 1) if self.spec.enabled else 1  # tokens one step commits
         self.hidden = None
         if self.drafter_run is not None:
             self.hidden = torch.zeros(1, self.drafter_run.drafter.config.hidden_size, dtype=self.drafter_run.dtype,
@@ -59,19 +73,36 @@ class FusedGreedy:
 
     def step(self, root: int, position: int, h_last, stats) -> tuple[list[int], torch.Tensor | None]:
         """One greedy step from (root, position, drafter hidden); returns (committed tokens, new hidden)."""
+        return self.collect(self.launch(root, position, h_last), stats)
+
+    def launch(self, root: int, position: int, h_last) -> Pending:
+        """Enqueue a step from the host's (root, position, drafter hidden)."""
         self.root.fill_(root)
         self.position.fill_(position)
         if self.hidden is not None and h_last is not self.hidden:
             self.hidden.copy_(h_last)
-        self.width = next(w for w in self.widths if w >= position + self.reach)
+        return self.launch_next(position)
+
+    def launch_next(self, position_bound: int) -> Pending:
+        """Enqueue a step from the device's state, which the last step's commit left; the host need not
+        know its results yet. position_bound: the furthest position it can start at (the cache width)."""
+        self.width = next(w for w in self.widths if w >= position_bound + self.reach)
         graphs = self.graphs.get(self.width)
         marks = [self._mark()]
         for index, phase in enumerate(self.phases):
             graphs[index]() if graphs else phase()
             marks.append(self._mark())
-        packed = self.packed.tolist()  # the one device -> host read of the step
+        slot, self.next_slot = self.next_slot, 1 - self.next_slot
+        self.host[slot].copy_(self.packed, non_blocking=True)
+        return Pending(slot, marks, self._mark())
+
+    def collect(self, pending: Pending, stats) -> tuple[list[int], torch.Tensor | None]:
+        """Wait for a launched step and read what it committed: (tokens, new hidden)."""
+        if not isinstance(pending.done, float):
+            pending.done.synchronize()  # this step only: a step launched after it may still run
+        packed = self.host[pending.slot].tolist()
         accepted = packed[0]
-        draft_s, verify_s = self._durations(marks)
+        draft_s, verify_s = self._durations(pending.marks)
         stats.verify_steps += 1
         stats.accepted_per_step.append(accepted)
         stats.draft_time_s += draft_s
@@ -147,8 +178,8 @@ class FusedGreedy:
             else:
                 logits = run.logits(self.hidden)
             base = torch.cat(scores)[frontier]
-            top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-            child_tokens, child_scores = drafter.to_target_ids(top.indices), base[:, None] + top.values
+            log_probs, ids = top_children(logits, k)
+            child_tokens, child_scores = drafter.to_target_ids(ids), base[:, None] + log_probs
             per_row, width = child_tokens.shape[1], child_tokens.numel()
             tokens.append(child_tokens.reshape(-1))
             scores.append(child_scores.reshape(-1))
@@ -174,7 +205,7 @@ class FusedGreedy:
             if step > 0:
                 slot = (position + (step - 1)).view(1)
                 hidden, logits = run._forward("step", tokens[-1], hidden, slot, slot, (columns <= slot)[None])
-            tokens.append(run.drafter.to_target_ids(logits.float().topk(1, dim=-1).indices.view(1)))
+            tokens.append(run.drafter.to_target_ids(logits.argmax(dim=-1).view(1)))
         index = torch.arange(self.size, device=self.device)
         self.tokens, self.parents, self.depths = torch.cat(tokens), (index - 1).clamp_min(0), index
 

@@ -371,7 +371,8 @@ def build_service(cfg: DictConfig) -> EngineService:
     decoder = SpecDecoder(target, drafter, spec, max_context=cfg.engine.max_context, cuda_graphs=use_graphs,
                           seed=cfg.engine.seed, lean=cfg.engine.lean_forward,
                           eager_cudnn=cfg.engine.eager_cudnn_attention, compile_layers=compile_layers,
-                          prefill_graphs=tuple(cfg.engine.prefill_graphs or ()), compile_draft=compile_draft)
+                          prefill_graphs=tuple(cfg.engine.prefill_graphs or ()), compile_draft=compile_draft,
+                          overlap_steps=cfg.engine.overlap_steps)
     log.info("engine ready: target %s (%s forward), spec %s, drafter %s, context %d", cfg.target.name,
              "lean" if decoder.target_run.lean else "HF", spec.label, source, decoder.max_context)
     return EngineService(decoder, target.tokenizer, cfg.serve, source, cfg.target.name)

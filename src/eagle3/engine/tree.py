@@ -31,6 +31,27 @@ def root_only(token: torch.Tensor) -> DraftTree:
     return DraftTree(token.view(1), zero, zero.clone())
 
 
+def top_children(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities, drafter-vocab ids) [rows, k] of each row's k likeliest tokens, best first."""
+    values, indices = top_k(logits.float(), k)
+    return values - logits.float().logsumexp(dim=-1, keepdim=True), indices
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of each row [rows, n], best first, ties to the lower index: exactly a
+    stable descending sort's first k. In two rounds of short sorts (chunks of c, then the chunks' k
+    best), since torch.topk over a 32k vocab costs ~45 GPU kernels."""
+    rows, n = x.shape
+    chunk = 1 << max((n * k - 1).bit_length() // 2, (k - 1).bit_length())  # ~sqrt(n k): both rounds short
+    chunks = -(-n // chunk)
+    padded = torch.nn.functional.pad(x, (0, chunks * chunk - n), value=float("-inf"))
+    values, order = padded.view(rows, chunks, chunk).sort(dim=-1, descending=True, stable=True)
+    offsets = torch.arange(0, chunks * chunk, chunk, device=x.device)[:, None]
+    values, indices = values[..., :k].reshape(rows, -1), (order[..., :k] + offsets).reshape(rows, -1)
+    best = values.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    return values.gather(-1, best), indices.gather(-1, best)
+
+
 def keep_best(scores: torch.Tensor, parents: torch.Tensor, count: int) -> torch.Tensor:
     """Indices of the root plus the `count` best-scoring other nodes, in creation order."""
     order = torch.sort(scores[1:], descending=True, stable=True).indices[:count] + 1
