@@ -42,12 +42,12 @@ class FusedGreedy:
         self.root = torch.zeros(1, dtype=torch.long, device=self.device)
         self.position = torch.zeros((), dtype=torch.long, device=self.device)
         # what the host reads (accepted count, committed tokens): one buffer that every width's graphs write
-        self.packed = torch.zeros(1 + self.size, dtype=torch.long, device=self.device)
+        self.max_commit = min(self.size, self.spec.steps + 1) if self.spec.enabled else 1  # tokens one step commits
+        self.packed = torch.zeros(1 + self.max_commit, dtype=torch.long, device=self.device)
         # two host copies: the host reads one step's while the next step (launched before the read) runs
-        self.host = [torch.zeros(1 + self.size, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.host = [torch.zeros(1 + self.max_commit, dtype=torch.long, pin_memory=self.device.type == "cuda")
                      for _ in range(2)]
         self.next_slot = 0
-        self.max_commit = min(self.size, self.spec.steps + 1) if self.spec.enabled else 1  # tokens one step commits
         self.hidden = None
         if self.drafter_run is not None:
             self.hidden = torch.zeros(1, self.drafter_run.drafter.config.hidden_size, dtype=self.drafter_run.dtype,
@@ -211,7 +211,7 @@ class FusedGreedy:
 
     def verify(self) -> None:
         """Target forward over the tree, greedy acceptance, the path's K/V to slots position..;
-        -> self.accepted [1], self.bonus [1], self.new [size] (committed tokens first), self.path_aux."""
+        -> self.accepted [1], self.bonus [1], self.new [max_commit] (committed tokens first), self.path_aux."""
         run, q, position = self.decoder.target_run, self.size, self.position
         index = torch.arange(q, device=self.device)
         ancestors = ancestor_mask(self.parents, self.spec.steps if self.spec.enabled else 0)
@@ -229,8 +229,9 @@ class FusedGreedy:
         self.accepted, self.bonus = self.depths[best], argmax[best]
         path_first = torch.argsort((~ancestors[best][0]).long() * q + index)  # path nodes in order, then the rest
         run.kv.keep(position, position + path_first)  # the rest lands past the commit: masked, then overwritten
-        self.new = torch.where(index == self.accepted, self.bonus, self.tokens[path_first].roll(-1))
-        self.path_aux = aux[path_first]
+        m = self.max_commit
+        self.new = torch.where(index[:m] == self.accepted, self.bonus, self.tokens[path_first].roll(-1)[:m])
+        self.path_aux = aux[path_first[:m]]
         self.packed.copy_(torch.cat([self.accepted, self.new]))
         if self.drafter_run is None:
             self.commit()
@@ -239,7 +240,7 @@ class FusedGreedy:
         """The drafter's cache takes (aux of each accepted node, the token after it); rows past
         the path are causal-masked junk that the next step overwrites."""
         run, position = self.drafter_run, self.position
-        rows = position + torch.arange(self.size, device=self.device)
+        rows = position + torch.arange(self.max_commit, device=self.device)
         mask = torch.arange(self.span(run.kv), device=self.device)[None, :] <= rows[:, None]
         hidden, _ = run._forward("extend", self.new, self.path_aux, rows, rows, mask)
         self.hidden.copy_(hidden.index_select(0, self.accepted))
