@@ -2,6 +2,7 @@
 real engine servers (local; vLLM in the slow tests)."""
 
 import csv
+import gzip
 import json
 import os
 import signal
@@ -384,3 +385,28 @@ def test_tree_shapes_predicts_from_gpu_step_costs(tmp_path):
     assert predicted["d24s6k8"]["tau_for_target"] == pytest.approx(2.5 * step_ms(24, 6) / 1.4)
     assert predicted["d8s4k2"]["gpu_tok_per_s"] == pytest.approx(2.5 / (step_ms(8, 4) / 1e3))
     assert "gpu_tau" not in predicted["d24s6k8"]
+
+
+def test_trace_phases_groups_kernels_by_graph_replay(tmp_path):
+    """benchmarks/trace_phases.py on a profiler trace of known shape: two replays of a 3-kernel graph,
+    one of a 2-kernel graph, a kernel launched outside any graph (left out) and a graph launch whose
+    kernels were not recorded (left out); busy sums kernel time, span runs first start to last end."""
+    def kernel(correlation, ts, dur, name="k"):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+
+    def launch(correlation):
+        return {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "args": {"correlation": correlation}}
+    events = [launch(1), kernel(1, 10, 2), kernel(1, 14, 3), kernel(1, 20, 1),
+              launch(2), kernel(2, 100, 4), kernel(2, 106, 2), kernel(2, 111, 1),
+              launch(3), kernel(3, 200, 5), {"cat": "gpu_memset", "name": "Memset", "ts": 207, "dur": 1,
+                                             "args": {"correlation": 3}},
+              kernel(4, 300, 50), launch(5)]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "trace_phases.py"
+    out = subprocess.run([sys.executable, str(script), str(path), "--kernels", "2"], check=True,
+                         capture_output=True, text=True).stdout.splitlines()
+    assert out[0].split() == ["2", "kernels", "x1", "busy", "6.0", "µs", "span", "8.0", "µs"]
+    assert out[1].split() == ["3", "kernels", "x2", "busy", "6.5", "µs", "span", "11.5", "µs"]
+    assert [line.split() for line in out[2:]] == [["0.0", "5.0", "k"], ["7.0", "1.0", "Memset"]]

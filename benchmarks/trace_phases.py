@@ -1,0 +1,61 @@
+"""Where a decode step's GPU time goes, per CUDA graph replay, from bench_engine's profiler trace.
+
+bench_engine.py --profile LABEL --json X.json writes X.trace_LABEL.json (gzip it to carry it back);
+every kernel a replayed graph runs shares the replay's correlation id, so replays group by phase
+(kernel count), each with its mean kernel count, busy time (kernels) and span (first start to last end):
+
+    python benchmarks/trace_phases.py engine.trace_d32s4k8.json.gz [--kernels 105]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import defaultdict
+
+
+def graph_replays(trace: dict) -> list[list[dict]]:
+    """The kernels (and memsets/copies) of each cudaGraphLaunch, in start order."""
+    events = trace["traceEvents"]
+    by_launch = defaultdict(list)
+    for event in events:
+        if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            by_launch[event["args"].get("correlation")].append(event)
+    launches = [e for e in events if e.get("name", "").startswith("cudaGraphLaunch")]
+    return [sorted(by_launch[e["args"]["correlation"]], key=lambda k: k["ts"])
+            for e in launches if by_launch.get(e["args"].get("correlation"))]
+
+
+def summarize(replays: list[list[dict]]) -> list[dict]:
+    """One row per distinct kernel count (a phase at one width): replays, mean kernels, busy and span µs."""
+    groups = defaultdict(list)
+    for kernels in replays:
+        groups[len(kernels)].append(kernels)
+    rows = []
+    for count, group in sorted(groups.items()):
+        busy = sum(sum(k["dur"] for k in kernels) for kernels in group) / len(group)
+        span = sum(kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"] for kernels in group) / len(group)
+        rows.append({"kernels": count, "replays": len(group), "busy_us": busy, "span_us": span})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace", help="chrome trace (.json or .json.gz)")
+    parser.add_argument("--kernels", type=int, help="also list the kernels of one replay with this many")
+    args = parser.parse_args()
+    opener = gzip.open if args.trace.endswith(".gz") else open
+    with opener(args.trace, "rt") as f:
+        replays = graph_replays(json.load(f))
+    for row in summarize(replays):
+        print(f"{row['kernels']:5d} kernels  x{row['replays']:<4d} busy {row['busy_us']:8.1f} µs  span {row['span_us']:8.1f} µs")
+    chosen = [kernels for kernels in replays if len(kernels) == args.kernels]
+    if chosen:
+        kernels = chosen[len(chosen) // 2]
+        for k in kernels:
+            print(f"{k['ts'] - kernels[0]['ts']:8.1f} {k['dur']:6.1f}  {k['name'][:100]}")
+
+
+if __name__ == "__main__":
+    main()
