@@ -32,23 +32,37 @@ def root_only(token: torch.Tensor) -> DraftTree:
 
 
 def top_children(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probabilities, drafter-vocab ids) [rows, k] of each row's k likeliest tokens, best first."""
-    values, indices = top_k(logits.float(), k)
-    return values - logits.float().logsumexp(dim=-1, keepdim=True), indices
+    """(log-probabilities, drafter-vocab ids) [rows, k] of each row's k likeliest tokens, best first.
+    The log-sum-exp comes from the same chunks as the top-k, so one pass over the logits serves both."""
+    blocks, maxima = chunks(logits.float(), k)
+    values, indices = top_k_of_chunks(blocks, maxima, k)
+    log_sum_exp = (maxima + (blocks - maxima[..., None]).exp().sum(dim=-1).log()).logsumexp(dim=-1, keepdim=True)
+    return values - log_sum_exp, indices
 
 
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest entries of each row [rows, n], best first, ties to the lower index: exactly a
     stable descending sort's first k, from two short sorts (torch.topk over a 32k vocab costs ~45
-    GPU kernels). The k chunks with the largest maxima (ties: the earlier chunk) hold the answer:
-    the chunk of an answer entry e has a maximum m >= e, and each chunk ranked before it holds an
-    entry ranked before e (its maximum, or m itself), of which there are fewer than k."""
+    GPU kernels)."""
+    return top_k_of_chunks(*chunks(x, k), k)
+
+
+def chunks(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [rows, n] cut into chunks [rows, n / c, c] (the tail padded with -inf) and their maxima."""
     rows, n = x.shape
     chunk = 1 << max(((n // k) - 1).bit_length() // 2, 0)  # ~sqrt(n / k): both sorts ~sqrt(n k) long
     blocks = torch.nn.functional.pad(x, (0, -n % chunk), value=float("-inf")).view(rows, -1, chunk)
-    chosen = blocks.amax(dim=-1).sort(dim=-1, descending=True, stable=True).indices[:, :k].sort(dim=-1).values
+    return blocks, blocks.amax(dim=-1)
+
+
+def top_k_of_chunks(blocks: torch.Tensor, maxima: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_k from the chunks: the k chunks with the largest maxima (ties: the earlier chunk) hold the
+    answer, since the chunk of an answer entry e has a maximum m >= e, and each chunk ranked before it
+    holds an entry ranked before e (its maximum, or m itself), of which there are fewer than k."""
+    rows, _, chunk = blocks.shape
+    chosen = maxima.sort(dim=-1, descending=True, stable=True).indices[:, :k].sort(dim=-1).values
     candidates = blocks.gather(1, chosen[..., None].expand(-1, -1, chunk)).reshape(rows, -1)
-    ids = (chosen[..., None] * chunk + torch.arange(chunk, device=x.device)).reshape(rows, -1)
+    ids = (chosen[..., None] * chunk + torch.arange(chunk, device=blocks.device)).reshape(rows, -1)
     values, order = candidates.sort(dim=-1, descending=True, stable=True)
     return values[:, :k], ids.gather(-1, order[:, :k])
 
