@@ -2,10 +2,10 @@
 
 τ depends on the target, the drafter and the prompts, not on the machine (up to low-precision
 ties), so a grid of shapes can be decoded on a CPU; the GPU's step cost depends on the shape
-mostly through the number of draft steps: a draft step costs about the same for any top-k, and at
-batch 1 verify grows only slowly with the tree's size (H200: 1.39 ms at 8 nodes, 1.45 at 32, 1.52
-at 64). From the spec rows of --gpu (e2e_bench.py JSONs of one lease) this fits the draft time per draft step
-(least squares through 0) and the rest of the all-in step (verify, host, prefill share) as a line in
+mostly through the number of draft steps and their top-k (H200, eighth session: 0.10 ms per step at
+k = 8, 0.17 at k = 16), and at batch 1 verify grows only slowly with the tree's size (1.39 ms at 8
+nodes, 1.45 at 32, 1.52 at 64). From the spec rows of --gpu (e2e_bench.py JSONs of one lease) this fits
+the draft time per draft step for each top-k (least squares through 0) and the rest of the all-in step (verify, host, prefill share) as a line in
 the tree's size (least squares; flat when every row has one size), and predicts for every spec row
 of --tau (another e2e_bench.py JSON, e.g. a CPU run)
 
@@ -40,14 +40,17 @@ def totals(*paths: Path) -> dict[str, dict]:
     return dict(sums)
 
 
-def fit_step(gpu: dict[str, dict]) -> tuple[float, float, float]:
+def fit_step(gpu: dict[str, dict]) -> tuple[float, float, dict[int, float]]:
     """(seconds per verify step besides drafting at size 0, their growth per verified node,
-    draft seconds per draft step) over the spec rows."""
+    draft seconds per draft step for each top-k) over the spec rows."""
     rows = [(parse_spec(m), t) for m, t in gpu.items() if m != "off"]
     if not rows:
         raise SystemExit("--gpu has no spec rows")
-    per_step = (sum(s.steps * t["draft_s"] / t["verify_steps"] for s, t in rows)
-                / sum(s.steps ** 2 for s, _ in rows))
+    per_step = {}
+    for k in sorted({s.topk for s, _ in rows}):
+        same_k = [(s, t) for s, t in rows if s.topk == k]
+        per_step[k] = (sum(s.steps * t["draft_s"] / t["verify_steps"] for s, t in same_k)
+                       / sum(s.steps ** 2 for s, _ in same_k))
     sizes = [s.depth for s, _ in rows]
     rests = [(t["wall_s"] - t["draft_s"]) / t["verify_steps"] for _, t in rows]
     mean_size, mean_rest = sum(sizes) / len(sizes), sum(rests) / len(rests)
@@ -100,14 +103,18 @@ def main() -> None:
         raise SystemExit(f"no spec=off rows in {', '.join(map(str, args.gpu))}")
     base, per_node, per_step = fit_step(gpu)
     off = gpu["off"]["tokens"] / gpu["off"]["wall_s"]
+    draft = ", ".join(f"{s * 1e3:.3f} ms at k={k}" for k, s in per_step.items())
     print(f"GPU step = {base * 1e3:.3f} ms + {per_node * 1e3:.4f} ms x verified nodes (verify, host, prefill) "
-          f"+ {per_step * 1e3:.3f} ms x draft steps; spec=off {off:.1f} tok/s")
+          f"+ draft steps x ({draft}); spec=off {off:.1f} tok/s")
     rows = []
     for method, t in measured.items():
         if method == "off":
             continue
         spec, tau = parse_spec(method), t["tokens"] / t["verify_steps"]
-        step_s = base + per_node * spec.depth + per_step * spec.steps
+        if spec.topk not in per_step:
+            print(f"{method:>10}: no --gpu row with top-k {spec.topk} to price its draft steps")
+            continue
+        step_s = base + per_node * spec.depth + per_step[spec.topk] * spec.steps
         row = {"spec": method, "steps": spec.steps, "tau": tau, "predicted_tok_per_s": tau / step_s,
                "predicted_speedup": tau / step_s / off, "tau_for_target": args.target * off * step_s}
         if method in gpu:

@@ -355,35 +355,40 @@ def test_sweep_without_a_drafter_names_the_command(test_root, tmp_path):
 
 def test_tree_shapes_predicts_from_gpu_step_costs(tmp_path):
     """benchmarks/tree_shapes.py on e2e_bench-shaped files with known costs: GPU steps cost 1.6 ms plus
-    0.002 ms per verified node plus 0.13 ms per draft step; a shape's prediction is its τ (summed over
-    suites) over that step time."""
+    0.002 ms per verified node plus a draft step's cost for its top-k (0.13 ms at k=2, 0.10 at k=8,
+    0.17 at k=16); a shape's prediction is its τ (summed over suites) over that step time, and a shape
+    whose top-k no GPU row has gets none."""
     def row(suite, method, steps, tau, draft_ms, all_in_ms):
         return {"suite": suite, "method": method, "tokens": tau * steps, "verify_steps": steps,
                 "wall_s": steps * all_in_ms / 1e3, "draft_ms_per_step": draft_ms, "verify_ms_per_step": 1.4}
 
-    def step_ms(depth, steps):
-        return 1.6 + 0.002 * depth + 0.13 * steps
+    draft_step_ms = {2: 0.13, 8: 0.10, 16: 0.17}
+
+    def step_ms(depth, steps, k):
+        return 1.6 + 0.002 * depth + draft_step_ms[k] * steps
     gpu = [row("a", "off", 1000, 1.0, 0.02, 1.4)] + [
-        row("a", f"d{depth}s{steps}k{k}", 400, 2.5, 0.13 * steps, step_ms(depth, steps))
-        for depth, steps, k in ((6, 3, 2), (8, 4, 2), (32, 4, 8), (64, 5, 16))]
+        row("a", f"d{depth}s{steps}k{k}", 400, 2.5, draft_step_ms[k] * steps, step_ms(depth, steps, k))
+        for depth, steps, k in ((6, 3, 2), (8, 4, 2), (32, 4, 8), (24, 3, 8), (64, 5, 16))]
     taus = [row("a", "d16s4k8", 300, 3.0, 0, 1), row("b", "d16s4k8", 100, 2.0, 0, 1),
-            row("a", "d24s6k8", 200, 3.5, 0, 1), row("a", "d8s4k2", 50, 2.0, 0, 1)]
+            row("a", "d24s6k8", 200, 3.5, 0, 1), row("a", "d8s4k2", 50, 2.0, 0, 1), row("a", "d16s4k4", 50, 3.0, 0, 1)]
     for name, rows in (("gpu", gpu), ("tau", taus)):
         (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "tree_shapes.py"
-    subprocess.run([sys.executable, str(script), "--tau", str(tmp_path / "tau.json"), "--gpu", str(tmp_path / "gpu.json"),
-                    "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "shapes.png")],
-                   check=True, capture_output=True)
+    run = subprocess.run([sys.executable, str(script), "--tau", str(tmp_path / "tau.json"), "--gpu", str(tmp_path / "gpu.json"),
+                          "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "shapes.png")],
+                         check=True, capture_output=True, text=True)
+    assert "d16s4k4: no --gpu row with top-k 4" in run.stdout
     assert (tmp_path / "shapes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = json.loads((tmp_path / "out.json").read_text())
-    assert out["base_s"] == pytest.approx(1.6e-3) and out["per_step_s"] == pytest.approx(0.13e-3)
-    assert out["per_node_s"] == pytest.approx(0.002e-3)
+    assert out["base_s"] == pytest.approx(1.6e-3) and out["per_node_s"] == pytest.approx(0.002e-3)
+    assert out["per_step_s"] == {str(k): pytest.approx(ms / 1e3) for k, ms in draft_step_ms.items()}
     predicted = {r["spec"]: r for r in out["rows"]}
+    assert sorted(predicted) == ["d16s4k8", "d24s6k8", "d8s4k2"]
     assert predicted["d16s4k8"]["tau"] == pytest.approx(2.75)  # (900 + 200) tokens / 400 steps
-    assert predicted["d16s4k8"]["predicted_tok_per_s"] == pytest.approx(2.75 / (step_ms(16, 4) / 1e3))
-    assert predicted["d24s6k8"]["predicted_speedup"] == pytest.approx(3.5 / step_ms(24, 6) * 1.4)
-    assert predicted["d24s6k8"]["tau_for_target"] == pytest.approx(2.5 * step_ms(24, 6) / 1.4)
-    assert predicted["d8s4k2"]["gpu_tok_per_s"] == pytest.approx(2.5 / (step_ms(8, 4) / 1e3))
+    assert predicted["d16s4k8"]["predicted_tok_per_s"] == pytest.approx(2.75 / (step_ms(16, 4, 8) / 1e3))
+    assert predicted["d24s6k8"]["predicted_speedup"] == pytest.approx(3.5 / step_ms(24, 6, 8) * 1.4)
+    assert predicted["d24s6k8"]["tau_for_target"] == pytest.approx(2.5 * step_ms(24, 6, 8) / 1.4)
+    assert predicted["d8s4k2"]["gpu_tok_per_s"] == pytest.approx(2.5 / (step_ms(8, 4, 2) / 1e3))
     assert "gpu_tau" not in predicted["d24s6k8"]
 
 
