@@ -45,4 +45,4 @@ def test_every_experiment_composes_and_its_bench_jobs_resolve(make_cfg):
             resolve_spec(make_cfg(f"experiment={name}", *job).spec)
     v32k = make_cfg("experiment=smollm2-h200-turns3-v32k")
     assert v32k.drafter.draft_vocab_size == 32768 and v32k.data.regen.max_new_tokens == 192
-    assert len(bench_jobs(make_cfg("experiment=smollm2-h200"))) == 9  # 3 suites x d8s4k2, d32s3k8, d32s4k8
+    assert len(bench_jobs(make_cfg("experiment=smollm2-h200"))) == 9  # 3 suites x d32s3k8, d32s4k8, d64s5k8
