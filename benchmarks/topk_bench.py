@@ -1,7 +1,7 @@
 """Microseconds per draft-step top-k over a drafter vocab, replayed from a CUDA graph.
 
-Compares torch's topk of the log-softmax (the engine up to the eighth session) with
-tree.top_children (two rounds of short sorts), eager and torch.compile'd:
+Compares torch's topk of the log-softmax (the engine up to the seventh session) with
+tree.top_children (the k chunks with the largest maxima, two short sorts), eager and torch.compile'd:
 
     python benchmarks/topk_bench.py --vocab 32768 --rows 1,8,16 --k 2,8,16 --json topk.json
 """
@@ -19,18 +19,6 @@ from eagle3.engine.tree import top_children
 def torch_topk(logits: torch.Tensor, k: int):
     top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
     return top.values, top.indices
-
-
-def chunk_max_top(logits: torch.Tensor, k: int, chunk: int = 64):
-    """Candidate: the k best chunks by their maximum hold the k best entries; sort only those."""
-    x = logits.float()
-    rows, n = x.shape
-    blocks = torch.nn.functional.pad(x, (0, -n % chunk), value=float("-inf")).view(rows, -1, chunk)
-    chosen = blocks.amax(-1).sort(dim=-1, descending=True, stable=True).indices[:, :k].sort(dim=-1).values
-    candidates = blocks.gather(1, chosen[..., None].expand(-1, -1, chunk)).reshape(rows, -1)
-    ids = (chosen[..., None] * chunk + torch.arange(chunk, device=x.device)).reshape(rows, -1)
-    values, order = candidates.sort(dim=-1, descending=True, stable=True)
-    return values[:, :k] - x.logsumexp(-1, keepdim=True), ids.gather(-1, order[:, :k])
 
 
 def replay_us(fn, logits: torch.Tensor, k: int, replays: int) -> float:
@@ -63,9 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     torch._dynamo.config.recompile_limit = 64
     ways = {"torch.topk": torch_topk, "top_children": top_children,
-            "top_children compiled": torch.compile(top_children, dynamic=False),
-            "chunk_max compiled": torch.compile(chunk_max_top, dynamic=False),
-            "chunk_max32 compiled": torch.compile(lambda x, k: chunk_max_top(x, k, 32), dynamic=False)}
+            "top_children compiled": torch.compile(top_children, dynamic=False)}
     rows_out = []
     for rows in (int(r) for r in args.rows.split(",")):
         for k in (int(v) for v in args.k.split(",")):
