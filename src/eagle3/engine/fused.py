@@ -5,7 +5,8 @@ slots), written without host reads: the step's position is a device scalar, ever
 is built from comparisons at the caches' full width, the acceptance walk is tensor
 algebra over the ancestor mask, and the accepted path's K/V moves with one gather per
 cache. Each phase (draft, verify, extend) is one function of the static buffers below,
-run eagerly or replayed as one CUDA graph; the host reads one small tensor per step.
+run eagerly or replayed as one CUDA graph; the host reads one small tensor per step, from a
+pinned copy, while the next step (launched from the device's own state) may already run.
 
 Greedy acceptance on the device: node i is accepted when its token is the target's
 argmax at its parent and so is every ancestor's; siblings carry distinct tokens, so the
@@ -70,10 +71,6 @@ class FusedGreedy:
         return position + self.size <= self.decoder.max_context
 
     # ------------------------------------------------------------ the host side
-
-    def step(self, root: int, position: int, h_last, stats) -> tuple[list[int], torch.Tensor | None]:
-        """One greedy step from (root, position, drafter hidden); returns (committed tokens, new hidden)."""
-        return self.collect(self.launch(root, position, h_last), stats)
 
     def launch(self, root: int, position: int, h_last) -> Pending:
         """Enqueue a step from the host's (root, position, drafter hidden)."""
