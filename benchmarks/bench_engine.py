@@ -129,8 +129,13 @@ def profile(decoder, prompt, stop, label: str, args) -> None:
         sync()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     if args.json:
-        Path(args.json).with_suffix(f".profile_{label}.txt").write_text(table)
-        prof.export_chrome_trace(str(Path(args.json).with_suffix(f".trace_{label}.json")))
+        from trace_phases import graph_replays, report
+        stem = Path(args.json)
+        stem.with_suffix(f".profile_{label}.txt").write_text(table)
+        trace = stem.with_suffix(f".trace_{label}.json")
+        prof.export_chrome_trace(str(trace))
+        replays = graph_replays(json.loads(trace.read_text()))
+        stem.with_suffix(f".phases_{label}.txt").write_text(report(replays, sorted({len(k) for k in replays})))
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:

@@ -1,10 +1,11 @@
 """Where a decode step's GPU time goes, per CUDA graph replay, from bench_engine's profiler trace.
 
-bench_engine.py --profile LABEL --json X.json writes X.trace_LABEL.json (gzip it to carry it back);
-every kernel a replayed graph runs shares the replay's correlation id, so replays group by phase
-(kernel count), each with its mean kernel count, busy time (kernels) and span (first start to last end):
+bench_engine.py --profile LABEL --json X.json writes X.trace_LABEL.json (gzip it to carry it back)
+and this report as X.phases_LABEL.txt. Every kernel a replayed graph runs shares the replay's
+correlation id, so replays group by phase (kernel count), each with its replays, busy time (kernels)
+and span (first start to last end); --kernels N (or --all) lists one replay's kernels:
 
-    python benchmarks/trace_phases.py engine.trace_d32s4k8.json.gz [--kernels 105]
+    python benchmarks/trace_phases.py engine.trace_d32s4k8.json.gz [--kernels 105 | --all]
 """
 
 from __future__ import annotations
@@ -40,21 +41,32 @@ def summarize(replays: list[list[dict]]) -> list[dict]:
     return rows
 
 
+def report(replays: list[list[dict]], listed) -> str:
+    """The summary table, then the kernels of one (middle) replay of each listed kernel count."""
+    lines = [f"{row['kernels']:5d} kernels  x{row['replays']:<4d} busy {row['busy_us']:8.1f} µs  "
+             f"span {row['span_us']:8.1f} µs" for row in summarize(replays)]
+    for count in listed:
+        chosen = [kernels for kernels in replays if len(kernels) == count]
+        if chosen:
+            kernels = chosen[len(chosen) // 2]
+            lines += [f"-- a replay of {count} kernels"] + [
+                f"{k['ts'] - kernels[0]['ts']:8.1f} {k['dur']:6.1f}  {k['name'][:100]}" for k in kernels]
+    return "\n".join(lines) + "\n"
+
+
+def load(path: str) -> list[list[dict]]:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        return graph_replays(json.load(f))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", help="chrome trace (.json or .json.gz)")
-    parser.add_argument("--kernels", type=int, help="also list the kernels of one replay with this many")
+    parser.add_argument("--kernels", type=int, nargs="*", default=[], help="list one replay with this many kernels")
+    parser.add_argument("--all", action="store_true", help="list one replay of every kernel count")
     args = parser.parse_args()
-    opener = gzip.open if args.trace.endswith(".gz") else open
-    with opener(args.trace, "rt") as f:
-        replays = graph_replays(json.load(f))
-    for row in summarize(replays):
-        print(f"{row['kernels']:5d} kernels  x{row['replays']:<4d} busy {row['busy_us']:8.1f} µs  span {row['span_us']:8.1f} µs")
-    chosen = [kernels for kernels in replays if len(kernels) == args.kernels]
-    if chosen:
-        kernels = chosen[len(chosen) // 2]
-        for k in kernels:
-            print(f"{k['ts'] - kernels[0]['ts']:8.1f} {k['dur']:6.1f}  {k['name'][:100]}")
+    replays = load(args.trace)
+    print(report(replays, sorted({len(k) for k in replays}) if args.all else args.kernels), end="")
 
 
 if __name__ == "__main__":

@@ -414,4 +414,8 @@ def test_trace_phases_groups_kernels_by_graph_replay(tmp_path):
                          capture_output=True, text=True).stdout.splitlines()
     assert out[0].split() == ["2", "kernels", "x1", "busy", "6.0", "µs", "span", "8.0", "µs"]
     assert out[1].split() == ["3", "kernels", "x2", "busy", "6.5", "µs", "span", "11.5", "µs"]
-    assert [line.split() for line in out[2:]] == [["0.0", "5.0", "k"], ["7.0", "1.0", "Memset"]]
+    assert out[2] == "-- a replay of 2 kernels"
+    assert [line.split() for line in out[3:]] == [["0.0", "5.0", "k"], ["7.0", "1.0", "Memset"]]
+    every = subprocess.run([sys.executable, str(script), str(path), "--all"], check=True, capture_output=True,
+                           text=True).stdout.splitlines()
+    assert every[:2] == out[:2] and every.count("-- a replay of 3 kernels") == 1 and len(every) == 2 + 3 + 4
