@@ -10,13 +10,12 @@ bias [groups * q, kv_len]. Sizes default to SmolLM2-135M's (9 heads, 3 kv heads,
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from topk_bench import replay_us
+from topk_bench import replay_us, show, write_rows
 
 
 def explicit(queries, keys, values, bias):
@@ -61,12 +60,9 @@ def main() -> None:
                     row[name] = replay_us(lambda x, _, f=fn: f(x, keys, values, bias), queries, 0, args.replays)
                 except RuntimeError as error:  # a backend that refuses these inputs
                     row[name] = str(error).splitlines()[0][:80]
-            print("  ".join(f"{key} {value:.1f}" if isinstance(value, float) else f"{key} {value}"
-                            for key, value in row.items()), flush=True)
+            show(row)
             rows_out.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows_out, f, indent=1)
+    write_rows(rows_out, args.json)
 
 
 if __name__ == "__main__":

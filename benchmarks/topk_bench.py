@@ -41,6 +41,17 @@ def replay_us(fn, logits: torch.Tensor, k: int, replays: int) -> float:
     return 1000 * start.elapsed_time(end) / replays
 
 
+def show(row: dict) -> None:
+    print("  ".join(f"{key} {value:.1f}" if isinstance(value, float) else f"{key} {value}"
+                    for key, value in row.items()), flush=True)
+
+
+def write_rows(rows: list[dict], path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=32768)
@@ -62,12 +73,9 @@ def main() -> None:
                 values, indices = fn(logits, k)
                 assert torch.allclose(values, reference[0], atol=1e-5), name  # ties may pick other ids
                 row[name] = replay_us(fn, logits, k, args.replays)
-            print("  ".join(f"{key} {value:.1f}" if isinstance(value, float) else f"{key} {value}"
-                            for key, value in row.items()), flush=True)
+            show(row)
             rows_out.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows_out, f, indent=1)
+    write_rows(rows_out, args.json)
 
 
 if __name__ == "__main__":
