@@ -6,8 +6,8 @@ mostly through the number of draft steps and their top-k (H200, eighth session: 
 k = 8, 0.17 at k = 16), and at batch 1 verify grows only slowly with the tree's size (1.39 ms at 8
 nodes, 1.45 at 32, 1.52 at 64). From the spec rows of --gpu (e2e_bench.py JSONs of one lease) this fits
 the draft time per draft step for each top-k (least squares through 0) and the rest of the all-in step
-(verify, host, prefill share) as a line in the tree's size (least squares; flat when every row has one size), and predicts for every spec row
-of --tau (another e2e_bench.py JSON, e.g. a CPU run)
+(verify, host, prefill share) as a line in the tree's size (least squares; flat when every row has
+one size), and predicts for every spec row of --tau (another e2e_bench.py JSON, e.g. a CPU run)
 
     tok/s = τ / (rest + per_node * depth + per_draft_step * steps)
 
