@@ -134,8 +134,7 @@ def profile(decoder, prompt, stop, label: str, args) -> None:
         stem.with_suffix(f".profile_{label}.txt").write_text(table)
         trace = stem.with_suffix(f".trace_{label}.json")
         prof.export_chrome_trace(str(trace))
-        replays = graph_replays(json.loads(trace.read_text()))
-        stem.with_suffix(f".phases_{label}.txt").write_text(report(replays, sorted({len(k) for k in replays})))
+        stem.with_suffix(f".phases_{label}.txt").write_text(report(graph_replays(json.loads(trace.read_text()))))
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:

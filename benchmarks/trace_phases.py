@@ -28,27 +28,32 @@ def graph_replays(trace: dict) -> list[list[dict]]:
             for e in launches if by_launch.get(e["args"].get("correlation"))]
 
 
-def summarize(replays: list[list[dict]]) -> list[dict]:
-    """One row per distinct kernel count (a phase at one width): replays, mean kernels, busy and span µs."""
+def by_count(replays: list[list[dict]]) -> dict[int, list[list[dict]]]:
+    """Replays grouped by their kernel count (a phase at one width), in count order."""
     groups = defaultdict(list)
     for kernels in replays:
         groups[len(kernels)].append(kernels)
+    return dict(sorted(groups.items()))
+
+
+def summarize(groups: dict[int, list[list[dict]]]) -> list[dict]:
+    """One row per kernel count: replays, mean busy and span µs."""
     rows = []
-    for count, group in sorted(groups.items()):
+    for count, group in groups.items():
         busy = sum(sum(k["dur"] for k in kernels) for kernels in group) / len(group)
         span = sum(kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"] for kernels in group) / len(group)
         rows.append({"kernels": count, "replays": len(group), "busy_us": busy, "span_us": span})
     return rows
 
 
-def report(replays: list[list[dict]], listed) -> str:
-    """The summary table, then the kernels of one (middle) replay of each listed kernel count."""
+def report(replays: list[list[dict]], listed: list[int] | None = None) -> str:
+    """The summary table, then the kernels of one (middle) replay of each listed kernel count (None: all)."""
+    groups = by_count(replays)
     lines = [f"{row['kernels']:5d} kernels  x{row['replays']:<4d} busy {row['busy_us']:8.1f} µs  "
-             f"span {row['span_us']:8.1f} µs" for row in summarize(replays)]
-    for count in listed:
-        chosen = [kernels for kernels in replays if len(kernels) == count]
-        if chosen:
-            kernels = chosen[len(chosen) // 2]
+             f"span {row['span_us']:8.1f} µs" for row in summarize(groups)]
+    for count in groups if listed is None else listed:
+        if count in groups:
+            kernels = groups[count][len(groups[count]) // 2]
             lines += [f"-- a replay of {count} kernels"] + [
                 f"{k['ts'] - kernels[0]['ts']:8.1f} {k['dur']:6.1f}  {k['name'][:100]}" for k in kernels]
     return "\n".join(lines) + "\n"
@@ -66,7 +71,7 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="list one replay of every kernel count")
     args = parser.parse_args()
     replays = load(args.trace)
-    print(report(replays, sorted({len(k) for k in replays}) if args.all else args.kernels), end="")
+    print(report(replays, None if args.all else args.kernels), end="")
 
 
 if __name__ == "__main__":
