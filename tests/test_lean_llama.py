@@ -16,6 +16,9 @@ PROMPT_LEN = 23
 CACHE = 64
 PARENTS = [0, 0, 0, 1, 1, 2, 3, 6]  # an 8-node tree: root, two children, ... depth 4
 EXACT = dict(atol=1e-5, rtol=1e-5)
+# LeanLlama's o_proj sums the query heads in another order (layer_weights): float32 rounding
+# that 30 layers grow to ~5e-5 on SmolLM2's logits
+THIRTY_LAYERS = dict(atol=1e-4, rtol=1e-5)
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest
 
 
@@ -25,17 +28,17 @@ def runners(target):
     return lean, hf
 
 
-def assert_same(lean, hf, *inputs, compiled: bool = False) -> None:
+def assert_same(lean, hf, *inputs, compiled: bool = False, tolerance=EXACT) -> None:
     with torch.inference_mode():
         ours = lean._forward(*inputs, compiled=True) if compiled else lean.forward(*inputs)
         (logits, aux), (ref_logits, ref_aux) = ours, hf.forward(*inputs)
     assert logits.dtype == torch.float32 and aux.shape == ref_aux.shape
-    torch.testing.assert_close(logits, ref_logits, **EXACT)
-    torch.testing.assert_close(aux, ref_aux, **EXACT)
-    torch.testing.assert_close(lean.kv.buffer, hf.kv.buffer, **EXACT)
+    torch.testing.assert_close(logits, ref_logits, **tolerance)
+    torch.testing.assert_close(aux, ref_aux, **tolerance)
+    torch.testing.assert_close(lean.kv.buffer, hf.kv.buffer, **tolerance)
 
 
-def prefill_then_verify(target, kv_len, compiled: bool = False) -> None:
+def prefill_then_verify(target, kv_len, compiled: bool = False, tolerance=EXACT) -> None:
     """A causal prefill of a random prompt, then one verify of an 8-node tree after it (per-node
     positions, ancestor mask), attention reading `kv_len(needed)` cache slots; compiled: the
     verify runs the layers torch.compile'd, as a fixed-shape verify does with compile_layers."""
@@ -44,7 +47,7 @@ def prefill_then_verify(target, kv_len, compiled: bool = False) -> None:
     ids = torch.randint(0, target.vocab_size, (PROMPT_LEN,), generator=generator)
     positions = torch.arange(PROMPT_LEN)
     causal = torch.arange(kv_len(PROMPT_LEN))[None, :] <= positions[:, None]
-    assert_same(lean, hf, ids, positions, positions, causal)
+    assert_same(lean, hf, ids, positions, positions, causal, tolerance=tolerance)
     parents = torch.tensor(PARENTS)
     q = parents.numel()
     depths = torch.zeros(q, dtype=torch.long)
@@ -55,7 +58,7 @@ def prefill_then_verify(target, kv_len, compiled: bool = False) -> None:
     tree[:, PROMPT_LEN:PROMPT_LEN + q] = ancestor_mask(parents, int(depths.max()))
     tokens = torch.randint(0, target.vocab_size, (q,), generator=generator)
     assert_same(lean, hf, tokens, PROMPT_LEN + depths, torch.arange(PROMPT_LEN, PROMPT_LEN + q), tree,
-                compiled=compiled)
+                compiled=compiled, tolerance=tolerance)
 
 
 @pytest.mark.parametrize("width", ["needed", "whole cache"])
@@ -70,7 +73,7 @@ def test_tiny_llama_matches_hf(tiny_target, width):
 @pytest.mark.slow
 def test_smollm2_matches_hf(smollm2):
     assert next(smollm2.model.parameters()).dtype == torch.float32
-    prefill_then_verify(smollm2, lambda needed: needed)
+    prefill_then_verify(smollm2, lambda needed: needed, tolerance=THIRTY_LAYERS)
 
 
 @pytest.mark.slow
