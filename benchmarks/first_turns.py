@@ -9,6 +9,11 @@ one-character placeholder for each assistant turn: regeneration replaces every a
 source's own answers would make the file too large to carry (experiment=smollm2-h200-turns3);
 --max-turns N cuts each conversation after its Nth user turn (regeneration is one batched pass per
 turn index, so a long tail of deep conversations costs many small, slow passes).
+
+--suites writes the shipped bench suites instead, as suite_<name>.jsonl (`{"id", "messages"}`) in the
+folder --out, for benchmarks/e2e_bench.py on a machine without the suites' packages:
+
+    python benchmarks/first_turns.py --suites --out .carry/s
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 
 from eagle3.common import compose
 from eagle3.data import conversations_for
+from eagle3.suites import load_suite
 
 
 def main() -> None:
@@ -28,8 +34,11 @@ def main() -> None:
     parser.add_argument("--max-chars", type=int, default=2000, help="longest first prompt kept")
     parser.add_argument("--all-turns", action="store_true", help="whole conversations, answers as placeholders")
     parser.add_argument("--max-turns", type=int, default=None, help="with --all-turns: user turns kept")
+    parser.add_argument("--suites", action="store_true", help="the bench suites, into the folder --out")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.suites:
+        return write_suites(args.out)
     cfg = compose(["data=sharegpt", "data.val_fraction=0"])
     splits = conversations_for(cfg.data, Counter())
     written = 0
@@ -42,6 +51,16 @@ def main() -> None:
             if written == args.limit:
                 break
     print(f"{written} {'conversations' if args.all_turns else 'first turns'} -> {args.out}")
+
+
+def write_suites(folder: Path) -> None:
+    cfg = compose([])
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in cfg.bench.suites:
+        prompts = load_suite(compose([f"bench.suite={name}", "bench.limit=null"]).bench)
+        lines = [json.dumps({"id": p.id, "messages": p.messages}) for p in prompts]
+        (folder / f"suite_{name}.jsonl").write_text("\n".join(lines) + "\n")
+        print(f"{len(lines)} prompts -> {folder / f'suite_{name}.jsonl'}")
 
 
 def row_of(conversation: dict, prompt: str, all_turns: bool, max_turns: int | None = None) -> dict:
