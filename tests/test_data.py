@@ -570,3 +570,37 @@ def test_prompt_file_keeps_the_first_user_turns(tmp_path):
         assert [m["content"] for m in row["messages"]] == [
             m["content"] if m["role"] != "assistant" else "." for m in expected]
     assert sum(len([m for m in r["messages"] if m["role"] == "user"]) == 2 for r in rows) > 100
+
+
+def test_suite_files_hold_every_prompt_of_the_shipped_suites(tmp_path):
+    """benchmarks/first_turns.py --suites: one suite_<name>.jsonl per configured suite, every prompt
+    in the suite's order with the messages the bench stage would send."""
+    from eagle3.common import compose
+    from eagle3.suites import load_suite
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_turns.py"
+    subprocess.run([sys.executable, str(script), "--suites", "--out", str(tmp_path)], check=True, capture_output=True)
+    for name, count in (("vicuna", 80), ("humaneval", 164), ("gsm8k", 100)):
+        rows = [json.loads(line) for line in (tmp_path / f"suite_{name}.jsonl").read_text().splitlines()]
+        prompts = load_suite(compose([f"bench.suite={name}", "bench.limit=null"]).bench)
+        assert len(rows) == len(prompts) == count
+        assert [(r["id"], r["messages"]) for r in rows] == [(p.id, p.messages) for p in prompts]
+
+
+def test_shipped_answers_are_the_ones_the_turns3_experiments_ask_for(tmp_path):
+    """benchmarks/assets/regen-<hash>.tgz: the hash is the regen log path that experiment=smollm2-h200-
+    turns3(-v32k) computes for h200_pipeline.sh's prompt file, and every answered turn belongs to a
+    conversation of the shipped slice (a config change that moves the hash makes this fail, and the
+    lease would silently regenerate again)."""
+    import tarfile
+    from eagle3.common import compose
+    asset, = (Path(__file__).resolve().parents[1] / "benchmarks" / "assets").glob("regen-*.tgz")
+    with tarfile.open(asset) as archive:
+        member, = archive.getnames()
+        rows = [json.loads(line) for line in archive.extractfile(member).read().decode().splitlines()]
+    for experiment in ("smollm2-h200-turns3", "smollm2-h200-turns3-v32k", "smollm2-h200-turns3-v32k-more"):
+        cfg = compose([f"experiment={experiment}", f"paths.root={tmp_path}", "data.source=/tmp/e3/turns3.jsonl"])
+        assert data.regen_log_path(cfg).relative_to(cfg.paths.artifacts).as_posix() == member
+    assert asset.name == f"regen-{member.split('/')[1]}.tgz" and len(rows) == 33189
+    ids = {c["id"] for c in data.conversations_for(compose(["data=sharegpt", "data.val_fraction=0"]).data,
+                                                   Counter())["train"]}
+    assert {r["id"] for r in rows} <= ids and {r["turn"] for r in rows} == {0, 1, 2}
