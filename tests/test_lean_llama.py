@@ -136,3 +136,20 @@ def test_drafter_matches_the_module(tiny_target, make_cfg):
             torch.testing.assert_close(logits, ref_logits, **EXACT)
             torch.testing.assert_close(lean.kv.buffer, module.kv.buffer, **EXACT)
             torch.testing.assert_close(lean.logits(hidden), ref_logits, **EXACT)
+
+
+def test_heads_split_and_merge_without_copies():
+    """The layouts the GPU verify's saving rests on (H200, 32-node verify: 60 copy kernels fewer):
+    split_heads' queries are a view of rotary's output, token-major [q, groups, kv_heads, dim], i.e.
+    the strides attention gives its output for them, and merge_heads of such an output is a view."""
+    from eagle3.engine.llama import LeanBlocks
+    heads, kv_heads, dim, q = 6, 2, 8, 5
+    blocks = LeanBlocks(heads, kv_heads, dim, 1e-6, torch.float32)
+    qkv = torch.randn(q, (heads + 2 * kv_heads) * dim)
+    queries, keys, values = blocks.split_heads(qkv, torch.randn(q, dim), torch.randn(q, dim))
+    groups = heads // kv_heads
+    assert queries.shape == (1, kv_heads, q * groups, dim) and keys.shape == values.shape == (1, kv_heads, q, dim)
+    assert queries._base is not None and queries.stride()[1:] == (dim, kv_heads * dim, 1)
+    out = torch.randn(1, q * groups, kv_heads, dim).transpose(1, 2)  # token-major, like the queries
+    merged = blocks.merge_heads(out)
+    assert merged.shape == (q, heads * dim) and merged.data_ptr() == out.data_ptr() and merged._base is not None
