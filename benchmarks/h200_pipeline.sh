@@ -137,7 +137,7 @@ case $step in
       --json "$out/e2e.json" --baselines "${BASELINES-hf,pld}" ${BENCH_ARGS:-} ;;
   e2e)  # a drafter export (DRAFTER, its sglang folder; default the shipped one) after wheels or part-a
     install
-    shipped_drafter
+    [ -n "${DRAFTER:-}" ] || shipped_drafter
     python3 -c "from pathlib import Path; from eagle3.common import compose; from eagle3.target import resolve_target_path
 cfg = compose(['experiment=${EXPERIMENT:-smollm2-h200}', 'paths.root=$root'])
 resolve_target_path(cfg.target, Path(cfg.paths.artifacts))"

@@ -28,10 +28,9 @@ def shipped_asset() -> Path:
     return asset
 
 
-def v32k_cfg(root: Path, *overrides: str):
+def v32k_cfg(root: Path):
     """experiment=smollm2-h200-turns3-v32k as benchmarks/h200_pipeline.sh runs it."""
-    return compose(["experiment=smollm2-h200-turns3-v32k", f"paths.root={root}", "data.source=/tmp/e3/turns3.jsonl",
-                    *overrides])
+    return compose(["experiment=smollm2-h200-turns3-v32k", f"paths.root={root}", "data.source=/tmp/e3/turns3.jsonl"])
 
 
 def test_pack_then_unpack_keeps_each_weight_within_half_its_rows_step(tmp_path):
