@@ -110,7 +110,8 @@ def bench(target, drafter, spec: Spec, prompts, args) -> dict:
     steps = max(summary["verify_steps"], 1)
     return {"spec": spec.label, "lean_forward": decoder.target_run.lean is not None,
             "compile_layers": args.compile_layers, "compile_draft": args.compile_draft,
-            "overlap_steps": args.overlap_steps, "capture_s": capture_s,
+            "overlap_steps": args.overlap_steps, "draft_attention": args.draft_attention,
+            "draft_select": args.draft_select, "capture_s": capture_s,
             "tok_per_s": summary["completion_tokens"] / elapsed, "tau": summary["tau"],
             "completion_tokens": summary["completion_tokens"], "verify_steps": summary["verify_steps"],
             "step_ms": 1000 * elapsed / steps, "draft_ms_per_step": 1000 * summary["draft_time_s"] / steps,
@@ -151,12 +152,17 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="enqueue each fused step before reading the last one's result (engine.overlap_steps)")
     parser.add_argument("--prefill-graphs", default="64,128,256,512,1024",
                         help="prefill graph widths (engine.prefill_graphs); empty = eager prefill")
+    parser.add_argument("--draft-attention", choices=["explicit", "sdpa"], default="explicit",
+                        help="the drafter layer's attention (engine.draft_attention)")
+    parser.add_argument("--draft-select", choices=["auto", "rank", "sort"], default="auto",
+                        help="how the draft tree picks its best k (engine.draft_select; auto = rank on a GPU)")
 
 
 def engine_options(args) -> dict:
     """SpecDecoder keyword arguments from add_engine_options' flags."""
     return {"eager_cudnn": args.eager_cudnn, "compile_layers": args.compile_layers, "compile_draft": args.compile_draft,
-            "overlap_steps": args.overlap_steps,
+            "overlap_steps": args.overlap_steps, "draft_attention": args.draft_attention,
+            "draft_select": args.draft_select,
             "prefill_graphs": tuple(int(w) for w in args.prefill_graphs.split(",") if w)}
 
 

@@ -97,14 +97,16 @@ class TargetRunner:
 
 
 class DrafterRunner:
-    def __init__(self, drafter, max_len: int, lean: bool = True, eager_cudnn: bool = False):
+    def __init__(self, drafter, max_len: int, lean: bool = True, eager_cudnn: bool = False,
+                 explicit_attention: bool = False):
         """lean: the drafter's step through LeanDrafter (same numbers, fewer kernels);
-        eager_cudnn as TargetRunner's."""
+        eager_cudnn as TargetRunner's; explicit_attention: LeanDrafter's softmax(QK^T)V."""
         self.drafter = drafter
         self.dtype = drafter.fc.weight.dtype
         self.device = drafter.fc.weight.device
         self.kv = DrafterKV(drafter.config, max_len, self.dtype, self.device)
-        self.lean = LeanDrafter(drafter, max_len) if lean and LeanDrafter.supports(drafter) else None
+        self.lean = (LeanDrafter(drafter, max_len, explicit_attention)
+                     if lean and LeanDrafter.supports(drafter) else None)
         self.eager_cudnn = eager_cudnn
         self.graphs: dict[int, Graphed] = {}
 
