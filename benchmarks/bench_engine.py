@@ -12,9 +12,9 @@ Per config it prints tok/s, tau, verify steps and the mean draft / verify time p
 cost, and whether the greedy tokens equal spec=off's; `--json` writes all rows. Speedup is
 against the engine's own spec=off, same run. `--no-fused` times the step-by-step path,
 `--no-lean` HF's target forward and the drafter module instead of the engine's lean ones
-(engine/llama.py); `--[no-]compile-layers`, `--[no-]compile-draft`, `--[no-]overlap-steps`, `--prefill-graphs`
-and `--eager-cudnn` set conf/engine's compile_layers, compile_draft, overlap_steps, prefill_graphs and
-eager_cudnn_attention.
+(engine/llama.py); `--[no-]compile-layers`, `--[no-]compile-draft`, `--[no-]overlap-steps`, `--prefill-graphs`,
+`--draft-attention`, `--[no-]compile-prefill` and `--eager-cudnn` set conf/engine's compile_layers,
+compile_draft, overlap_steps, prefill_graphs, draft_attention, compile_prefill and eager_cudnn_attention.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def bench(target, drafter, spec: Spec, prompts, args) -> dict:
     return {"spec": spec.label, "lean_forward": decoder.target_run.lean is not None,
             "compile_layers": args.compile_layers, "compile_draft": args.compile_draft,
             "overlap_steps": args.overlap_steps, "draft_attention": args.draft_attention,
-            "draft_select": args.draft_select, "capture_s": capture_s,
+            "compile_prefill": args.compile_prefill, "capture_s": capture_s,
             "tok_per_s": summary["completion_tokens"] / elapsed, "tau": summary["tau"],
             "completion_tokens": summary["completion_tokens"], "verify_steps": summary["verify_steps"],
             "step_ms": 1000 * elapsed / steps, "draft_ms_per_step": 1000 * summary["draft_time_s"] / steps,
@@ -154,15 +154,15 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="prefill graph widths (engine.prefill_graphs); empty = eager prefill")
     parser.add_argument("--draft-attention", choices=["explicit", "sdpa"], default="explicit",
                         help="the drafter layer's attention (engine.draft_attention)")
-    parser.add_argument("--draft-select", choices=["auto", "rank", "sort"], default="auto",
-                        help="how the draft tree picks its best k (engine.draft_select; auto = rank on a GPU)")
+    parser.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=False,
+                        help="the prefill graphs run the target's layers torch.compile'd (engine.compile_prefill)")
 
 
 def engine_options(args) -> dict:
     """SpecDecoder keyword arguments from add_engine_options' flags."""
     return {"eager_cudnn": args.eager_cudnn, "compile_layers": args.compile_layers, "compile_draft": args.compile_draft,
             "overlap_steps": args.overlap_steps, "draft_attention": args.draft_attention,
-            "draft_select": args.draft_select,
+            "compile_prefill": args.compile_prefill,
             "prefill_graphs": tuple(int(w) for w in args.prefill_graphs.split(",") if w)}
 
 

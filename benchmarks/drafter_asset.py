@@ -3,13 +3,13 @@ outlives the session that trained it (only committed files reach the next checko
 
 Every 2-D float tensor is stored as int8 with one float32 scale per output row (absmax / 127: each
 weight moves by at most half its row's step); the vocab map (d2t, t2d) and the norms are stored
-exactly. The v32k drafter (24.5 M parameters, 96 MB in float32) packs into 18.7 MB, small enough to
+exactly. A v32k drafter (24.5 M parameters, 96 MB in float32) packs into ~19 MB, small enough to
 travel with every device call beside a third of the SmolLM2 wheel. Unpacking writes an export folder
 (manifest.json, sglang/config.json, sglang/model.safetensors in float32) that `train.init_from`,
 benchmarks/e2e_bench.py --drafter and the engines take like the original:
 
-    python benchmarks/drafter_asset.py pack /tmp/e3/artifacts/export/cd3e13167339   # -> benchmarks/assets/
-    python benchmarks/drafter_asset.py unpack benchmarks/assets/drafter-cd3e13167339.tgz /tmp/e3/init/v32k
+    python benchmarks/drafter_asset.py pack /tmp/e3/artifacts/export/b3a5f22b9d4d   # -> benchmarks/assets/
+    python benchmarks/drafter_asset.py unpack benchmarks/assets/drafter-b3a5f22b9d4d.tgz /tmp/e3/init/b3a5f22b9d4d
 """
 
 from __future__ import annotations

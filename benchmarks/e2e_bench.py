@@ -7,7 +7,9 @@ several spec shapes with a trained drafter. Plain argparse (runs on a bare GPU b
         --specs off,d16,d10s5k4,d4,d6,d8,d6s3k2 --json results.json
 
 tok/s = completion tokens / wall time over the suite (EOS stops every method alike); τ is
-completion tokens / verify steps; `match` is the share of prompts whose output equals HF greedy.
+completion tokens / verify steps; `match` (match_hf) is the share of prompts whose output equals the
+first method's on that suite (`match_reference`): HF greedy by default, the engine's spec=off with
+--baselines "" (a run of spec shapes only compares with its first).
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def main() -> None:
     target = load(args)
     drafter = load_drafter(args, target)
     eos = target.tokenizer.eos_token_id
-    rows, reference = [], {}
+    rows, reference, reference_method = [], {}, {}
     for suite_path in map(Path, args.suites.split(",")):
         suite = suite_path.stem.removeprefix("suite_")
         prompts = read_suite(suite_path, target.tokenizer, args.prompts)
@@ -102,10 +104,12 @@ def main() -> None:
                 method = spec.label
             outputs = [strip_eos(o, eos) for o in outputs]
             reference.setdefault(suite, outputs)
+            reference_method.setdefault(suite, method)
             tokens = sum(len(o) for o in outputs)
             match = sum(a == b for a, b in zip(outputs, reference[suite])) / len(outputs)
             rows.append({"suite": suite, "method": method, "prompts": len(prompts), "tokens": tokens,
-                         "wall_s": wall, "tok_per_s": tokens / wall, "match_hf": match, **row})
+                         "wall_s": wall, "tok_per_s": tokens / wall, "match_hf": match,
+                         "match_reference": reference_method[suite], **row})
             phases = (f"  prefill {row['prefill_ms_per_prompt']:.1f} ms/prompt, per step draft "
                       f"{row['draft_ms_per_step']:.2f} verify {row['verify_ms_per_step']:.2f} host "
                       f"{row['host_ms_per_step']:.2f} ms" if row else "")

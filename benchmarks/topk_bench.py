@@ -1,8 +1,7 @@
 """Microseconds per draft-step top-k over a drafter vocab, replayed from a CUDA graph.
 
 Compares torch's topk of the log-softmax (the engine up to the seventh session) with
-tree.top_children (the k chunks with the largest maxima, two short sorts), eager and torch.compile'd, and
-compiled with its selections by counting (by_rank, engine.draft_select):
+tree.top_children (the k chunks with the largest maxima, two short sorts), eager and torch.compile'd:
 
     python benchmarks/topk_bench.py --vocab 32768 --rows 1,8,16 --k 2,8,16 --json topk.json
 """
@@ -11,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from functools import partial
 
 import torch
 
@@ -64,8 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     torch._dynamo.config.recompile_limit = 64
     ways = {"torch.topk": torch_topk, "top_children": top_children,
-            "top_children compiled": torch.compile(top_children, dynamic=False),
-            "by rank compiled": torch.compile(partial(top_children, by_rank=True), dynamic=False)}
+            "top_children compiled": torch.compile(top_children, dynamic=False)}
     rows_out = []
     for rows in (int(r) for r in args.rows.split(",")):
         for k in (int(v) for v in args.k.split(",")):

@@ -28,9 +28,12 @@ def shipped_asset() -> Path:
     return asset
 
 
-def v32k_cfg(root: Path):
-    """experiment=smollm2-h200-turns3-v32k as benchmarks/h200_pipeline.sh runs it."""
-    return compose(["experiment=smollm2-h200-turns3-v32k", f"paths.root={root}", "data.source=/tmp/e3/turns3.jsonl"])
+def shipped_recipe():
+    """The shipped drafter's run as benchmarks/h200_pipeline.sh made it (eleventh session):
+    experiment=smollm2-h200-turns3-v32k-more for 6 epochs, under /tmp/e3 (train.init_from, a path
+    below paths.root, is part of the train stage's hash)."""
+    return compose(["experiment=smollm2-h200-turns3-v32k-more", "train.epochs=6", "paths.root=/tmp/e3",
+                    "data.source=/tmp/e3/turns3.jsonl"])
 
 
 def test_pack_then_unpack_keeps_each_weight_within_half_its_rows_step(tmp_path):
@@ -61,17 +64,17 @@ def test_pack_then_unpack_keeps_each_weight_within_half_its_rows_step(tmp_path):
     assert json.loads((out / "manifest.json").read_text()) == {"hash": "abc123"}
 
 
-def test_shipped_drafter_is_the_v32k_experiments_export(tmp_path):
-    """Its name is the export hash experiment=smollm2-h200-turns3-v32k computes for h200_pipeline.sh's
-    prompt file, and its manifest names that config's train and data outputs: a config change that
-    moves them makes this fail (the asset would then be another recipe's drafter)."""
+def test_shipped_drafter_is_its_recipes_export(tmp_path):
+    """Its name is the export hash its recipe (shipped_recipe) computes for h200_pipeline.sh's prompt
+    file, and its manifest names that config's train and data outputs: a config change that moves
+    them makes this fail (the asset would then be another recipe's drafter)."""
     from eagle3.data import data_output
     from eagle3.export import export_output
     from eagle3.train import train_output
-    cfg = v32k_cfg(tmp_path)
+    cfg = shipped_recipe()
     asset = shipped_asset()
     assert asset.name == f"drafter-{export_output(cfg).hash}.tgz"
-    manifest = json.loads((drafter_asset("unpack", asset, tmp_path / "v32k") / "manifest.json").read_text())
+    manifest = json.loads((drafter_asset("unpack", asset, tmp_path / "shipped") / "manifest.json").read_text())
     assert manifest["upstream"] == {"train": train_output(cfg).hash}
     assert manifest["recipe"]["data_hash"] == data_output(cfg).hash
 
@@ -87,7 +90,7 @@ def test_shipped_drafter_drafts_smollm2_losslessly_on_prompts_it_never_saw(smoll
     from eagle3.spec import resolve_spec
     from eagle3.suites import load_suite
     from engine_helpers import reference_greedy
-    out = drafter_asset("unpack", shipped_asset(), tmp_path / "v32k")
+    out = drafter_asset("unpack", shipped_asset(), tmp_path / "shipped")
     cfg = compose([f"paths.root={test_root}", "target=smollm2-135m", "target.dtype=float32", f"drafter.path={out}",
                    "spec=d32s4k8", "bench.limit=2"])
     spec = resolve_spec(cfg.spec)

@@ -224,13 +224,12 @@ def test_fused_steps_across_cache_widths(tiny_target, fitted):
 def test_compiled_draft_phases_commit_the_same(tiny_target, fitted, references):
     """engine.compile_draft: the draft and extend phases through torch.compile (Inductor's CPU
     backend here) commit what the eager fused steps commit, step for step, for a chain and for a
-    tree; crossing a cache width compiles each phase once more (generic widths), not per width.
-    The compiled side selects by counting, as on a GPU; the eager side sorts."""
+    tree; crossing a cache width compiles each phase once more (generic widths), not per width."""
     from torch._dynamo.utils import counters
     long_prompt = list(range(1000, 1240))  # crosses from the 256-slot window to the 512 one
     for name, prompts, graphs in [("d6", references[:2], 2), ("d8s4k3", [*references[:2], (long_prompt, None)], 4)]:
         counters.clear()
-        compiled = SpecDecoder(tiny_target, fitted, spec(name), compile_draft=True, draft_select="rank")
+        compiled = SpecDecoder(tiny_target, fitted, spec(name), compile_draft=True)
         eager = SpecDecoder(tiny_target, fitted, spec(name))
         for prompt, expected in prompts:
             a, b = compiled.generate(prompt, 30), eager.generate(prompt, 30)
@@ -243,11 +242,10 @@ def test_compiled_draft_phases_commit_the_same(tiny_target, fitted, references):
 HOST_READS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "is_nonzero", "equal", "_unique2"}
 
 
-@pytest.mark.parametrize("select", ["sort", "rank"])
 @pytest.mark.parametrize("name", ["off", "d6", "d10s5k4"])
-def test_fused_phases_are_graph_safe(tiny_target, untrained, references, name, select):
+def test_fused_phases_are_graph_safe(tiny_target, untrained, references, name):
     """What a CUDA graph can replay: no op in the fused phases reads a value on the host or makes
-    a data-dependent shape, and no tensor moves between devices (either way of selecting)."""
+    a data-dependent shape, and no tensor moves between devices."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Watch(TorchDispatchMode):
@@ -261,7 +259,7 @@ def test_fused_phases_are_graph_safe(tiny_target, untrained, references, name, s
                 self.bad.append(name)
             return func(*args, **(kwargs or {}))
 
-    decoder = SpecDecoder(tiny_target, untrained, spec(name), draft_select=select)
+    decoder = SpecDecoder(tiny_target, untrained, spec(name))
     prompt, _ = references[0]
     decoder.generate(prompt, 3)
     fused = decoder.fused
@@ -329,49 +327,33 @@ def test_context_limits(tiny_target, fitted, references):
         SpecDecoder(tiny_target, None, spec("d6"))
 
 
-@pytest.mark.parametrize("by_rank", [False, True])
 @pytest.mark.parametrize("n,k", [(32768, 8), (32768, 16), (49152, 1), (1000, 3), (7, 7)])
-def test_top_children_are_a_stable_sorts_first_k(n, k, by_rank):
-    """tree.top_k (two short selections, by sorting or by counting) equals a full stable descending
-    sort's first k, ties to the lower index, on rows full of ties; top_children's scores are the
-    log-softmax's values."""
+def test_top_children_are_a_stable_sorts_first_k(n, k):
+    """tree.top_k (two rounds of short sorts) equals a full stable descending sort's first k, ties
+    to the lower index, on rows full of ties; top_children's scores are the log-softmax's values."""
     from eagle3.engine.tree import top_children, top_k
     generator = torch.Generator().manual_seed(n + k)
     rows = torch.randn(6, n, generator=generator).bfloat16().float()  # bf16 logits: many exact ties
     rows[0] = 1.0  # one row all tied
     rows[1, n // 2:] = rows[1, :n - n // 2].clone()  # values repeated, far apart
     rows[2, :n // 3] = -1e30  # a stretch far below the rest, all tied
-    values, indices = top_k(rows, k, by_rank)
+    values, indices = top_k(rows, k)
     reference = torch.sort(rows, dim=-1, descending=True, stable=True)
     assert torch.equal(indices, reference.indices[:, :k]) and torch.equal(values, reference.values[:, :k])
-    log_probs, ids = top_children(rows, k, by_rank)
+    log_probs, ids = top_children(rows, k)
     assert torch.equal(ids, indices)
     assert torch.allclose(log_probs, torch.log_softmax(rows, dim=-1).gather(-1, indices), atol=1e-5)
 
 
-@pytest.mark.parametrize("n,count", [(201, 31), (73, 63), (9, 31), (1, 5)])
-def test_keep_best_by_rank_equals_by_sort(n, count):
-    """keep_best's two selections keep the same nodes, the root first, the rest in creation order:
-    the `count` best non-root scores, ties to the earlier node (scores rounded to bf16: many ties)."""
-    from eagle3.engine.tree import keep_best
-    scores = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16().float()
-    scores[n // 2:] = scores[:n - n // 2].clone()
-    kept = keep_best(scores, None, count, by_rank=True)
-    reference = sorted(range(1, n), key=lambda i: (-scores[i].item(), i))[:count]
-    assert kept.tolist() == [0] + sorted(reference) and torch.equal(kept, keep_best(scores, None, count))
-
-
 @pytest.mark.parametrize("fused", [True, False])
-def test_draft_attention_and_selection_commit_the_same(tiny_target, fitted, references, fused):
-    """The drafter's explicit attention with selection by counting (a GPU's defaults) and sdpa with
-    sorting draft the same trees here: the same tokens and the same acceptance, step for step."""
-    gpu_way = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), fused=fused, draft_select="rank")
-    cpu_way = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), fused=fused, draft_attention="sdpa",
-                          draft_select="sort")
-    assert gpu_way.by_rank and not cpu_way.by_rank
-    assert gpu_way.drafter_run.lean.explicit_attention and not cpu_way.drafter_run.lean.explicit_attention
+def test_draft_attention_explicit_and_sdpa_commit_the_same(tiny_target, fitted, references, fused):
+    """engine.draft_attention: the drafter's explicit attention (the default) and sdpa draft the same
+    trees here: the same tokens and the same acceptance, step for step."""
+    explicit = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), fused=fused)
+    sdpa = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), fused=fused, draft_attention="sdpa")
+    assert explicit.drafter_run.lean.explicit_attention and not sdpa.drafter_run.lean.explicit_attention
     for prompt, expected in references:
-        a, b = gpu_way.generate(prompt, NEW_TOKENS), cpu_way.generate(prompt, NEW_TOKENS)
+        a, b = explicit.generate(prompt, NEW_TOKENS), sdpa.generate(prompt, NEW_TOKENS)
         assert a.tokens == b.tokens == expected
         assert a.stats.accepted_per_step == b.stats.accepted_per_step
 
@@ -380,16 +362,15 @@ def test_explicit_draft_attention_matches_sdpa(fitted):
     """LeanDrafter's softmax(QK^T)V equals sdpa's output on a masked step (float32, 1e-5)."""
     from eagle3.engine.kv import DrafterKV
     from eagle3.engine.llama import LeanDrafter
-    config, generator = fitted.config, torch.Generator().manual_seed(0)
-    outputs = []
+    config, outputs = fitted.config, []
     for explicit in (False, True):
         lean, kv = LeanDrafter(fitted, 32, explicit), DrafterKV(config, 32, torch.float32, torch.device("cpu"))
         kv.buffer.normal_(generator=torch.Generator().manual_seed(1))
         kv.prepare(torch.arange(10, 13), 16)
-        mask = torch.arange(16)[None, :] <= torch.tensor([10, 11, 12])[:, None]
-        ids = torch.tensor([3, 5, 7])
+        positions = torch.tensor([10, 11, 12])
+        mask = torch.arange(16)[None, :] <= positions[:, None]
         hidden = torch.randn(3, config.hidden_size, generator=torch.Generator().manual_seed(2))
-        outputs.append(lean.forward(ids, hidden, torch.tensor([10, 11, 12]), kv, mask))
+        outputs.append(lean.forward(torch.tensor([3, 5, 7]), hidden, positions, kv, mask))
     assert torch.allclose(outputs[0], outputs[1], atol=1e-5) and not torch.equal(outputs[0], hidden)
 
 

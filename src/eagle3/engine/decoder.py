@@ -21,7 +21,7 @@ from eagle3.common import Eagle3Error, log
 from eagle3.engine.fused import FusedGreedy
 from eagle3.engine.runners import DrafterRunner, TargetRunner
 from eagle3.engine.sampling import Sampling, greedy_path, probabilities, sampled_path
-from eagle3.engine.tree import DraftTree, ancestor_mask, first_k, keep_best, root_only, subtree, top_children
+from eagle3.engine.tree import DraftTree, ancestor_mask, keep_best, root_only, subtree, top_children
 from eagle3.spec import Spec
 from eagle3.target import Target
 
@@ -76,7 +76,7 @@ class SpecDecoder:
                  cuda_graphs: bool = False, seed: int = 0, fused: bool = True, lean: bool = True,
                  eager_cudnn: bool = False, compile_layers: bool = False, prefill_graphs: tuple[int, ...] = (),
                  compile_draft: bool = False, overlap_steps: bool = True, draft_attention: str = "explicit",
-                 draft_select: str = "auto"):
+                 compile_prefill: bool = False):
         """fused: greedy steps run as FusedGreedy (static shapes, one host read per step, one CUDA
         graph per phase); False keeps every step on the step-by-step path below (same tokens).
         lean: a plain Llama target and the drafter run engine/llama.py's forwards instead of HF's
@@ -88,9 +88,9 @@ class SpecDecoder:
         padding's cache slots lie past the prompt, where nothing attends before they are rewritten).
         compile_draft: the fused steps' draft and extend phases run torch.compile'd (FusedGreedy).
         overlap_steps: the fused greedy loop enqueues each step before reading the last one's result.
-        draft_attention: "sdpa" | "explicit" (softmax(QK^T)V for the drafter's layer, LeanDrafter).
-        draft_select: how the draft tree picks its best k: "sort" | "rank" (counting, tree.first_k) |
-        "auto" (rank on a GPU, sort on a CPU); the same nodes either way."""
+        draft_attention: "explicit" (softmax(QK^T)V in the drafter's lean layer) | "sdpa".
+        compile_prefill: the prefill graphs run the lean target's layers torch.compile'd too (a compile
+        per prefill width, once per process)."""
         if spec.enabled and drafter is None:
             raise Eagle3Error(f"spec {spec.label} needs a drafter; use spec=off for plain decoding")
         self.target, self.spec = target, spec
@@ -103,10 +103,10 @@ class SpecDecoder:
                                           eager_cudnn=eager_cudnn, explicit_attention=draft_attention == "explicit")
                             if self.drafter is not None else None)
         self.device = target.device
-        self.by_rank = draft_select == "rank" or (draft_select == "auto" and self.device.type == "cuda")
         self.generator = torch.Generator().manual_seed(seed)
         self.fused = FusedGreedy(self, compile_draft) if fused else None
         self.overlap_steps = overlap_steps
+        self.compile_prefill = compile_prefill
         self.prefill_widths: list[int] = []  # prompt lengths are padded up to the first that fits
         if cuda_graphs and self.device.type == "cuda":
             self.capture_graphs(sorted(w for w in set(prefill_graphs) if w < self.max_context))
@@ -262,12 +262,12 @@ class SpecDecoder:
             depths.append(torch.full((width,), step + 1, dtype=torch.long, device=dev))
             if q_rows is not None:
                 q_rows.append(q)
-            best = first_k(child_scores.reshape(1, -1), k, self.by_rank)[1][0]
+            best = torch.sort(child_scores.reshape(-1), descending=True, stable=True).indices[:k]
             frontier_hidden = frontier_hidden[best // child_tokens.shape[1]]
             frontier = count + best
             count += width
         all_scores, all_parents = torch.cat(scores), torch.cat(parents)
-        nodes = keep_best(all_scores, all_parents, self.spec.depth - 1, self.by_rank)
+        nodes = keep_best(all_scores, all_parents, self.spec.depth - 1)
         return subtree(nodes, torch.cat(tokens), all_parents, torch.cat(depths),
                        torch.cat(q_rows) if q_rows is not None else None)
 
@@ -282,7 +282,7 @@ class SpecDecoder:
             q_target.index_add_(1, drafter.to_target_ids(torch.arange(q_draft.shape[-1], device=self.device)),
                                 q_draft)
             return drafter.to_target_ids(choice), score, q_target
-        log_probs, ids = top_children(logits, self.spec.topk, self.by_rank)
+        log_probs, ids = top_children(logits, self.spec.topk)
         return drafter.to_target_ids(ids), base[:, None] + log_probs, None
 
     # ------------------------------------------------------------ masks
@@ -341,7 +341,7 @@ class SpecDecoder:
         pool = torch.cuda.graph_pool_handle()
         lengths = [1, self.spec.depth] if self.spec.enabled else [1]
         self.target_run.capture(lengths, pool, compiled=self.target_run.compile_layers)
-        self.target_run.capture([w for w in prefill_widths if w not in lengths], pool)
+        self.target_run.capture([w for w in prefill_widths if w not in lengths], pool, compiled=self.compile_prefill)
         if self.drafter_run is not None:
             shapes = [("extend", w) for w in [self.spec.depth, *prefill_widths]] + \
                      [("step", w) for w in {1, self.spec.topk}]

@@ -22,7 +22,7 @@ import torch
 
 from eagle3.engine.llama import compile_fixed
 from eagle3.engine.runners import Graphed
-from eagle3.engine.tree import ancestor_mask, first_k, keep_best, subtree, top_children
+from eagle3.engine.tree import ancestor_mask, keep_best, subtree, top_children
 
 
 @dataclass
@@ -175,19 +175,19 @@ class FusedGreedy:
             else:
                 logits = run.logits(self.hidden)
             base = torch.cat(scores)[frontier]
-            log_probs, ids = top_children(logits, k, self.decoder.by_rank)
+            log_probs, ids = top_children(logits, k)
             child_tokens, child_scores = drafter.to_target_ids(ids), base[:, None] + log_probs
             per_row, width = child_tokens.shape[1], child_tokens.numel()
             tokens.append(child_tokens.reshape(-1))
             scores.append(child_scores.reshape(-1))
             parents.append(frontier[:, None].expand(-1, per_row).reshape(-1))
             depths.append(torch.full((width,), step + 1, dtype=torch.long, device=self.device))
-            best = first_k(child_scores.reshape(1, -1), k, self.decoder.by_rank)[1][0]
+            best = torch.sort(child_scores.reshape(-1), descending=True, stable=True).indices[:k]
             frontier_hidden = frontier_hidden[best // per_row]
             frontier = count + best
             count += width
         all_scores, all_parents = torch.cat(scores), torch.cat(parents)
-        nodes = keep_best(all_scores, all_parents, self.spec.depth - 1, self.decoder.by_rank)
+        nodes = keep_best(all_scores, all_parents, self.spec.depth - 1)
         tree = subtree(nodes, torch.cat(tokens), all_parents, torch.cat(depths))
         self.tokens, self.parents, self.depths = tree.tokens, tree.parents, tree.depths
 

@@ -164,7 +164,7 @@ class LeanDrafter(LeanBlocks):
     def __init__(self, drafter, max_len: int, explicit_attention: bool = False):
         """explicit_attention: softmax(QK^T + bias)V in plain ops, not sdpa: inside a compiled, replayed
         draft step Inductor fuses the bias and softmax, where cuDNN's kernel brings a memset, a copy and a
-        launch gap (H200, 512 cache slots: 8.1 against 12.0 us a call, h200-2026-12-01c/attention.json)."""
+        launch gap (H200, SmolLM2's d32s4k8: the draft phase 0.361 -> 0.352 ms a step, h200-2026-12-02)."""
         config = drafter.config
         self.explicit_attention = explicit_attention
         super().__init__(config.num_attention_heads, config.num_key_value_heads, config.head_dim,

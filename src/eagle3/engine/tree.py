@@ -31,70 +31,46 @@ def root_only(token: torch.Tensor) -> DraftTree:
     return DraftTree(token.view(1), zero, zero.clone())
 
 
-def top_children(logits: torch.Tensor, k: int, by_rank: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def top_children(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities, drafter-vocab ids) [rows, k] of each row's k likeliest tokens, best first.
-    The log-sum-exp comes from the same chunks as the top-k, so one pass over the logits serves both.
-    by_rank: the two selections by counting (see ranks) instead of sorting; the same answer."""
+    The log-sum-exp comes from the same chunks as the top-k, so one pass over the logits serves both."""
     blocks, maxima = chunks(logits.float(), k)
-    values, indices = top_k_of_chunks(blocks, maxima, k, by_rank)
+    values, indices = top_k_of_chunks(blocks, maxima, k)
     log_sum_exp = (maxima + (blocks - maxima[..., None]).exp().sum(dim=-1).log()).logsumexp(dim=-1, keepdim=True)
     return values - log_sum_exp, indices
 
 
-def top_k(x: torch.Tensor, k: int, by_rank: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest entries of each row [rows, n], best first, ties to the lower index: exactly a
-    stable descending sort's first k, from two short selections (torch.topk over a 32k vocab costs ~45
+    stable descending sort's first k, from two short sorts (torch.topk over a 32k vocab costs ~45
     GPU kernels)."""
-    return top_k_of_chunks(*chunks(x, k), k, by_rank)
+    return top_k_of_chunks(*chunks(x, k), k)
 
 
 def chunks(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [rows, n] cut into chunks [rows, n / c, c] (the tail padded with -inf) and their maxima."""
     rows, n = x.shape
-    chunk = 1 << max(((n // k) - 1).bit_length() // 2, 0)  # ~sqrt(n / k): both selections ~sqrt(n k) long
+    chunk = 1 << max(((n // k) - 1).bit_length() // 2, 0)  # ~sqrt(n / k): both sorts ~sqrt(n k) long
     blocks = torch.nn.functional.pad(x, (0, -n % chunk), value=float("-inf")).view(rows, -1, chunk)
     return blocks, blocks.amax(dim=-1)
 
 
-def top_k_of_chunks(blocks: torch.Tensor, maxima: torch.Tensor, k: int,
-                    by_rank: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_of_chunks(blocks: torch.Tensor, maxima: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """top_k from the chunks: the k chunks with the largest maxima (ties: the earlier chunk) hold the
     answer, since the chunk of an answer entry e has a maximum m >= e, and each chunk ranked before it
     holds an entry ranked before e (its maximum, or m itself), of which there are fewer than k."""
     rows, _, chunk = blocks.shape
-    chosen = first_k(maxima, k, by_rank)[1].sort(dim=-1).values  # candidates in vocab order: ties to the lower id
+    chosen = maxima.sort(dim=-1, descending=True, stable=True).indices[:, :k].sort(dim=-1).values
     candidates = blocks.gather(1, chosen[..., None].expand(-1, -1, chunk)).reshape(rows, -1)
     ids = (chosen[..., None] * chunk + torch.arange(chunk, device=blocks.device)).reshape(rows, -1)
-    values, order = first_k(candidates, k, by_rank)
-    return values, ids.gather(-1, order)
+    values, order = candidates.sort(dim=-1, descending=True, stable=True)
+    return values[:, :k], ids.gather(-1, order[:, :k])
 
 
-def first_k(x: torch.Tensor, k: int, by_rank: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, positions) [rows, k] of each row's k largest entries of x [rows, n], best first, ties
-    to the lower position: a stable descending sort's first k. A GPU sort runs one program per row
-    through ~log2(n)^2 dependent stages (~7 us at n = 512, SmolLM2's draft step); by_rank counts
-    instead (ranks): n^2 independent comparisons, which spread over the whole GPU but cost a CPU more."""
-    if not by_rank:
-        values, order = x.sort(dim=-1, descending=True, stable=True)
-        return values[:, :k], order[:, :k]
-    rank = ranks(x)
-    positions = ((rank[:, None, :] == torch.arange(k, device=x.device)[:, None]) *
-                 torch.arange(x.shape[-1], device=x.device)).sum(dim=-1)  # the position holding each rank < k
-    return x.gather(-1, positions), positions
-
-
-def ranks(x: torch.Tensor) -> torch.Tensor:
-    """Each entry's place [rows, n] in its row sorted descending, ties to the lower position: the
-    number of entries that beat it (a permutation of 0..n-1 per row)."""
-    a, b = x[:, :, None], x[:, None, :]  # entry i, entry j
-    positions = torch.arange(x.shape[-1], device=x.device)
-    return ((b > a) | ((b == a) & (positions[None, :] < positions[:, None]))).sum(dim=-1)
-
-
-def keep_best(scores: torch.Tensor, parents: torch.Tensor, count: int, by_rank: bool = False) -> torch.Tensor:
-    """Indices of the root plus the `count` best-scoring other nodes (ties: the earlier), in creation order."""
-    best = first_k(scores[None, 1:], min(count, scores.numel() - 1), by_rank)[1][0] + 1
-    return torch.cat([torch.zeros(1, dtype=torch.long, device=scores.device), best.sort().values])
+def keep_best(scores: torch.Tensor, parents: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the root plus the `count` best-scoring other nodes, in creation order."""
+    order = torch.sort(scores[1:], descending=True, stable=True).indices[:count] + 1
+    return torch.cat([torch.zeros(1, dtype=torch.long, device=scores.device), order.sort().values])
 
 
 def subtree(nodes: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
