@@ -352,6 +352,8 @@ def test_draft_attention_explicit_and_sdpa_commit_the_same(tiny_target, fitted, 
     explicit = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), fused=fused)
     sdpa = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), fused=fused, draft_attention="sdpa")
     assert explicit.drafter_run.lean.explicit_attention and not sdpa.drafter_run.lean.explicit_attention
+    with pytest.raises(Eagle3Error, match="engine.draft_attention='flash'"):
+        SpecDecoder(tiny_target, fitted, spec("d10s5k4"), draft_attention="flash")
     for prompt, expected in references:
         a, b = explicit.generate(prompt, NEW_TOKENS), sdpa.generate(prompt, NEW_TOKENS)
         assert a.tokens == b.tokens == expected

@@ -93,6 +93,8 @@ class SpecDecoder:
         per prefill width, once per process)."""
         if spec.enabled and drafter is None:
             raise Eagle3Error(f"spec {spec.label} needs a drafter; use spec=off for plain decoding")
+        if draft_attention not in ("explicit", "sdpa"):
+            raise Eagle3Error(f"engine.draft_attention={draft_attention!r}: use explicit or sdpa")
         self.target, self.spec = target, spec
         self.drafter = drafter if spec.enabled else None
         limit = target.config.max_position_embeddings
