@@ -94,7 +94,7 @@ def use_gqa_with_mask() -> None:
 
 def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: str, draft_vocab: int,
             batch_size: int = 1, profile_path: str | None = None, online: bool = False, vary: bool = False,
-            cudnn: bool = True) -> dict:
+            cudnn: bool = True, compile_loss: bool = False) -> dict:
     from eagle3.target import capture_hidden_states
     from eagle3.ttt import ttt_loss
     label = path
@@ -121,7 +121,7 @@ def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: 
             if target is not None:  # the online stage's target forward for the hidden states
                 aux, last = capture_hidden_states(target, batch["input_ids"], [2, layers // 2, layers - 3])
                 batch.update(aux_hidden=aux, last_hidden=last)
-            loss, _ = ttt_loss(drafter, batch, head, ttt, 0.8, attention=path)
+            loss, _ = ttt_loss(drafter, batch, head, ttt, 0.8, attention=path, compile_loss=compile_loss)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
         optimizer.step()
@@ -143,7 +143,7 @@ def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: 
         write_profile(step, device, profile_path)
     mean_length = sum(lengths[1:]) / steps
     return {"T": length, "batch": batch_size, "path": label, "online": online, "vary": vary, "cudnn": cudnn,
-            "ttt": ttt, "s_per_step": round(seconds, 4), "samples_per_s": round(batch_size / seconds, 1),
+            "compile_loss": compile_loss, "ttt": ttt, "s_per_step": round(seconds, 4), "samples_per_s": round(batch_size / seconds, 1),
             "tokens_per_s": round(batch_size * mean_length / seconds, 1), "peak_GiB": round(peak / 2 ** 30, 3),
             "peak_kind": "cuda max_memory_allocated" if device == "cuda" else "process max RSS"}
 
@@ -181,6 +181,8 @@ def main() -> None:
                         help="allow cuDNN's fused attention (it builds a graph per new shape)")
     parser.add_argument("--online", action="store_true",
                         help="include the online stage's target forward (random weights, the config's shapes)")
+    parser.add_argument("--compile-loss", action="store_true",
+                        help="the soft cross-entropy torch.compile'd (train.compile_loss)")
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--draft-vocab", type=int, default=32000)
@@ -196,7 +198,7 @@ def main() -> None:
         profile = f"{args.profile}.{length}.{path}.txt" if args.profile else None
         print(json.dumps({"target": name, **measure(config, int(length), path, args.ttt, args.steps, args.device,
                                                    args.draft_vocab, args.batch, profile, args.online, args.vary,
-                                                   args.cudnn)}))
+                                                   args.cudnn, args.compile_loss)}))
         return
     names = ["-"] if args.config_json else args.targets
     if args.check_flex:
@@ -216,6 +218,7 @@ def main() -> None:
                 command += ["--online"] if args.online else []
                 command += ["--vary"] if args.vary else []
                 command += [] if args.cudnn else ["--no-cudnn"]
+                command += ["--compile-loss"] if args.compile_loss else []
                 command += ["--config-json", args.config_json] if args.config_json else []
                 done = subprocess.run(command, capture_output=True, text=True)
                 lines = done.stdout.strip().splitlines()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from eagle3.drafter import RMSNorm, build_drafter, sdpa
-from eagle3.ttt import tau_hat, ttt_loss, unroll
+from eagle3.ttt import compiled_soft_cross_entropy, soft_cross_entropy, tau_hat, ttt_loss, unroll
 
 DRAFT_VOCAB = 256
 TTT = 4
@@ -174,6 +174,27 @@ def test_flex_matches_sdpa_forward(case):
     torch.testing.assert_close(loss_flex, loss_sdpa, atol=1e-5, rtol=1e-5)
     for key in metrics_sdpa:
         assert metrics_flex[key] == pytest.approx(metrics_sdpa[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_soft_cross_entropy_matches_log_softmax_form(compiled):
+    """logsumexp(x) - p.x equals -p.log_softmax(x) in value and gradient (p sums to 1), eager and
+    through torch.compile (Inductor's CPU backend here), on two lengths and a strided view as the
+    unroll's steps pass them (one compile, dynamic in the positions)."""
+    cross_entropy = compiled_soft_cross_entropy() if compiled else soft_cross_entropy
+    generator = torch.Generator().manual_seed(0)
+    for length in (9, 5):
+        logits = (3 * torch.randn(2, length + 2, 64, generator=generator)).to(torch.bfloat16).requires_grad_()
+        probs = torch.randn(2, length + 3, 64, generator=generator).softmax(-1)[:, 3:]
+        weights = torch.rand(2, length, generator=generator)
+        reference_logits = logits.detach().clone().requires_grad_()
+        reference = -(probs * F.log_softmax(reference_logits[:, :length].float(), -1)).sum(-1)
+        (reference * weights).sum().backward()
+        value = cross_entropy(logits[:, :length], probs)
+        (value * weights).sum().backward()
+        torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits.grad, reference_logits.grad)
+        assert logits.grad[:, length:].abs().sum() == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention backward needs a GPU")

@@ -37,7 +37,8 @@ from eagle3.target import Target, capture_hidden_states, load_target, target_key
 from eagle3.ttt import tau_hat, ttt_loss
 
 # train.* fields that change how training is watched or where it reads, not what it learns.
-HASH_EXCLUDED = ("eval_prompts", "eval_max_new_tokens", "checkpoint_every_n_steps", "shards", "val_head_tokens")
+HASH_EXCLUDED = ("eval_prompts", "eval_max_new_tokens", "checkpoint_every_n_steps", "shards", "val_head_tokens",
+                 "compile_loss")
 CHECKPOINTS = "checkpoints"
 FINAL_WEIGHTS, BEST_WEIGHTS, DRAFTER_CONFIG = "drafter.safetensors", "best.safetensors", "drafter_config.json"
 
@@ -280,7 +281,13 @@ class DrafterModule(L.LightningModule):
 
     def step(self, batch: dict, head_tokens: int | None = None):
         return ttt_loss(self.drafter, self.with_hidden_states(batch), self.lm_head_weight, self.tcfg.ttt_length,
-                        self.tcfg.step_decay, self.tcfg.attention, head_tokens)
+                        self.tcfg.step_decay, self.tcfg.attention, head_tokens, self.compile_loss())
+
+    def compile_loss(self) -> bool:
+        setting = self.tcfg.get("compile_loss", "auto")
+        if setting not in ("auto", True, False):
+            raise Eagle3Error(f"train.compile_loss={setting!r}: use auto, true or false")
+        return self.device.type == "cuda" if setting == "auto" else setting
 
     def training_step(self, batch: dict, batch_idx: int):
         loss, metrics = self.step(batch)

@@ -36,7 +36,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from eagle3.drafter import Eagle3Drafter, sdpa
 
@@ -170,12 +169,15 @@ def tau_hat(accuracies: list[float] | torch.Tensor) -> torch.Tensor:
 
 
 def ttt_loss(drafter: Eagle3Drafter, batch: dict, target_lm_head_weight: torch.Tensor, ttt_length: int,
-             step_decay: float, attention: str = "sdpa", head_tokens: int | None = None):
+             step_decay: float, attention: str = "sdpa", head_tokens: int | None = None,
+             compile_loss: bool = False):
     """(weighted loss, metrics) for one batch of {input_ids, loss_mask, aux_hidden, last_hidden}.
 
     metrics: loss_k, acc_k (floats, per step), correct_k / count_k (counts, for exact
     aggregation across batches and ranks), tau_hat; with head_tokens also acc_head_k,
-    correct_head_k / count_head_k and tau_hat_head (module docstring)."""
+    correct_head_k / count_head_k and tau_hat_head (module docstring). compile_loss runs the
+    soft cross-entropy torch.compile'd (see soft_cross_entropy)."""
+    cross_entropy = compiled_soft_cross_entropy() if compile_loss else soft_cross_entropy
     target = target_distribution(batch["last_hidden"], target_lm_head_weight, drafter.d2t, drafter.t2d)
     step_logits = unroll(drafter, batch["input_ids"], batch["aux_hidden"], ttt_length, attention,
                          batch.get("position_ids"))
@@ -187,7 +189,7 @@ def ttt_loss(drafter: Eagle3Drafter, batch: dict, target_lm_head_weight: torch.T
         probs, argmax, valid = step_targets(target, batch["loss_mask"], k)
         logits = logits[:, :valid.shape[1]]
         count = valid.sum()
-        loss_k = (soft_cross_entropy(logits, probs) * valid).sum() / count.clamp(min=1)
+        loss_k = (cross_entropy(logits, probs) * valid).sum() / count.clamp(min=1)
         hits = logits.argmax(-1) == argmax
         row = [loss_k.detach().float(), (hits & valid).sum().float(), count.float()]
         if head is not None:  # out-of-vocab positions stay in, as misses
@@ -209,5 +211,21 @@ def ttt_loss(drafter: Eagle3Drafter, batch: dict, target_lm_head_weight: torch.T
 
 
 def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """Per position: -sum_v p_target(v) log p_draft(v)."""
-    return -(probs * F.log_softmax(logits.float(), -1)).sum(-1)
+    """Per position: -sum_v p_target(v) log p_draft(v), written as logsumexp(logits) - sum_v p(v) logits(v)
+    (the target's probabilities sum to 1): no log-softmax tensor, and compiled it is one reduction
+    over [positions, draft vocab] forward and one elementwise pass (softmax - p) backward, where the
+    eager form writes and rereads several float32 copies of the logits."""
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
+
+
+_compiled_soft_cross_entropy = None
+
+
+def compiled_soft_cross_entropy():
+    """soft_cross_entropy through torch.compile, dynamic in the positions (each unroll step and batch
+    has its own length)."""
+    global _compiled_soft_cross_entropy
+    if _compiled_soft_cross_entropy is None:
+        _compiled_soft_cross_entropy = torch.compile(soft_cross_entropy, dynamic=True)
+    return _compiled_soft_cross_entropy
