@@ -154,7 +154,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="prefill graph widths (engine.prefill_graphs); empty = eager prefill")
     parser.add_argument("--draft-attention", choices=["explicit", "sdpa"], default="explicit",
                         help="the drafter layer's attention (engine.draft_attention)")
-    parser.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="the prefill graphs run the target's layers torch.compile'd (engine.compile_prefill)")
 
 

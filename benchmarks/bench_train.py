@@ -143,7 +143,8 @@ def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: 
         write_profile(step, device, profile_path)
     mean_length = sum(lengths[1:]) / steps
     return {"T": length, "batch": batch_size, "path": label, "online": online, "vary": vary, "cudnn": cudnn,
-            "compile_loss": compile_loss, "ttt": ttt, "s_per_step": round(seconds, 4), "samples_per_s": round(batch_size / seconds, 1),
+            "compile_loss": compile_loss, "ttt": ttt, "s_per_step": round(seconds, 4),
+            "samples_per_s": round(batch_size / seconds, 1),
             "tokens_per_s": round(batch_size * mean_length / seconds, 1), "peak_GiB": round(peak / 2 ** 30, 3),
             "peak_kind": "cuda max_memory_allocated" if device == "cuda" else "process max RSS"}
 

@@ -29,10 +29,10 @@ def shipped_asset() -> Path:
 
 
 def shipped_recipe():
-    """The shipped drafter's run as benchmarks/h200_pipeline.sh made it (eleventh session):
-    experiment=smollm2-h200-turns3-v32k-more for 6 epochs, under /tmp/e3 (train.init_from, a path
-    below paths.root, is part of the train stage's hash)."""
-    return compose(["experiment=smollm2-h200-turns3-v32k-more", "train.epochs=6", "paths.root=/tmp/e3",
+    """The shipped drafter's run as benchmarks/h200_pipeline.sh made it (twelfth session):
+    experiment=smollm2-h200-turns3-v32k-more2, under /tmp/e3 (train.init_from, a path below
+    paths.root, is part of the train stage's hash)."""
+    return compose(["experiment=smollm2-h200-turns3-v32k-more2", "paths.root=/tmp/e3",
                     "data.source=/tmp/e3/turns3.jsonl"])
 
 

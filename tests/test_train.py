@@ -19,8 +19,8 @@ import torch
 from eagle3.common import Eagle3Error, compose
 from eagle3.target import load_target
 from eagle3.ttt import tau_hat
-from eagle3.train import (CHECKPOINTS, BucketBatchSampler, DrafterData, choose_strategy, collate, fit,
-                          load_trained_drafter, warmup_cosine)
+from eagle3.train import (CHECKPOINTS, BucketBatchSampler, DrafterData, choose_strategy, collate, compile_loss,
+                          fit, load_trained_drafter, train_output, warmup_cosine)
 
 TESTS = Path(__file__).parent
 DRAFT_VOCAB = 128
@@ -173,6 +173,17 @@ def test_bucket_sampler_shards_and_resumes():
     assert list(ranks[0]) == batches[0]  # the skip applies once
     ranks[0].set_epoch(4)
     assert list(ranks[0]) != batches[0]
+
+
+def test_compile_loss_setting_and_hash(make_cfg):
+    """train.compile_loss: auto follows the device, a bad value names the key, and the setting leaves the
+    train hash alone (a speed option: the shipped drafter's recipe keeps its hash)."""
+    assert compile_loss("auto", torch.device("cuda")) and not compile_loss("auto", torch.device("cpu"))
+    assert compile_loss(True, torch.device("cpu")) and not compile_loss(False, torch.device("cuda"))
+    with pytest.raises(Eagle3Error, match="train.compile_loss='yes'"):
+        compile_loss("yes", torch.device("cpu"))
+    hashes = {train_output(make_cfg(*BASE, f"train.compile_loss={value}")).hash for value in ("auto", "true", "false")}
+    assert len(hashes) == 1
 
 
 def test_collate_pads_right_and_truncates():

@@ -253,6 +253,13 @@ def warmup_cosine(total_steps: int, warmup_ratio: float):
     return factor
 
 
+def compile_loss(setting, device: torch.device) -> bool:
+    """train.compile_loss: auto = on a GPU."""
+    if setting not in ("auto", True, False):
+        raise Eagle3Error(f"train.compile_loss={setting!r}: use auto, true or false")
+    return device.type == "cuda" if setting == "auto" else setting
+
+
 class DrafterModule(L.LightningModule):
     """TTT training of one drafter. The target's lm_head (for the target distribution) is a
     non-persistent buffer; the frozen embedding is left out of checkpoints. Online, the target
@@ -281,13 +288,8 @@ class DrafterModule(L.LightningModule):
 
     def step(self, batch: dict, head_tokens: int | None = None):
         return ttt_loss(self.drafter, self.with_hidden_states(batch), self.lm_head_weight, self.tcfg.ttt_length,
-                        self.tcfg.step_decay, self.tcfg.attention, head_tokens, self.compile_loss())
-
-    def compile_loss(self) -> bool:
-        setting = self.tcfg.get("compile_loss", "auto")
-        if setting not in ("auto", True, False):
-            raise Eagle3Error(f"train.compile_loss={setting!r}: use auto, true or false")
-        return self.device.type == "cuda" if setting == "auto" else setting
+                        self.tcfg.step_decay, self.tcfg.attention, head_tokens,
+                        compile_loss(self.tcfg.get("compile_loss", "auto"), self.device))
 
     def training_step(self, batch: dict, batch_idx: int):
         loss, metrics = self.step(batch)
