@@ -5,7 +5,7 @@
 #             dill, multiprocess, at the .venv's versions
 #   .devsite  smollm2_config.json: SmolLM2's shapes for bench_engine.py --random-from (converts the target once)
 #   .carry/1  the SmolLM2 wheel's first third and whl.sha256 (its name and hash, checked where it is joined)
-#   .carry/2  its second third and the three bench suites
+#   .carry/2  its second third, the three bench suites and turns3s.jsonl.gz (experiment=smollm2-h200-turns3-sampled)
 #   .carry/3  its last third and turns3.jsonl.gz
 # A call carries .whl .carry/1, the next ones (each within 30 s) .carry/2, then .carry/3: with the working tree
 # (the shipped drafter included) each stays under 64 MiB.
@@ -36,6 +36,10 @@ if [ ! -f .carry/3/whl.part.ac ]; then
 fi
 export PYTHONPATH=src:benchmarks
 [ -f .carry/2/suite_gsm8k.jsonl ] || "$py" benchmarks/first_turns.py --suites --out .carry/2
+if [ ! -f .carry/2/turns3s.jsonl.gz ]; then
+  "$py" benchmarks/first_turns.py --all-turns --max-turns 3 --first-turn-copies 1 --limit 100000 --out .carry/2/turns3s.jsonl
+  gzip -n .carry/2/turns3s.jsonl
+fi
 if [ ! -f .carry/3/turns3.jsonl.gz ]; then
   "$py" benchmarks/first_turns.py --all-turns --max-turns 3 --limit 100000 --out .carry/3/turns3.jsonl
   gzip -n .carry/3/turns3.jsonl

@@ -10,6 +10,11 @@ source's own answers would make the file too large to carry (experiment=smollm2-
 --max-turns N cuts each conversation after its Nth user turn (regeneration is one batched pass per
 turn index, so a long tail of deep conversations costs many small, slow passes).
 
+--first-turn-copies K (with --all-turns) adds after each conversation K rows holding its first user turn
+alone, ids <id>~1..K: with data.regen.reuse_answers naming the greedy answers of the conversations
+themselves, the data stage generates only these, at data.regen.temperature (a second, sampled answer
+to every first turn; experiment=smollm2-h200-turns3-sampled).
+
 --suites writes the shipped bench suites instead, as suite_<name>.jsonl (`{"id", "messages"}`) in the
 folder --out, for benchmarks/e2e_bench.py on a machine without the suites' packages:
 
@@ -34,6 +39,8 @@ def main() -> None:
     parser.add_argument("--max-chars", type=int, default=2000, help="longest first prompt kept")
     parser.add_argument("--all-turns", action="store_true", help="whole conversations, answers as placeholders")
     parser.add_argument("--max-turns", type=int, default=None, help="with --all-turns: user turns kept")
+    parser.add_argument("--first-turn-copies", type=int, default=0,
+                        help="with --all-turns: rows repeating each conversation's first user turn alone")
     parser.add_argument("--suites", action="store_true", help="the bench suites, into the folder --out")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -47,6 +54,9 @@ def main() -> None:
             prompt = next(m["content"] for m in conversation["messages"] if m["role"] == "user")
             if len(prompt) <= args.max_chars:
                 out.write(json.dumps(row_of(conversation, prompt, args.all_turns, args.max_turns)) + "\n")
+                for copy in range(1, args.first_turn_copies + 1 if args.all_turns else 1):
+                    row = row_of({**conversation, "id": f"{conversation['id']}~{copy}"}, prompt, True, 1)
+                    out.write(json.dumps(row) + "\n")
                 written += 1
             if written == args.limit:
                 break

@@ -29,7 +29,7 @@
 # (SPECS also for part-a's engine timing, ENGINE=0 skips it), BASELINES for bench (default hf,pld; empty = none),
 # DEADLINE (seconds from the start: data and training stop in time for the call's limit, both resume),
 # DEVICES for ddp, E3_ROOT (default /tmp/e3), SOURCE (the prompt file carried, default first_turns.jsonl;
-# turns3.jsonl with EXPERIMENT=smollm2-h200-turns3; a carried SOURCE.gz is unpacked), EXPERIMENT (default
+# turns3.jsonl with EXPERIMENT=smollm2-h200-turns3, turns3s.jsonl with -turns3-sampled; a carried SOURCE.gz is unpacked), EXPERIMENT (default
 # smollm2-h200).
 # The working tree travels as it is, edits in progress too: to run the committed code, snapshot it
 # (`mkdir .snap && git archive HEAD src benchmarks conf experiments | tar -x -C .snap`, .snap ignored),

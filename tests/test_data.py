@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from mlflow.tracking import MlflowClient
 
 from eagle3 import data
@@ -241,6 +242,38 @@ def test_data_stage_output_manifest_mlflow_and_idempotence(make_cfg, tiny_target
     assert same.hash == out.hash  # execution-only settings do not change the output
 
 
+def test_vocab_map_from_another_source(make_cfg, tiny_target, own_artifacts):
+    """data.vocab_map_from: the draft vocab of another data output or of a drafter export (its sglang/
+    model.safetensors) instead of this data's counts, with the coverage of this data's answers; a map of
+    another size is refused naming the key; the regenerated answers' log is shared with the plain run."""
+    plain = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "drafter.draft_vocab_size=64")
+    base = data.run(plain)
+    own_d2t, own_t2d = data.load_vocab_map(base.path)
+    d2t = torch.arange(0, 128, 2)[:64] - torch.arange(64)  # draft id i -> target id 2i: not the counted map
+    t2d = torch.zeros(tiny_target.vocab_size, dtype=torch.bool)
+    t2d[torch.arange(0, 128, 2)] = True
+    assert not torch.equal(d2t, own_d2t)
+    export = own_artifacts / "export" / "sglang"
+    export.mkdir(parents=True)
+    save_file({"d2t": d2t, "t2d": t2d, "fc.weight": torch.zeros(2, 2)}, export / "model.safetensors")
+    cfg = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "drafter.draft_vocab_size=64",
+                   f"data.vocab_map_from={export.parent}")
+    out = data.run(cfg)
+    assert out.hash != base.hash and data.regen_log_path(cfg) == data.regen_log_path(plain)
+    got_d2t, got_t2d = data.load_vocab_map(out.path)
+    assert torch.equal(got_d2t, d2t) and torch.equal(got_t2d, t2d)
+    splits = data.load_splits(out.path)
+    masked = torch.cat([torch.tensor(r["input_ids"])[torch.tensor(r["loss_mask"]).bool()] for r in splits["train"]])
+    assert out.manifest()["counts"]["coverage_train"] == pytest.approx(float(t2d[masked].float().mean()))
+    # another data output's map, given by its folder, is taken as it is
+    again = data.run(file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "drafter.draft_vocab_size=64",
+                              "data.seed=1", f"data.vocab_map_from={base.path}"))
+    assert torch.equal(data.load_vocab_map(again.path)[0], own_d2t)
+    with pytest.raises(Eagle3Error, match="data.vocab_map_from=.*64 draft ids.*needs 32"):
+        data.run(file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "drafter.draft_vocab_size=32",
+                          f"data.vocab_map_from={export.parent}"))
+
+
 def test_empty_validation_split_is_one_clear_error(make_cfg, tiny_target, own_artifacts):
     """datasets cannot reload an empty split, and training validates every epoch: refused at the data stage."""
     cfg = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "data.val_fraction=0")
@@ -338,6 +371,33 @@ def test_another_draft_vocab_reuses_the_regenerated_answers(make_cfg, own_artifa
         assert turn_records(out.path) == turn_records(first.path)
         assert data.load_vocab_map(out.path)[0].numel() == vocab
         shutil.rmtree(data.regen_log_path(cfg).parent)  # the second round seeds from a data output's copy
+
+
+def test_reuse_answers_takes_another_logs_answers_and_generates_the_rest(make_cfg, own_artifacts, tmp_path,
+                                                                         monkeypatch):
+    """data.regen.reuse_answers: the answers another regeneration logged for these conversations' turns are
+    taken (here its first turns, the log ending in a line cut by a kill) and only the other turns are
+    generated (the generator wrapped to count its prompts); greedy, they come out as the full run's. The
+    setting is part of where the answers live (they need not be what these settings would generate)."""
+    first = data.run(regen_cfg(make_cfg, own_artifacts))
+    records = turn_records(first.path)
+    first_turns = [r for r in records if r["turn"] == 0]
+    assert 0 < len(first_turns) < len(records)  # the fixture has later turns to generate
+    source = tmp_path / "turns.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in first_turns) + '{"id": "cut", "tu')
+    generated, generate = [], data.LocalGenerator.generate
+    monkeypatch.setattr(data.LocalGenerator, "generate",
+                        lambda self, prompts: generated.extend(prompts) or generate(self, prompts))
+    cfg = regen_cfg(make_cfg, own_artifacts, f"data.regen.reuse_answers={source}")
+    assert data.regen_log_path(cfg) != data.regen_log_path(regen_cfg(make_cfg, own_artifacts))
+    out = data.run(cfg)
+    counts = out.manifest()["counts"]
+    assert counts["regen_turns_reused"] == len(first_turns) and len(generated) == len(records) - len(first_turns)
+    assert counts["regen_answers"] == len(records)
+    answers = lambda rows: {(r["id"], r["turn"]): r["content"] for r in rows}  # noqa: E731
+    assert answers(turn_records(out.path)) == answers(records)
+    with pytest.raises(Eagle3Error, match="data.regen.reuse_answers=.*no such answer log"):
+        data.run(regen_cfg(make_cfg, own_artifacts, f"data.regen.reuse_answers={tmp_path / 'missing.jsonl'}"))
 
 
 LOCK_HOLDER = """
@@ -570,6 +630,24 @@ def test_prompt_file_keeps_the_first_user_turns(tmp_path):
         assert [m["content"] for m in row["messages"]] == [
             m["content"] if m["role"] != "assistant" else "." for m in expected]
     assert sum(len([m for m in r["messages"] if m["role"] == "user"]) == 2 for r in rows) > 100
+
+
+def test_prompt_file_with_first_turn_copies(tmp_path):
+    """--first-turn-copies 2: after each conversation (its first three user turns) two rows <id>~1, <id>~2
+    holding its first user turn alone, the same messages up to and including that turn's placeholder."""
+    out = tmp_path / "turns3s.jsonl"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_turns.py"
+    subprocess.run([sys.executable, str(script), "--all-turns", "--max-turns", "3", "--first-turn-copies", "2",
+                    "--limit", "40", "--out", str(out)], check=True, capture_output=True)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 120
+    for original, *copies in zip(rows[0::3], rows[1::3], rows[2::3]):
+        assert [c["id"] for c in copies] == [f"{original['id']}~1", f"{original['id']}~2"]
+        first_user = next(i for i, m in enumerate(original["messages"]) if m["role"] == "user")
+        expected = original["messages"][:first_user + 2]  # up to the first answer's placeholder
+        assert all(c["messages"] == expected for c in copies)
+        assert sum(m["role"] == "user" for m in copies[0]["messages"]) == 1
+    assert sum(sum(m["role"] == "user" for m in r["messages"]) > 1 for r in rows[0::3]) > 10
 
 
 def test_suite_files_hold_every_prompt_of_the_shipped_suites(tmp_path):

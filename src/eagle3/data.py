@@ -25,7 +25,8 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 from omegaconf import DictConfig
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from eagle3.artifacts import StageOutput, config_hash, stage_output, to_plain
@@ -47,13 +48,19 @@ REGEN_EXECUTION_ONLY = ("batch_size", "concurrency", "timeout_s", "max_retries",
 def data_output(cfg: DictConfig) -> StageOutput:
     """The data stage's folder for this config (located, not run)."""
     sections = {**answer_sections(cfg), "draft_vocab_size": cfg.drafter.draft_vocab_size}
+    if cfg.data.get("vocab_map_from") is not None:  # absent when null: the hashes of outputs from before the key
+        sections["vocab_map_from"] = str(cfg.data.vocab_map_from)
     return stage_output(cfg.paths.artifacts, "data", sections)
 
 
 def answer_sections(cfg: DictConfig) -> dict:
-    """What the conversations and their regenerated answers depend on: the target and the data config."""
+    """What the conversations and their regenerated answers depend on: the target and the data config
+    (not the draft vocab's source)."""
     data = to_plain(cfg.data)
+    data.pop("vocab_map_from", None)
     data["regen"] = {k: v for k, v in data["regen"].items() if k not in REGEN_EXECUTION_ONLY}
+    if data["regen"].get("reuse_answers", "absent") is None:  # the hashes of answers from before the key
+        data["regen"].pop("reuse_answers")
     return {"target": target_key(cfg.target), "data": data}
 
 
@@ -85,10 +92,30 @@ def load_splits(path: str | Path):
 
 
 def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t int64 [draft_vocab], t2d bool [target_vocab]) from a data folder or the file itself."""
+    """(d2t int64 [draft_vocab], t2d bool [target_vocab]) from a data folder, a drafter export (its folder or
+    its sglang/ folder) or a safetensors file holding both."""
     path = Path(path)
-    tensors = load_file(str(path / "vocab_map.safetensors" if path.is_dir() else path))
-    return tensors["d2t"], tensors["t2d"]
+    if path.is_dir():
+        candidates = [path / "vocab_map.safetensors", path / "model.safetensors", path / "sglang" / "model.safetensors"]
+        path = next((c for c in candidates if c.exists()), candidates[0])
+    if not path.exists():
+        raise Eagle3Error(f"no vocab map at {path} (a data output, a drafter export or a safetensors file)")
+    with safe_open(str(path), framework="pt") as tensors:
+        if not {"d2t", "t2d"} <= set(tensors.keys()):
+            raise Eagle3Error(f"{path} holds no vocab map (tensors d2t and t2d)")
+        return tensors.get_tensor("d2t").to(torch.int64), tensors.get_tensor("t2d").to(torch.bool)
+
+
+def vocab_map_for(cfg: DictConfig, train: dict, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(d2t, t2d, coverage of the training answers): counted from them, or data.vocab_map_from's."""
+    draft_vocab, source = cfg.drafter.draft_vocab_size, cfg.data.get("vocab_map_from")
+    if source is None:
+        return build_vocab_map(train["input_ids"], train["loss_mask"], target_vocab, draft_vocab)
+    d2t, t2d = load_vocab_map(source)
+    if (d2t.numel(), t2d.numel()) != (draft_vocab, target_vocab):
+        raise Eagle3Error(f"data.vocab_map_from={source}: a map of {d2t.numel()} draft ids over {t2d.numel()} "
+                          f"target ids, this run needs {draft_vocab} (drafter.draft_vocab_size) over {target_vocab}")
+    return d2t, t2d, coverage_of(t2d, train["input_ids"], train["loss_mask"])
 
 
 def tokenizer_hash(tokenizer) -> str:
@@ -568,6 +595,8 @@ def answer_turns(cfg: DictConfig, shared: Path, splits: dict[str, list[dict]], t
         seed_regen_log(cfg, shared)
     turn_log = TurnLog(shared)
     conversations = [c for convs in splits.values() for c in convs]
+    if rcfg.get("reuse_answers"):
+        counts["regen_turns_reused"] = reuse_answers(turn_log, Path(rcfg.reuse_answers), conversations)
     counts["regen_turns_resumed"] = sum(len(a) for a in turn_log.answers.values())
     if rcfg.backend not in ("local", "openai"):
         raise Eagle3Error(f"data.regen.backend={rcfg.backend}: use local or openai")
@@ -583,6 +612,30 @@ def answer_turns(cfg: DictConfig, shared: Path, splits: dict[str, list[dict]], t
         if items:
             failed.update(generator.run(items, turn_log, desc=f"regenerate turn {turn + 1}"))
     return turn_log, failed
+
+
+def reuse_answers(turn_log: TurnLog, source: Path, conversations: list[dict]) -> int:
+    """Copy into this run's log the answers another regeneration logged (data.regen.reuse_answers) for
+    these conversations' turns that this log lacks -> how many. The source must have answered the same
+    conversations (ids and user turns) with the same target: its answers are taken, not checked."""
+    if not source.is_file():
+        raise Eagle3Error(f"data.regen.reuse_answers={source}: no such answer log (a regen/<hash>/turns.jsonl)")
+    turns = {c["id"]: user_turns(c) for c in conversations}
+    records, seen = [], set()
+    for line in source.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill of the run that wrote it
+            continue
+        key = (record["id"], record["turn"])
+        if key not in seen and record["turn"] < turns.get(record["id"], 0) and \
+                record["turn"] not in turn_log.answers.get(record["id"], {}):
+            records.append(record)
+        seen.add(key)
+    if records:
+        turn_log.append(records)
+    log.info("data: %d answers reused from %s", len(records), source)
+    return len(records)
 
 
 def loop_start(text: str, ngram: int) -> int | None:
@@ -821,8 +874,7 @@ def run(cfg: DictConfig) -> StageOutput:
             raise Eagle3Error(f"data: the validation split is empty ({len(splits['val'])} held out by "
                               f"data.val_fraction={cfg.data.val_fraction}, then dropped: {dict(dropped)}); raise "
                               "data.val_fraction or data.limit")
-        d2t, t2d, coverage = build_vocab_map(train["input_ids"], train["loss_mask"], target_vocab,
-                                             cfg.drafter.draft_vocab_size)
+        d2t, t2d, coverage = vocab_map_for(cfg, train, target_vocab)
         save_file({"d2t": d2t, "t2d": t2d}, str(out.path / "vocab_map.safetensors"))
         save_dataset(out.path, columns)
         for name, cols in columns.items():
