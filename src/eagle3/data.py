@@ -59,8 +59,8 @@ def answer_sections(cfg: DictConfig) -> dict:
     data = to_plain(cfg.data)
     data.pop("vocab_map_from", None)
     data["regen"] = {k: v for k, v in data["regen"].items() if k not in REGEN_EXECUTION_ONLY}
-    if data["regen"].get("reuse_answers", "absent") is None:  # the hashes of answers from before the key
-        data["regen"].pop("reuse_answers")
+    if data["regen"].get("reuse_answers") is None:  # absent when null: the hashes of answers from before the key
+        data["regen"].pop("reuse_answers", None)
     return {"target": target_key(cfg.target), "data": data}
 
 
