@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from mlflow.tracking import MlflowClient
 
 from eagle3 import data
 from eagle3.common import Eagle3Error
+from eagle3.drafter import build_drafter
+from eagle3.export import export_sglang
 
 FIXTURES = Path(__file__).parent / "fixtures"
 JSONL = FIXTURES / "conversations.jsonl"
@@ -243,9 +244,10 @@ def test_data_stage_output_manifest_mlflow_and_idempotence(make_cfg, tiny_target
 
 
 def test_vocab_map_from_another_source(make_cfg, tiny_target, own_artifacts):
-    """data.vocab_map_from: the draft vocab of another data output or of a drafter export (its sglang/
-    model.safetensors) instead of this data's counts, with the coverage of this data's answers; a map of
-    another size is refused naming the key; the regenerated answers' log is shared with the plain run."""
+    """data.vocab_map_from: the draft vocab of another data output or of a drafter export (read by
+    export.load_drafter, given the export's root) instead of this data's counts, with the coverage of
+    this data's answers; a map of another size is refused naming the key; the regenerated answers' log
+    is shared with the plain run."""
     plain = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "drafter.draft_vocab_size=64")
     base = data.run(plain)
     own_d2t, own_t2d = data.load_vocab_map(base.path)
@@ -253,9 +255,9 @@ def test_vocab_map_from_another_source(make_cfg, tiny_target, own_artifacts):
     t2d = torch.zeros(tiny_target.vocab_size, dtype=torch.bool)
     t2d[torch.arange(0, 128, 2)] = True
     assert not torch.equal(d2t, own_d2t)
-    export = own_artifacts / "export" / "sglang"
-    export.mkdir(parents=True)
-    save_file({"d2t": d2t, "t2d": t2d, "fc.weight": torch.zeros(2, 2)}, export / "model.safetensors")
+    drafter = build_drafter(tiny_target, plain.drafter)
+    drafter.set_vocab_map(d2t, t2d)
+    export = export_sglang(drafter, own_artifacts / "export" / "sglang", {"ttt_length": 7})
     cfg = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "drafter.draft_vocab_size=64",
                    f"data.vocab_map_from={export.parent}")
     out = data.run(cfg)

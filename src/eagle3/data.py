@@ -25,8 +25,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 from omegaconf import DictConfig
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from eagle3.artifacts import StageOutput, config_hash, stage_output, to_plain
@@ -92,26 +91,24 @@ def load_splits(path: str | Path):
 
 
 def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t int64 [draft_vocab], t2d bool [target_vocab]) from a data folder, a drafter export (its folder or
-    its sglang/ folder) or a safetensors file holding both."""
+    """(d2t int64 [draft_vocab], t2d bool [target_vocab]) from a data folder or the file itself."""
     path = Path(path)
-    if path.is_dir():
-        candidates = [path / "vocab_map.safetensors", path / "model.safetensors", path / "sglang" / "model.safetensors"]
-        path = next((c for c in candidates if c.exists()), candidates[0])
-    if not path.exists():
-        raise Eagle3Error(f"no vocab map at {path} (a data output, a drafter export or a safetensors file)")
-    with safe_open(str(path), framework="pt") as tensors:
-        if not {"d2t", "t2d"} <= set(tensors.keys()):
-            raise Eagle3Error(f"{path} holds no vocab map (tensors d2t and t2d)")
-        return tensors.get_tensor("d2t").to(torch.int64), tensors.get_tensor("t2d").to(torch.bool)
+    tensors = load_file(str(path / "vocab_map.safetensors" if path.is_dir() else path))
+    return tensors["d2t"], tensors["t2d"]
 
 
 def vocab_map_for(cfg: DictConfig, train: dict, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(d2t, t2d, coverage of the training answers): counted from them, or data.vocab_map_from's."""
+    """(d2t, t2d, coverage of the training answers): counted from them, or data.vocab_map_from's: a data
+    output folder, its vocab_map.safetensors, or any drafter export.load_drafter reads."""
     draft_vocab, source = cfg.drafter.draft_vocab_size, cfg.data.get("vocab_map_from")
     if source is None:
         return build_vocab_map(train["input_ids"], train["loss_mask"], target_vocab, draft_vocab)
-    d2t, t2d = load_vocab_map(source)
+    if Path(source).is_file() or (Path(source) / "vocab_map.safetensors").exists():
+        d2t, t2d = load_vocab_map(source)
+    else:
+        from eagle3.export import load_drafter
+        drafter = load_drafter(source)
+        d2t, t2d = drafter.d2t, drafter.t2d
     if (d2t.numel(), t2d.numel()) != (draft_vocab, target_vocab):
         raise Eagle3Error(f"data.vocab_map_from={source}: a map of {d2t.numel()} draft ids over {t2d.numel()} "
                           f"target ids, this run needs {draft_vocab} (drafter.draft_vocab_size) over {target_vocab}")
@@ -492,6 +489,15 @@ def coverage_of(t2d: torch.Tensor, input_ids: list[list[int]], loss_masks: list[
 # ---------------------------------------------------------------- regeneration
 
 
+def logged_answers(data: bytes) -> dict[str, dict[int, str | None]]:
+    """{conversation id: {turn: content}} from an answer log's complete lines (the first line of a turn wins)."""
+    answers: dict[str, dict[int, str | None]] = {}
+    for line in data[:data.rfind(b"\n") + 1].decode().splitlines():
+        record = json.loads(line)
+        answers.setdefault(record["id"], {}).setdefault(record["turn"], record["content"])
+    return answers
+
+
 class TurnLog:
     """regen/turns.jsonl: one line per answered turn, {"id", "turn", "content"} (content null when
     the prompt no longer fits max_length). Appended and fsynced as results arrive; a line cut
@@ -510,9 +516,8 @@ class TurnLog:
         if complete < len(data):
             with open(self.path, "r+b") as file:
                 file.truncate(complete)
-        for line in data[:complete].decode().splitlines():
-            record = json.loads(line)
-            self.answers.setdefault(record["id"], {}).setdefault(record["turn"], record["content"])
+        self.answers = logged_answers(data)
+
 
     def append(self, records: list[dict]) -> None:
         with open(self.path, "a") as file:
@@ -621,17 +626,10 @@ def reuse_answers(turn_log: TurnLog, source: Path, conversations: list[dict]) ->
     if not source.is_file():
         raise Eagle3Error(f"data.regen.reuse_answers={source}: no such answer log (a regen/<hash>/turns.jsonl)")
     turns = {c["id"]: user_turns(c) for c in conversations}
-    records, seen = [], set()
-    for line in source.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a kill of the run that wrote it
-            continue
-        key = (record["id"], record["turn"])
-        if key not in seen and record["turn"] < turns.get(record["id"], 0) and \
-                record["turn"] not in turn_log.answers.get(record["id"], {}):
-            records.append(record)
-        seen.add(key)
+    records = [{"id": conv_id, "turn": turn, "content": content}
+               for conv_id, answers in logged_answers(source.read_bytes()).items()
+               for turn, content in sorted(answers.items())
+               if turn < turns.get(conv_id, 0) and turn not in turn_log.answers.get(conv_id, {})]
     if records:
         turn_log.append(records)
     log.info("data: %d answers reused from %s", len(records), source)
