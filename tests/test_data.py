@@ -402,6 +402,29 @@ def test_reuse_answers_takes_another_logs_answers_and_generates_the_rest(make_cf
         data.run(regen_cfg(make_cfg, own_artifacts, f"data.regen.reuse_answers={tmp_path / 'missing.jsonl'}"))
 
 
+def test_regen_seed_draws_other_sampled_answers_and_stays_out_of_the_hash_when_null(make_cfg, own_artifacts):
+    """data.regen.seed: sampled answers are reproducible under one seed, differ under another, and null is
+    data.seed (the same answers, and the answer log's old path: the key is left out of the hash)."""
+    def sampled(seed):
+        cfg = regen_cfg(make_cfg, own_artifacts, "data.regen.temperature=1.0", f"data.regen.seed={seed}")
+        out = data.run(cfg)
+        return data.regen_log_path(cfg), sorted((r["id"], r["turn"], r["content"]) for r in turn_records(out.path))
+
+    default_path, default = sampled("null")
+    data_seed = make_cfg().data.seed
+    plain = regen_cfg(make_cfg, own_artifacts, "data.regen.temperature=1.0")
+    assert "seed" not in data.answer_sections(plain)["data"]["regen"] and default_path == data.regen_log_path(plain)
+    same_path, same = sampled(data_seed)
+    other_path, other = sampled(data_seed + 1)
+    assert same == default and same_path != default_path  # the same draws, logged under the explicit key
+    assert len({default_path, same_path, other_path}) == 3
+    assert [key[:2] for key in other] == [key[:2] for key in default] and other != default
+    shutil.rmtree(other_path.parent)
+    for output in own_artifacts.glob("data/*"):
+        shutil.rmtree(output)
+    assert sampled(data_seed + 1)[1] == other  # regenerated from scratch: the same draws again
+
+
 LOCK_HOLDER = """
 import fcntl, os, pathlib, sys, time
 folder, release = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
@@ -666,21 +689,50 @@ def test_suite_files_hold_every_prompt_of_the_shipped_suites(tmp_path):
         assert [(r["id"], r["messages"]) for r in rows] == [(p.id, p.messages) for p in prompts]
 
 
-def test_shipped_answers_are_the_ones_the_turns3_experiments_ask_for(tmp_path):
-    """benchmarks/assets/regen-<hash>.tgz: the hash is the regen log path that experiment=smollm2-h200-
-    turns3(-v32k) computes for h200_pipeline.sh's prompt file, and every answered turn belongs to a
-    conversation of the shipped slice (a config change that moves the hash makes this fail, and the
-    lease would silently regenerate again)."""
+SHIPPED_ANSWERS = {  # benchmarks/assets/regen-<hash>.tgz: (experiments, their prompt file, answered turns)
+    "07ac172fdd52": (("smollm2-h200-turns3", "smollm2-h200-turns3-v32k", "smollm2-h200-turns3-v32k-more"),
+                     "turns3.jsonl", 33189),
+    "22ea300a3a13": (("smollm2-h200-turns3-sampled",), "turns3s.jsonl", 33189 + 14066),
+}
+
+
+def shipped_answers(answer_hash: str) -> tuple[str, list[dict]]:
     import tarfile
-    from eagle3.common import compose
-    asset, = (Path(__file__).resolve().parents[1] / "benchmarks" / "assets").glob("regen-*.tgz")
+    asset = Path(__file__).resolve().parents[1] / "benchmarks" / "assets" / f"regen-{answer_hash}.tgz"
     with tarfile.open(asset) as archive:
         member, = archive.getnames()
-        rows = [json.loads(line) for line in archive.extractfile(member).read().decode().splitlines()]
-    for experiment in ("smollm2-h200-turns3", "smollm2-h200-turns3-v32k", "smollm2-h200-turns3-v32k-more"):
-        cfg = compose([f"experiment={experiment}", f"paths.root={tmp_path}", "data.source=/tmp/e3/turns3.jsonl"])
+        return member, [json.loads(line) for line in archive.extractfile(member).read().decode().splitlines()]
+
+
+def test_every_shipped_answer_file_is_listed_here():
+    folder = Path(__file__).resolve().parents[1] / "benchmarks" / "assets"
+    assert sorted(p.name for p in folder.glob("regen-*.tgz")) == sorted(f"regen-{h}.tgz" for h in SHIPPED_ANSWERS)
+
+
+@pytest.mark.parametrize("answer_hash", sorted(SHIPPED_ANSWERS))
+def test_shipped_answers_are_the_ones_their_experiments_ask_for(answer_hash, tmp_path):
+    """benchmarks/assets/regen-<hash>.tgz: the hash is the regen log path that its experiments compute
+    for h200_pipeline.sh's prompt file, and every answered turn belongs to a conversation of the
+    shipped slice or to a first-turn copy of one (<id>~1): a config change that moves the hash makes
+    this fail, and the lease would silently regenerate again."""
+    from eagle3.common import compose
+    experiments, prompt_file, count = SHIPPED_ANSWERS[answer_hash]
+    member, rows = shipped_answers(answer_hash)
+    for experiment in experiments:
+        cfg = compose([f"experiment={experiment}", "paths.root=/tmp/e3", f"data.source=/tmp/e3/{prompt_file}"])
         assert data.regen_log_path(cfg).relative_to(cfg.paths.artifacts).as_posix() == member
-    assert asset.name == f"regen-{member.split('/')[1]}.tgz" and len(rows) == 33189
+    assert member.split("/")[1] == answer_hash and len(rows) == count
     ids = {c["id"] for c in data.conversations_for(compose(["data=sharegpt", "data.val_fraction=0"]).data,
                                                    Counter())["train"]}
-    assert {r["id"] for r in rows} <= ids and {r["turn"] for r in rows} == {0, 1, 2}
+    copies = {r["id"] for r in rows if "~" in r["id"]}
+    assert {r["id"] for r in rows} - copies <= ids and {i.split("~")[0] for i in copies} <= ids
+    assert {r["turn"] for r in rows if "~" in r["id"]} <= {0} and {r["turn"] for r in rows} == {0, 1, 2}
+
+
+def test_sampled_answers_reuse_the_greedy_ones_word_for_word():
+    """The sampled experiment's log holds the greedy log's answers unchanged (data.regen.reuse_answers)."""
+    _, greedy = shipped_answers("07ac172fdd52")
+    _, sampled = shipped_answers("22ea300a3a13")
+    def by_turn(rows):
+        return sorted((r["id"], r["turn"], r["content"]) for r in rows)
+    assert by_turn(r for r in sampled if "~" not in r["id"]) == by_turn(greedy)

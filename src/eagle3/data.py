@@ -58,8 +58,9 @@ def answer_sections(cfg: DictConfig) -> dict:
     data = to_plain(cfg.data)
     data.pop("vocab_map_from", None)
     data["regen"] = {k: v for k, v in data["regen"].items() if k not in REGEN_EXECUTION_ONLY}
-    if data["regen"].get("reuse_answers") is None:  # absent when null: the hashes of answers from before the key
-        data["regen"].pop("reuse_answers", None)
+    for key in ("reuse_answers", "seed"):  # absent when null: the hashes of answers from before these keys
+        if data["regen"].get(key) is None:
+            data["regen"].pop(key, None)
     return {"target": target_key(cfg.target), "data": data}
 
 
@@ -694,7 +695,8 @@ class LocalGenerator:
         tokenizer = self.target.tokenizer
         self.eot_id = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer, cfg.data))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eot_id
-        torch.manual_seed(cfg.data.seed)
+        seed = self.rcfg.get("seed")
+        torch.manual_seed(cfg.data.seed if seed is None else seed)
 
     def run(self, items: list[tuple], turn_log: TurnLog, desc: str) -> dict[str, str]:
         tokenizer = self.target.tokenizer
