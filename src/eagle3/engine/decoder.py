@@ -106,6 +106,7 @@ class SpecDecoder:
                             if self.drafter is not None else None)
         self.device = target.device
         self.generator = torch.Generator().manual_seed(seed)
+        self.root_host = torch.zeros(1, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.fused = FusedGreedy(self, compile_draft) if fused else None
         self.overlap_steps = overlap_steps
         self.compile_prefill = compile_prefill
@@ -129,9 +130,7 @@ class SpecDecoder:
         started = time.perf_counter()
         budget = min(max_new_tokens, self.max_context - len(prompt_ids))
         sampling = Sampling(temperature, top_p, generator or self.generator)
-        choose = (lambda logits: self.draw(logits, sampling)) if sampling.random else \
-                 (lambda logits: int(logits.argmax()))
-        root, h_last = self.prefill(prompt_ids, choose)
+        root, h_last = self.prefill(prompt_ids, sampling)
         stats.prefill_time_s = time.perf_counter() - started
         out, stop_ids = [root], set(stop_ids)
         finish = self._finished(out, budget, stop_ids, on_tokens, [root])
@@ -172,18 +171,36 @@ class SpecDecoder:
 
     # ------------------------------------------------------------ steps
 
-    def prefill(self, prompt_ids: list[int], choose) -> tuple[int, torch.Tensor | None]:
+    def prefill(self, prompt_ids: list[int], sampling: Sampling) -> tuple[int, torch.Tensor | None]:
+        """The prompt through the target, then the drafter -> (the first new token, the drafter's last hidden).
+        The host reads that token from a copy that waits for the target's pass alone, so the drafter's pass
+        is enqueued while the GPU still runs the prompt and runs while the host launches the first step."""
         ids = torch.tensor(prompt_ids, device=self.device)
         n = ids.numel()
         width = next((w for w in self.prefill_widths if w >= n), n)
         positions = torch.arange(width, device=self.device)
         logits, aux = self.target_run.forward(_pad(ids, width), positions, positions,
                                               self.causal_mask(0, width, self.target_run))
-        root = choose(logits[n - 1])
+        if sampling.random:
+            root = torch.tensor([self.draw(logits[n - 1], sampling)], device=self.device)
+        else:
+            root = logits[n - 1].argmax().view(1)
         if self.drafter_run is None:
-            return root, None
-        next_ids = torch.cat([ids[1:], torch.tensor([root], device=self.device)])
-        return root, self.extend_drafter(next_ids, aux[:n], 0)
+            return int(root), None
+        ready = self._copy_to_host(root)
+        h_last = self.extend_drafter(torch.cat([ids[1:], root]), aux[:n], 0)
+        if ready is not None:
+            ready.synchronize()  # the prompt's pass only: the drafter's may still run
+        return int(self.root_host), h_last
+
+    def _copy_to_host(self, token: torch.Tensor):
+        """token [1] into self.root_host -> the event to wait on (CUDA), or None (copied already)."""
+        self.root_host.copy_(token, non_blocking=self.device.type == "cuda")
+        if self.device.type != "cuda":
+            return None
+        ready = torch.cuda.Event()
+        ready.record()
+        return ready
 
     def step(self, root: int, position: int, h_last, sampling: Sampling, stats: RequestStats):
         """One draft + verify; returns (the committed tokens incl. the bonus, the drafter's last hidden)."""
