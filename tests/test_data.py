@@ -710,7 +710,7 @@ def test_every_shipped_answer_file_is_listed_here():
 
 
 @pytest.mark.parametrize("answer_hash", sorted(SHIPPED_ANSWERS))
-def test_shipped_answers_are_the_ones_their_experiments_ask_for(answer_hash, tmp_path):
+def test_shipped_answers_are_the_ones_their_experiments_ask_for(answer_hash):
     """benchmarks/assets/regen-<hash>.tgz: the hash is the regen log path that its experiments compute
     for h200_pipeline.sh's prompt file, and every answered turn belongs to a conversation of the
     shipped slice or to a first-turn copy of one (<id>~1): a config change that moves the hash makes
@@ -733,6 +733,7 @@ def test_sampled_answers_reuse_the_greedy_ones_word_for_word():
     """The sampled experiment's log holds the greedy log's answers unchanged (data.regen.reuse_answers)."""
     _, greedy = shipped_answers("07ac172fdd52")
     _, sampled = shipped_answers("22ea300a3a13")
+
     def by_turn(rows):
         return sorted((r["id"], r["turn"], r["content"]) for r in rows)
     assert by_turn(r for r in sampled if "~" not in r["id"]) == by_turn(greedy)
