@@ -9,7 +9,8 @@ several spec shapes with a trained drafter. Plain argparse (runs on a bare GPU b
 tok/s = completion tokens / wall time over the suite (EOS stops every method alike); τ is
 completion tokens / verify steps; `match` (match_hf) is the share of prompts whose output equals the
 first method's on that suite (`match_reference`): HF greedy by default, the engine's spec=off with
---baselines "" (a run of spec shapes only compares with its first).
+--baselines "" (a run of spec shapes only compares with its first). At the end it prints every
+method's totals over all suites (e2e_totals.py, which also sums the files of one lease).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from bench_engine import add_engine_options, engine_options, load, load_drafter, parse_spec, sync
+from e2e_totals import report, totals
 from eagle3.engine import SpecDecoder, summarize
 
 
@@ -116,6 +118,7 @@ def main() -> None:
             print(f"{suite:>10} {method:>10}: {tokens / wall:8.1f} tok/s  tau {row.get('tau', float('nan')):.2f}  "
                   f"match {match:.2f}{phases}", flush=True)
             Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    print(report(totals(rows)), flush=True)
 
 
 if __name__ == "__main__":

@@ -392,6 +392,37 @@ def test_tree_shapes_predicts_from_gpu_step_costs(tmp_path):
     assert "gpu_tau" not in predicted["d24s6k8"]
 
 
+def test_e2e_totals_sums_the_suites_of_each_method(tmp_path):
+    """benchmarks/e2e_totals.py over two e2e_bench-shaped files: tok/s is the sum of tokens over the sum of
+    wall time (not the mean of the suites' rates), τ and the step over the summed verify steps, the phase
+    times weighted by steps (prefill by prompts), the ratio against off's totals; a method measured twice
+    on one suite is refused."""
+    def row(suite, method, tokens, wall, steps, draft, prompts=4):
+        return {"suite": suite, "method": method, "prompts": prompts, "tokens": tokens, "wall_s": wall,
+                "verify_steps": steps, "draft_ms_per_step": draft, "verify_ms_per_step": 1.0,
+                "prefill_ms_per_prompt": 2.0 if suite == "a" else 4.0}
+    first = [row("a", "off", 100, 1.0, 100, 0.0), row("b", "off", 300, 2.0, 300, 0.0),
+             row("a", "d8", 100, 0.25, 25, 0.2), row("b", "d8", 300, 0.5, 50, 0.5, prompts=12)]
+    second = [row("a", "d16", 90, 0.5, 30, 0.3)]
+    for name, rows in (("first", first), ("second", second)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_totals.py"
+    run = subprocess.run([sys.executable, str(script), str(tmp_path / "first.json"), str(tmp_path / "second.json"),
+                          "--json", str(tmp_path / "totals.json")], check=True, capture_output=True, text=True)
+    out = {t["method"]: t for t in json.loads((tmp_path / "totals.json").read_text())}
+    assert list(out) == ["off", "d8", "d16"]
+    assert out["off"]["tok_per_s"] == pytest.approx(400 / 3.0) and out["d8"]["tok_per_s"] == pytest.approx(400 / 0.75)
+    assert out["d8"]["speedup"] == pytest.approx((400 / 0.75) / (400 / 3.0))
+    assert "speedup" not in out["d16"]  # one suite of two: not comparable with off's totals
+    assert out["d8"]["tau"] == pytest.approx(400 / 75) and out["d8"]["step_ms"] == pytest.approx(1000 * 0.75 / 75)
+    assert out["d8"]["draft_ms_per_step"] == pytest.approx((0.2 * 25 + 0.5 * 50) / 75)
+    assert out["d8"]["prefill_ms_per_prompt"] == pytest.approx((2.0 * 4 + 4.0 * 12) / 16)
+    assert "d8:    533.3 tok/s (4.000x off)" in run.stdout
+    (tmp_path / "twice.json").write_text(json.dumps({"rows": first + [row("b", "d8", 1, 1.0, 1, 0.1)]}))
+    twice = subprocess.run([sys.executable, str(script), str(tmp_path / "twice.json")], capture_output=True, text=True)
+    assert twice.returncode != 0 and "d8: suite measured twice (['a', 'b', 'b'])" in twice.stderr
+
+
 def test_trace_phases_groups_kernels_by_graph_replay(tmp_path):
     """benchmarks/trace_phases.py on a profiler trace of known shape: two replays of a 3-kernel graph,
     one of a 2-kernel graph, a kernel launched outside any graph (left out) and a graph launch whose

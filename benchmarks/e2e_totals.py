@@ -1,0 +1,72 @@
+"""All suites together, per method, from e2e_bench.py JSONs of one lease: what the engine's aim
+(tok/s and its ratio to spec=off over the three suites) is judged on. Rows are summed, not their
+rates averaged: tok/s = Σ tokens / Σ wall, τ = Σ tokens / Σ verify steps, step = Σ wall / Σ verify
+steps (prefill included); draft, verify and prefill times are weighted by steps and prompts.
+
+    python benchmarks/e2e_totals.py e2e.json [e2e_deeper.json ...] [--json totals.json]
+
+The ratio is to the spec=off rows of the same files (`off`); without them there is none. A method
+measured in two files (variants of one engine setting) is a mistake here: give the files apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+WEIGHTED = {"draft_ms_per_step": "verify_steps", "verify_ms_per_step": "verify_steps",
+            "prefill_ms_per_prompt": "prompts"}
+
+
+def totals(rows: list[dict]) -> list[dict]:
+    """One row per method, in first-seen order, with its suites summed; `speedup` against method off."""
+    grouped: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        grouped[row["method"]].append(row)
+    out = []
+    for method, group in grouped.items():
+        suites = [r["suite"] for r in group]
+        if len(set(suites)) != len(suites):
+            raise SystemExit(f"{method}: suite measured twice ({sorted(suites)}); give variant files apart")
+        tokens, wall = sum(r["tokens"] for r in group), sum(r["wall_s"] for r in group)
+        total = {"method": method, "suites": suites, "prompts": sum(r["prompts"] for r in group),
+                 "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall}
+        steps = sum(r.get("verify_steps", 0) for r in group)
+        if steps:
+            total |= {"tau": tokens / steps, "step_ms": 1000 * wall / steps}
+            for key, weight in WEIGHTED.items():
+                total[key] = sum(r[key] * r[weight] for r in group) / sum(r[weight] for r in group)
+        out.append(total)
+    off = next((t for t in out if t["method"] == "off"), None)
+    for total in out:
+        if off is not None and total["suites"] == off["suites"]:
+            total["speedup"] = total["tok_per_s"] / off["tok_per_s"]
+    return out
+
+
+def report(rows: list[dict]) -> str:
+    lines = ["all suites:"]
+    for t in rows:
+        ratio = f" ({t['speedup']:.3f}x off)" if "speedup" in t else ""
+        steps = (f"  tau {t['tau']:.3f}  step {t['step_ms']:.3f} ms (draft {t['draft_ms_per_step']:.3f}, verify "
+                 f"{t['verify_ms_per_step']:.3f}, prefill {t['prefill_ms_per_prompt']:.2f} ms/prompt)" if "tau" in t else "")
+        lines.append(f"{t['method']:>10}: {t['tok_per_s']:8.1f} tok/s{ratio}{steps}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="+", type=Path, help="e2e_bench.py --json outputs")
+    parser.add_argument("--json", type=Path, help="write the totals here")
+    args = parser.parse_args()
+    rows = [row for path in args.files for row in json.loads(path.read_text())["rows"]]
+    result = totals(rows)
+    print(report(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
