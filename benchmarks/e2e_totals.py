@@ -18,6 +18,7 @@ from pathlib import Path
 
 WEIGHTED = {"draft_ms_per_step": "verify_steps", "verify_ms_per_step": "verify_steps",
             "prefill_ms_per_prompt": "prompts"}
+PHASES = [("draft", "draft_ms_per_step"), ("verify", "verify_ms_per_step"), ("prefill ms/prompt", "prefill_ms_per_prompt")]
 
 
 def totals(rows: list[dict]) -> list[dict]:
@@ -37,7 +38,8 @@ def totals(rows: list[dict]) -> list[dict]:
         if steps:
             total |= {"tau": tokens / steps, "step_ms": 1000 * wall / steps}
             for key, weight in WEIGHTED.items():
-                total[key] = sum(r[key] * r[weight] for r in group) / sum(r[weight] for r in group)
+                if all(key in r for r in group):  # files before a phase was timed lack its key
+                    total[key] = sum(r[key] * r[weight] for r in group) / sum(r[weight] for r in group)
         out.append(total)
     off = next((t for t in out if t["method"] == "off"), None)
     for total in out:
@@ -50,8 +52,8 @@ def report(rows: list[dict]) -> str:
     lines = ["all suites:"]
     for t in rows:
         ratio = f" ({t['speedup']:.3f}x off)" if "speedup" in t else ""
-        steps = (f"  tau {t['tau']:.3f}  step {t['step_ms']:.3f} ms (draft {t['draft_ms_per_step']:.3f}, verify "
-                 f"{t['verify_ms_per_step']:.3f}, prefill {t['prefill_ms_per_prompt']:.2f} ms/prompt)" if "tau" in t else "")
+        phases = ", ".join(f"{label} {t[key]:.3f}" for label, key in PHASES if key in t)
+        steps = f"  tau {t['tau']:.3f}  step {t['step_ms']:.3f} ms ({phases})" if "tau" in t else ""
         lines.append(f"{t['method']:>10}: {t['tok_per_s']:8.1f} tok/s{ratio}{steps}")
     return "\n".join(lines)
 

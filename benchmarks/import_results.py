@@ -5,7 +5,8 @@ a folder of JSON and log files (benchmarks/results/<name>/: e2e.json or e2e_<var
 e2e_bench.py (one engine setting per file; the run names end with the variant), engine_*.json from
 bench_engine.py, *_progress.log from the train stage's progress and validation lines,
 *_manifest.json from the stage outputs, gpu.txt, *.png plots made from them). This logs one parent
-run named after the folder, with the plots as its artifacts, and a child run per bench row,
+run named after the folder, with the plots as its artifacts, and a child run per bench row, per
+method over all suites of an e2e file ("all <method>", e2e_totals.py: the figures the aim is judged on),
 engine-step row, training and DDP run:
 
     python benchmarks/import_results.py benchmarks/results/h200-2026-11-30 [hydra overrides]
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
+from e2e_totals import totals  # beside this script
 from eagle3.common import compose
 from eagle3.tracking import flatten, setup
 
@@ -58,6 +60,26 @@ def e2e_runs(data: dict) -> list[tuple[str, dict, dict, dict]]:
         params = {"bench.suite": row["suite"], "method": row["method"], "prompts": row["prompts"],
                   "max_new_tokens": data["args"]["max_new_tokens"], "dtype": data["args"]["dtype"]}
         runs.append((f"{row['suite']} {row['method']}", params, metrics, row.get("acceptance_per_position", [])))
+    return runs
+
+
+def all_suites_runs(data: dict, off_rows: list[dict]) -> list[tuple[str, dict, dict, dict]]:
+    """(name, params, metrics, no curve) per method with its suites summed (e2e_totals.py): the figures the
+    engine's aim is judged on. A file without spec=off rows (a variant of the same lease) borrows off_rows."""
+    own_off = any(r["method"] == "off" for r in data["rows"])
+    runs = []
+    for total in totals(data["rows"] + ([] if own_off else off_rows)):
+        if total["method"] == "off" and not own_off:
+            continue
+        metrics = {k: float(total[k]) for k in ("tok_per_s", "tau", "wall_s", "tokens", "step_ms",
+                                                "draft_ms_per_step", "verify_ms_per_step",
+                                                "prefill_ms_per_prompt") if k in total}
+        if "speedup" in total:
+            metrics["speedup_vs_off"] = total["speedup"]
+        params = {"bench.suite": "all", "suites": ",".join(total["suites"]), "method": total["method"],
+                  "prompts": total["prompts"], "max_new_tokens": data["args"]["max_new_tokens"],
+                  "dtype": data["args"]["dtype"], "off_from": "this file" if own_off else "e2e.json"}
+        runs.append((f"all {total['method']}", params, metrics, []))
     return runs
 
 
@@ -122,9 +144,13 @@ def import_folder(folder: Path, overrides: list[str]) -> dict:
             steps = progress_rows(log)
             children.append(log_child(mlflow, parent, f"ddp {devices} gpu", {"trainer.devices": devices},
                                       ddp_rate(steps, devices), steps=steps, tags={"stage": "train"}))
+    main_e2e = folder / "e2e.json"
+    off_rows = [r for r in json.loads(main_e2e.read_text())["rows"] if r["method"] == "off"] \
+        if main_e2e.exists() else []
     for path in sorted(folder.glob("e2e*.json")):  # e2e.json, or e2e_<variant>.json: one engine setting each
         variant = path.stem.removeprefix("e2e").lstrip("_")
-        for name, params, metrics, curve in e2e_runs(json.loads(path.read_text())):
+        data = json.loads(path.read_text())
+        for name, params, metrics, curve in e2e_runs(data) + all_suites_runs(data, off_rows):
             params["engine_variant"] = variant or "default"
             children.append(log_child(mlflow, parent, f"{name} {variant}".strip(), params, metrics, curve,
                                       tags={"stage": "bench"}))

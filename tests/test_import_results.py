@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,13 +26,14 @@ def test_import_logs_every_row_and_replaces_on_reimport(tmp_path):
     e2e = json.loads((RESULTS / "e2e.json").read_text())["rows"]
     engine = sum(len(json.loads((RESULTS / f"engine_{p}.json").read_text())["rows"])
                  for p in ("step_by_step", "fused"))
-    assert "35 child runs (0 earlier" in run_import(tmp_path)  # train + 2 ddp + 24 bench + 8 engine
-    assert len(e2e) + engine + 3 == 35
-    assert "36 earlier runs replaced" in run_import(tmp_path)
+    methods = len({r["method"] for r in e2e})
+    assert "43 child runs (0 earlier" in run_import(tmp_path)  # train + 2 ddp + 24 bench + 8 all-suites + 8 engine
+    assert len(e2e) + methods + engine + 3 == 43
+    assert "44 earlier runs replaced" in run_import(tmp_path)
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     experiment = client.get_experiment_by_name("eagle3").experiment_id
     runs = {r.info.run_name: r for r in client.search_runs([experiment], max_results=1000)}
-    assert len(runs) == 36
+    assert len(runs) == 44
     parent = runs[RESULTS.name].info.run_id
     assert all(r.data.tags["mlflow.parentRunId"] == parent for n, r in runs.items() if n != RESULTS.name)
     row = next(r for r in e2e if r["suite"] == "gsm8k" and r["method"] == "d6s3k2")
@@ -70,7 +72,8 @@ def test_import_takes_every_e2e_and_engine_file_of_a_folder(tmp_path):
     folder = ROOT / "benchmarks" / "results" / "h200-2026-11-30c"
     e2e = {p.stem: json.loads(p.read_text())["rows"] for p in folder.glob("e2e*.json")}
     engine = sum(len(json.loads(p.read_text())["rows"]) for p in folder.glob("engine_*.json"))
-    children = 1 + sum(map(len, e2e.values())) + engine  # train + bench rows + engine rows
+    methods = sum(len({r["method"] for r in rows}) for rows in e2e.values())  # an all-suites run each
+    children = 1 + sum(map(len, e2e.values())) + methods + engine  # train + bench rows + totals + engine rows
     out = run_import(tmp_path, folder)
     assert f"{children} child runs (0 earlier" in out and len(e2e) == 5
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
@@ -115,15 +118,42 @@ def test_import_keeps_the_last_line_of_a_repeated_step_and_the_validations(tmp_p
 
 
 def test_import_attaches_the_folders_plots_to_the_parent_run(tmp_path):
-    """The seventh session's folder: a child run per bench row plus the train run, and its
+    """The seventh session's folder: a child run per bench row and all-suites method plus the train run, and its
     tree_shapes.png as an artifact of the parent run, byte for byte."""
     folder = ROOT / "benchmarks" / "results" / "h200-2026-12-01b"
-    rows = sum(len(json.loads(p.read_text())["rows"]) for p in folder.glob("e2e*.json"))
+    files = [json.loads(p.read_text())["rows"] for p in folder.glob("e2e*.json")]
+    rows, methods = sum(map(len, files)), sum(len({r["method"] for r in f}) for f in files)
     out = run_import(tmp_path, folder)
-    assert f"{rows + 1} child runs (0 earlier" in out and rows == 24
+    assert f"{rows + methods + 1} child runs (0 earlier" in out and (rows, methods) == (24, 8)
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     parent = client.search_runs([client.get_experiment_by_name("eagle3").experiment_id],
                                 f"attributes.run_name = '{folder.name}'")[0].info.run_id
     assert [a.path for a in client.list_artifacts(parent)] == ["tree_shapes.png"]
     copy = client.download_artifacts(parent, "tree_shapes.png", str(tmp_path))
     assert Path(copy).read_bytes() == (folder / "tree_shapes.png").read_bytes()
+
+
+def test_import_sums_each_methods_suites_against_off_of_the_same_lease(tmp_path):
+    """An "all <method>" run per method and e2e file: tokens over wall time summed over the suites, τ over
+    the summed verify steps, the ratio to spec=off's sums; a file without off rows (e2e_deeper.json) takes
+    e2e.json's."""
+    folder = ROOT / "benchmarks" / "results" / "h200-2026-12-02c"
+    run_import(tmp_path, folder)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    runs = {r.info.run_name: r for r in client.search_runs(
+        [client.get_experiment_by_name("eagle3").experiment_id], max_results=1000)}
+    rows = {p.stem: json.loads(p.read_text())["rows"] for p in folder.glob("e2e*.json")}
+    assert not any(r["method"] == "off" for r in rows["e2e_deeper"])
+    off = [r for r in rows["e2e"] if r["method"] == "off"]
+    off_rate = sum(r["tokens"] for r in off) / sum(r["wall_s"] for r in off)
+    for name, file, method in [("all d32s4k8", "e2e", "d32s4k8"), ("all d48s5k8 deeper", "e2e_deeper", "d48s5k8")]:
+        group = [r for r in rows[file] if r["method"] == method]
+        assert len(group) == 3
+        tokens, wall = sum(r["tokens"] for r in group), sum(r["wall_s"] for r in group)
+        metrics = runs[name].data.metrics
+        assert metrics["tok_per_s"] == pytest.approx(tokens / wall, rel=1e-12)
+        assert metrics["tau"] == pytest.approx(tokens / sum(r["verify_steps"] for r in group), rel=1e-12)
+        assert metrics["speedup_vs_off"] == pytest.approx(tokens / wall / off_rate, rel=1e-12)
+        assert runs[name].data.params["bench.suite"] == "all"
+    assert round(runs["all d32s4k8"].data.metrics["speedup_vs_off"], 3) == 2.498  # the thirteenth session's figure
+    assert "all off deeper" not in runs and runs["all off"].data.metrics["speedup_vs_off"] == 1.0
