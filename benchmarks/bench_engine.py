@@ -13,8 +13,9 @@ cost, and whether the greedy tokens equal spec=off's; `--json` writes all rows. 
 against the engine's own spec=off, same run. `--no-fused` times the step-by-step path,
 `--no-lean` HF's target forward and the drafter module instead of the engine's lean ones
 (engine/llama.py); `--[no-]compile-layers`, `--[no-]compile-draft`, `--[no-]overlap-steps`, `--prefill-graphs`,
-`--draft-attention`, `--[no-]compile-prefill` and `--eager-cudnn` set conf/engine's compile_layers,
-compile_draft, overlap_steps, prefill_graphs, draft_attention, compile_prefill and eager_cudnn_attention.
+`--draft-attention`, `--[no-]compile-prefill`, `--tree-temperature` and `--eager-cudnn` set conf/engine's
+compile_layers, compile_draft, overlap_steps, prefill_graphs, draft_attention, compile_prefill, tree_temperature
+and eager_cudnn_attention.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eagle3.drafter import build_drafter
 from eagle3.engine import SpecDecoder, summarize
 from eagle3.spec import Spec
 from eagle3.target import Target, default_aux_layer_ids
+
+ENGINE_CONF = Path(__file__).resolve().parents[1] / "conf" / "engine" / "default.yaml"
 
 PROMPTS = ["Explain how a bicycle works.", "Write a short poem about the ocean.",
            "What are the main causes of inflation?", "Give three tips for learning to code.",
@@ -111,7 +115,7 @@ def bench(target, drafter, spec: Spec, prompts, args) -> dict:
     return {"spec": spec.label, "lean_forward": decoder.target_run.lean is not None,
             "compile_layers": args.compile_layers, "compile_draft": args.compile_draft,
             "overlap_steps": args.overlap_steps, "draft_attention": args.draft_attention,
-            "compile_prefill": args.compile_prefill, "capture_s": capture_s,
+            "compile_prefill": args.compile_prefill, "tree_temperature": args.tree_temperature, "capture_s": capture_s,
             "tok_per_s": summary["completion_tokens"] / elapsed, "tau": summary["tau"],
             "completion_tokens": summary["completion_tokens"], "verify_steps": summary["verify_steps"],
             "step_ms": 1000 * elapsed / steps, "draft_ms_per_step": 1000 * summary["draft_time_s"] / steps,
@@ -156,13 +160,17 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="the drafter layer's attention (engine.draft_attention)")
     parser.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="the prefill graphs run the target's layers torch.compile'd (engine.compile_prefill)")
+    parser.add_argument("--tree-temperature", type=float,
+                        default=yaml.safe_load(ENGINE_CONF.read_text())["tree_temperature"],
+                        help="trees rank nodes by log_softmax(drafter logits / this) (engine.tree_temperature; "
+                             "default: conf/engine's)")
 
 
 def engine_options(args) -> dict:
     """SpecDecoder keyword arguments from add_engine_options' flags."""
     return {"eager_cudnn": args.eager_cudnn, "compile_layers": args.compile_layers, "compile_draft": args.compile_draft,
             "overlap_steps": args.overlap_steps, "draft_attention": args.draft_attention,
-            "compile_prefill": args.compile_prefill,
+            "compile_prefill": args.compile_prefill, "tree_temperature": args.tree_temperature,
             "prefill_graphs": tuple(int(w) for w in args.prefill_graphs.split(",") if w)}
 
 

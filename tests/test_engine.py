@@ -343,6 +343,32 @@ def test_top_children_are_a_stable_sorts_first_k(n, k):
     log_probs, ids = top_children(rows, k)
     assert torch.equal(ids, indices)
     assert torch.allclose(log_probs, torch.log_softmax(rows, dim=-1).gather(-1, indices), atol=1e-5)
+    for temperature in (0.5, 2.0):  # the tree temperature rescales the scores, never the choice
+        log_probs, ids = top_children(rows, k, temperature)
+        assert torch.equal(ids, indices)
+        assert torch.allclose(log_probs, torch.log_softmax(rows / temperature, dim=-1).gather(-1, indices), atol=1e-5)
+
+
+def test_tree_temperature_changes_the_trees_not_the_tokens(tiny_target, fitted, references):
+    """engine.tree_temperature: other node scores keep other trees (other acceptance per step) and the
+    target's greedy decode, the fused and the step-by-step path alike; a temperature <= 0 is refused."""
+    trees = {}
+    for temperature in (1.0, 0.25, 16.0):
+        fused, plain = (SpecDecoder(tiny_target, fitted, spec("d10s5k4"), fused=f, tree_temperature=temperature)
+                        for f in (True, False))
+        trees[temperature] = drafted = []
+        draft = plain.draft
+        plain.draft = lambda *args: drafted.append(draft(*args)) or drafted[-1]
+        for prompt, expected in references:
+            a, b = fused.generate(prompt, NEW_TOKENS), plain.generate(prompt, NEW_TOKENS)
+            assert a.tokens == b.tokens == expected
+            assert a.stats.accepted_per_step == b.stats.accepted_per_step
+        trees[temperature] = [sorted(zip(t.depths.tolist(), t.tokens.tolist())) for t in drafted]
+    changed = {t: sum(a != b for a, b in zip(trees[t], trees[1.0])) for t in (0.25, 16.0)}
+    assert changed[0.25] > 0 and changed[16.0] > 0, changed
+    for bad in (0, -1.0):
+        with pytest.raises(Eagle3Error, match=f"engine.tree_temperature={bad!r}: must be > 0"):
+            SpecDecoder(tiny_target, fitted, spec("d10s5k4"), tree_temperature=bad)
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -16,15 +16,16 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from eagle3.common import Eagle3Error
 from eagle3.engine.server import Message, build_service, create_app, streamable
 from eagle3.serve import free_port
 from engine_helpers import reference_greedy
 
 
-def server_cfg(test_root):
+def server_cfg(test_root, *overrides):
     from eagle3.common import compose
     return compose([f"paths.root={test_root}", "target=tiny-llama", "spec.depth=4",
-                    "serve.drafter_fallback=untrained", "engine.max_context=64", "engine.cpu_threads=1"])
+                    "serve.drafter_fallback=untrained", "engine.max_context=64", "engine.cpu_threads=1", *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,18 @@ def test_generate_is_greedy_and_counted(server):
     assert after["num_draft_tokens"] - before["num_draft_tokens"] == 3 * meta["spec_verify_ct"]
     assert after["num_accepted_tokens"] - before["num_accepted_tokens"] == sum(meta["accepted_per_step"])
     assert after["drafter"] == "untrained" and after["spec"] == "d4"
+
+
+def test_engine_settings_reach_the_decoder(test_root):
+    """engine.tree_temperature from the command line to the served decoder; a bad value names the key."""
+    before = torch.get_num_threads()
+    try:
+        service = build_service(server_cfg(test_root, "spec=d6s3k2", "engine.tree_temperature=0.5"))
+        assert service.decoder.tree_temperature == 0.5 and service.decoder.spec.topk == 2
+        with pytest.raises(Eagle3Error, match="engine.tree_temperature=0: must be > 0"):
+            build_service(server_cfg(test_root, "engine.tree_temperature=0"))
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])

@@ -357,7 +357,8 @@ class DrafterModule(L.LightningModule):
             self.drafter.eval()
             with torch.no_grad():
                 result = measure_acceptance(self.target, self.drafter, self.evaluation["prompts"],
-                                            self.evaluation["spec"], self.evaluation["max_new_tokens"])
+                                            self.evaluation["spec"], self.evaluation["max_new_tokens"],
+                                            tree_temperature=self.evaluation["tree_temperature"])
             self.drafter.train()
             value[0] = float(result["tau"])
         value = self.trainer.strategy.reduce(value, reduce_op="sum")
@@ -648,7 +649,8 @@ def evaluation_for(cfg: DictConfig, val_set: Dataset) -> dict:
         trained = item["loss_mask"].nonzero()
         cut = int(trained[0]) if len(trained) else len(item["input_ids"])
         prompts.append(item["input_ids"][:max(cut, 1)].tolist())
-    return {"prompts": prompts, "spec": resolve_spec(cfg.spec), "max_new_tokens": cfg.train.eval_max_new_tokens}
+    return {"prompts": prompts, "spec": resolve_spec(cfg.spec), "max_new_tokens": cfg.train.eval_max_new_tokens,
+            "tree_temperature": cfg.engine.tree_temperature}
 
 
 def target_device(cfg: DictConfig) -> str:

@@ -76,7 +76,7 @@ class SpecDecoder:
                  cuda_graphs: bool = False, seed: int = 0, fused: bool = True, lean: bool = True,
                  eager_cudnn: bool = False, compile_layers: bool = False, prefill_graphs: tuple[int, ...] = (),
                  compile_draft: bool = False, overlap_steps: bool = True, draft_attention: str = "explicit",
-                 compile_prefill: bool = False):
+                 compile_prefill: bool = False, tree_temperature: float = 1.0):
         """fused: greedy steps run as FusedGreedy (static shapes, one host read per step, one CUDA
         graph per phase); False keeps every step on the step-by-step path below (same tokens).
         lean: a plain Llama target and the drafter run engine/llama.py's forwards instead of HF's
@@ -90,11 +90,16 @@ class SpecDecoder:
         overlap_steps: the fused greedy loop enqueues each step before reading the last one's result.
         draft_attention: "explicit" (softmax(QK^T)V in the drafter's lean layer) | "sdpa".
         compile_prefill: the prefill graphs run the lean target's layers torch.compile'd too (a compile
-        per prefill width, once per process)."""
+        per prefill width, once per process). tree_temperature: trees rank their nodes by cumulative
+        log_softmax(drafter logits / tree_temperature) (tree.top_children); any value is lossless."""
         if spec.enabled and drafter is None:
             raise Eagle3Error(f"spec {spec.label} needs a drafter; use spec=off for plain decoding")
         if draft_attention not in ("explicit", "sdpa"):
             raise Eagle3Error(f"engine.draft_attention={draft_attention!r}: use explicit or sdpa")
+        if not tree_temperature > 0:
+            raise Eagle3Error(f"engine.tree_temperature={tree_temperature!r}: must be > 0 (1 = the drafter's own "
+                              f"log-probabilities)")
+        self.tree_temperature = float(tree_temperature)
         self.target, self.spec = target, spec
         self.drafter = drafter if spec.enabled else None
         limit = target.config.max_position_embeddings
@@ -301,7 +306,7 @@ class SpecDecoder:
             q_target.index_add_(1, drafter.to_target_ids(torch.arange(q_draft.shape[-1], device=self.device)),
                                 q_draft)
             return drafter.to_target_ids(choice), score, q_target
-        log_probs, ids = top_children(logits, self.spec.topk)
+        log_probs, ids = top_children(logits, self.spec.topk, self.tree_temperature)
         return drafter.to_target_ids(ids), base[:, None] + log_probs, None
 
     # ------------------------------------------------------------ masks

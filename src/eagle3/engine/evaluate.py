@@ -34,9 +34,9 @@ def summarize(stats: list[RequestStats]) -> dict:
 
 
 def measure_acceptance(target: Target, drafter, prompts: list[list[int]], spec: Spec, max_new_tokens: int,
-                       max_context: int | None = None, progress: bool = False) -> dict:
+                       max_context: int | None = None, progress: bool = False, tree_temperature: float = 1.0) -> dict:
     """Greedy-decode every prompt with speculation `spec`; the summary of summarize()."""
-    decoder = SpecDecoder(target, drafter, spec, max_context=max_context)
+    decoder = SpecDecoder(target, drafter, spec, max_context=max_context, tree_temperature=tree_temperature)
     stop_ids = [target.tokenizer.eos_token_id] if getattr(target.tokenizer, "eos_token_id", None) is not None else []
     stats = []
     for prompt in tqdm(prompts, desc=f"measuring acceptance ({spec.label})", disable=not progress):

@@ -175,7 +175,7 @@ class FusedGreedy:
             else:
                 logits = run.logits(self.hidden)
             base = torch.cat(scores)[frontier]
-            log_probs, ids = top_children(logits, k)
+            log_probs, ids = top_children(logits, k, self.decoder.tree_temperature)
             child_tokens, child_scores = drafter.to_target_ids(ids), base[:, None] + log_probs
             per_row, width = child_tokens.shape[1], child_tokens.numel()
             tokens.append(child_tokens.reshape(-1))

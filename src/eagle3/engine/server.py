@@ -373,7 +373,7 @@ def build_service(cfg: DictConfig) -> EngineService:
                           eager_cudnn=cfg.engine.eager_cudnn_attention, compile_layers=compile_layers,
                           prefill_graphs=tuple(cfg.engine.prefill_graphs or ()), compile_draft=compile_draft,
                           overlap_steps=cfg.engine.overlap_steps, draft_attention=cfg.engine.draft_attention,
-                          compile_prefill=cfg.engine.compile_prefill)
+                          compile_prefill=cfg.engine.compile_prefill, tree_temperature=cfg.engine.tree_temperature)
     log.info("engine ready: target %s (%s forward), spec %s, drafter %s, context %d", cfg.target.name,
              "lean" if decoder.target_run.lean else "HF", spec.label, source, decoder.max_context)
     return EngineService(decoder, target.tokenizer, cfg.serve, source, cfg.target.name)

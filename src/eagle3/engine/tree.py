@@ -2,7 +2,9 @@
 
 The drafter grows an EAGLE-2 dynamic tree: the root's top-k children, then each step
 expands the k best new leaves (by cumulative log-probability) by their top-k children;
-finally the `depth - 1` best nodes are kept. Scores never rise along a path, and a stable
+finally the `depth - 1` best nodes are kept. The log-probabilities may be taken at a tree
+temperature (engine.tree_temperature): a greedy verify accepts a token only when it is the
+target's argmax, which a drafter trained on the target's soft distribution scores too low. Scores never rise along a path, and a stable
 sort keeps creation order (parents before children) among ties, so the kept set always
 contains every kept node's ancestors.
 """
@@ -31,10 +33,13 @@ def root_only(token: torch.Tensor) -> DraftTree:
     return DraftTree(token.view(1), zero, zero.clone())
 
 
-def top_children(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_children(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities, drafter-vocab ids) [rows, k] of each row's k likeliest tokens, best first.
-    The log-sum-exp comes from the same chunks as the top-k, so one pass over the logits serves both."""
-    blocks, maxima = chunks(logits.float(), k)
+    The log-sum-exp comes from the same chunks as the top-k, so one pass over the logits serves both.
+    temperature: the log-probabilities are softmax(logits / temperature)'s (the scores that rank tree
+    nodes); the ids are the same for every temperature > 0."""
+    scaled = logits.float() if temperature == 1 else logits.float() / temperature
+    blocks, maxima = chunks(scaled, k)
     values, indices = top_k_of_chunks(blocks, maxima, k)
     log_sum_exp = (maxima + (blocks - maxima[..., None]).exp().sum(dim=-1).log()).logsumexp(dim=-1, keepdim=True)
     return values - log_sum_exp, indices
