@@ -2,9 +2,8 @@
 
 The drafter grows an EAGLE-2 dynamic tree: the root's top-k children, then each step
 expands the k best new leaves (by cumulative log-probability) by their top-k children;
-finally the `depth - 1` best nodes are kept. The log-probabilities may be taken at a tree
-temperature (engine.tree_temperature): a greedy verify accepts a token only when it is the
-target's argmax, which a drafter trained on the target's soft distribution scores too low. Scores never rise along a path, and a stable
+finally the `depth - 1` best nodes are kept (log-probabilities at engine.tree_temperature,
+default 1). Scores never rise along a path (a log-probability is never positive), and a stable
 sort keeps creation order (parents before children) among ties, so the kept set always
 contains every kept node's ancestors.
 """
