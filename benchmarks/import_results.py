@@ -144,12 +144,10 @@ def import_folder(folder: Path, overrides: list[str]) -> dict:
             steps = progress_rows(log)
             children.append(log_child(mlflow, parent, f"ddp {devices} gpu", {"trainer.devices": devices},
                                       ddp_rate(steps, devices), steps=steps, tags={"stage": "train"}))
-    main_e2e = folder / "e2e.json"
-    off_rows = [r for r in json.loads(main_e2e.read_text())["rows"] if r["method"] == "off"] \
-        if main_e2e.exists() else []
-    for path in sorted(folder.glob("e2e*.json")):  # e2e.json, or e2e_<variant>.json: one engine setting each
-        variant = path.stem.removeprefix("e2e").lstrip("_")
-        data = json.loads(path.read_text())
+    e2e_files = {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("e2e*.json"))}
+    off_rows = [r for r in e2e_files.get("e2e", {"rows": []})["rows"] if r["method"] == "off"]
+    for stem, data in e2e_files.items():  # e2e.json, or e2e_<variant>.json: one engine setting each
+        variant = stem.removeprefix("e2e").lstrip("_")
         for name, params, metrics, curve in e2e_runs(data) + all_suites_runs(data, off_rows):
             params["engine_variant"] = variant or "default"
             children.append(log_child(mlflow, parent, f"{name} {variant}".strip(), params, metrics, curve,

@@ -350,13 +350,13 @@ def test_top_children_are_a_stable_sorts_first_k(n, k):
 
 
 def test_tree_temperature_changes_the_trees_not_the_tokens(tiny_target, fitted, references):
-    """engine.tree_temperature: other node scores keep other trees (other acceptance per step) and the
-    target's greedy decode, the fused and the step-by-step path alike; a temperature <= 0 is refused."""
+    """engine.tree_temperature: other node scores keep other trees and still commit the target's greedy
+    decode, the fused and the step-by-step path alike (same acceptance per step); a temperature <= 0 is refused."""
     trees = {}
     for temperature in (1.0, 0.25, 16.0):
         fused, plain = (SpecDecoder(tiny_target, fitted, spec("d10s5k4"), fused=f, tree_temperature=temperature)
                         for f in (True, False))
-        trees[temperature] = drafted = []
+        drafted = []
         draft = plain.draft
         plain.draft = lambda *args: drafted.append(draft(*args)) or drafted[-1]
         for prompt, expected in references:
