@@ -20,7 +20,7 @@ from eagle3.common import Eagle3Error, compose
 from eagle3.target import load_target
 from eagle3.ttt import tau_hat
 from eagle3.train import (CHECKPOINTS, BucketBatchSampler, DrafterData, choose_strategy, collate, compile_loss,
-                          fit, load_trained_drafter, train_output, warmup_cosine)
+                          evaluation_for, fit, load_trained_drafter, train_output, warmup_cosine)
 
 TESTS = Path(__file__).parent
 DRAFT_VOCAB = 128
@@ -184,6 +184,17 @@ def test_compile_loss_setting_and_hash(make_cfg):
         compile_loss("yes", torch.device("cpu"))
     hashes = {train_output(make_cfg(*BASE, f"train.compile_loss={value}")).hash for value in ("auto", "true", "false")}
     assert len(hashes) == 1
+
+
+def test_evaluation_prompts_stop_before_the_first_trained_token_and_take_the_engine_settings(make_cfg):
+    """train.eval_prompts: each held-out row up to its first loss-masked token, decoded at the configured
+    spec and engine.tree_temperature (what serving would use)."""
+    rows = [{"input_ids": torch.arange(10), "loss_mask": torch.tensor([0] * 4 + [1] * 6)},
+            {"input_ids": torch.arange(5), "loss_mask": torch.zeros(5, dtype=torch.long)}]
+    cfg = make_cfg(*BASE, "train.eval_prompts=2", "spec=d6s3k2", "engine.tree_temperature=0.5")
+    evaluation = evaluation_for(cfg, rows)
+    assert evaluation["prompts"] == [[0, 1, 2, 3], [0, 1, 2, 3, 4]]
+    assert evaluation["tree_temperature"] == 0.5 and evaluation["spec"].label == "d6s3k2"
 
 
 def test_collate_pads_right_and_truncates():
