@@ -9,7 +9,7 @@
 #   .carry/3  its third quarter and turns3.jsonl.gz
 #   .carry/4  its last quarter and turns3s2.jsonl.gz (experiment=smollm2-h200-turns3-sampled2)
 # A call carries .whl .carry/1, the next ones (each within 30 s) .carry/2, .carry/3, then .carry/4: with the
-# working tree (~33 MiB: the shipped drafter and answers) each stays under 64 MiB.
+# working tree (~36 MiB: the shipped drafter and answers) each stays under 64 MiB (.carry/2, the largest: ~62).
 #   bash benchmarks/carry_files.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -8,8 +8,8 @@ travel with every device call beside a third of the SmolLM2 wheel. Unpacking wri
 (manifest.json, sglang/config.json, sglang/model.safetensors in float32) that `train.init_from`,
 benchmarks/e2e_bench.py --drafter and the engines take like the original:
 
-    python benchmarks/drafter_asset.py pack /tmp/e3/artifacts/export/9f3df1472cc4   # -> benchmarks/assets/
-    python benchmarks/drafter_asset.py unpack benchmarks/assets/drafter-9f3df1472cc4.tgz /tmp/e3/init/9f3df1472cc4
+    python benchmarks/drafter_asset.py pack /tmp/e3/artifacts/export/4f658d4f4df1   # -> benchmarks/assets/
+    python benchmarks/drafter_asset.py unpack benchmarks/assets/drafter-4f658d4f4df1.tgz /tmp/e3/init/4f658d4f4df1
 """
 
 from __future__ import annotations

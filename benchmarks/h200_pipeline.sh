@@ -27,7 +27,8 @@
 # EXTRA holds more Hydra overrides (smaller runs, CPU rehearsals). Other knobs (environment):
 # TRAIN_TIMEOUT / DDP_TIMEOUT seconds per training run, PROMPTS per suite and SPECS for bench
 # (SPECS also for part-a's engine timing, ENGINE=0 skips it), BASELINES for bench (default hf,pld; empty = none),
-# DEADLINE (seconds from the start: data and training stop in time for the call's limit, both resume),
+# DEADLINE (seconds from this script's start, not the call's: a call that runs another step first must take
+# that step's time off; data and training stop in time for the call's limit, both resume),
 # DEVICES for ddp, E3_ROOT (default /tmp/e3), SOURCE (the prompt file carried, default first_turns.jsonl;
 # turns3.jsonl with EXPERIMENT=smollm2-h200-turns3, turns3s.jsonl with -turns3-sampled; a carried SOURCE.gz is unpacked), EXPERIMENT (default
 # smollm2-h200).

@@ -34,7 +34,9 @@ def own_artifacts(test_root, tmp_path):
     """A private artifacts folder (for tests that write or damage stage outputs) sharing the converted targets."""
     artifacts = tmp_path / "artifacts"
     artifacts.mkdir()
-    (artifacts / "targets").symlink_to(test_root / "artifacts" / "targets")
+    shared = test_root / "artifacts" / "targets"
+    shared.mkdir(parents=True, exist_ok=True)  # a test run alone would otherwise link to nothing
+    (artifacts / "targets").symlink_to(shared)
     return artifacts
 
 

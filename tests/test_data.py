@@ -689,10 +689,12 @@ def test_suite_files_hold_every_prompt_of_the_shipped_suites(tmp_path):
         assert [(r["id"], r["messages"]) for r in rows] == [(p.id, p.messages) for p in prompts]
 
 
-SHIPPED_ANSWERS = {  # benchmarks/assets/regen-<hash>.tgz: (experiments, their prompt file, answered turns)
+SHIPPED_ANSWERS = {  # benchmarks/assets/regen-<hash>.tgz: (experiments, their prompt file, answered turns, turn numbers)
     "07ac172fdd52": (("smollm2-h200-turns3", "smollm2-h200-turns3-v32k", "smollm2-h200-turns3-v32k-more"),
-                     "turns3.jsonl", 33189),
-    "22ea300a3a13": (("smollm2-h200-turns3-sampled",), "turns3s.jsonl", 33189 + 14066),
+                     "turns3.jsonl", 33189, {0, 1, 2}),
+    "22ea300a3a13": (("smollm2-h200-turns3-sampled",), "turns3s.jsonl", 33189 + 14066, {0, 1, 2}),
+    # only the answers it generated: the data stage reuses the rest from 22ea300a3a13 (data.regen.reuse_answers)
+    "fea6c3211aa9": (("smollm2-h200-turns3-sampled2",), "turns3s2.jsonl", 14066, {0}),
 }
 
 
@@ -713,10 +715,10 @@ def test_every_shipped_answer_file_is_listed_here():
 def test_shipped_answers_are_the_ones_their_experiments_ask_for(answer_hash):
     """benchmarks/assets/regen-<hash>.tgz: the hash is the regen log path that its experiments compute
     for h200_pipeline.sh's prompt file, and every answered turn belongs to a conversation of the
-    shipped slice or to a first-turn copy of one (<id>~1): a config change that moves the hash makes
+    shipped slice or to a first-turn copy of one (<id>~n): a config change that moves the hash makes
     this fail, and the lease would silently regenerate again."""
     from eagle3.common import compose
-    experiments, prompt_file, count = SHIPPED_ANSWERS[answer_hash]
+    experiments, prompt_file, count, turns = SHIPPED_ANSWERS[answer_hash]
     member, rows = shipped_answers(answer_hash)
     for experiment in experiments:
         cfg = compose([f"experiment={experiment}", "paths.root=/tmp/e3", f"data.source=/tmp/e3/{prompt_file}"])
@@ -726,7 +728,7 @@ def test_shipped_answers_are_the_ones_their_experiments_ask_for(answer_hash):
                                                    Counter())["train"]}
     copies = {r["id"] for r in rows if "~" in r["id"]}
     assert {r["id"] for r in rows} - copies <= ids and {i.split("~")[0] for i in copies} <= ids
-    assert {r["turn"] for r in rows if "~" in r["id"]} <= {0} and {r["turn"] for r in rows} == {0, 1, 2}
+    assert {r["turn"] for r in rows if "~" in r["id"]} <= {0} and {r["turn"] for r in rows} == turns
 
 
 def test_sampled_answers_reuse_the_greedy_ones_word_for_word():
@@ -737,3 +739,14 @@ def test_sampled_answers_reuse_the_greedy_ones_word_for_word():
     def by_turn(rows):
         return sorted((r["id"], r["turn"], r["content"]) for r in rows)
     assert by_turn(r for r in sampled if "~" not in r["id"]) == by_turn(greedy)
+
+
+def test_second_sampled_answers_are_one_new_copy_of_each_first_turn_the_sampled_log_has():
+    """regen-fea6c3211aa9 ships what experiment=smollm2-h200-turns3-sampled2 generated: an <id>~2 answer for
+    each <id>~1 of the sampled log and nothing that log already answers, so the two together are its whole log."""
+    _, sampled = shipped_answers("22ea300a3a13")
+    _, second = shipped_answers("fea6c3211aa9")
+    first_copies = sorted(r["id"].split("~")[0] for r in sampled if r["id"].endswith("~1"))
+    assert sorted(r["id"].split("~")[0] for r in second if r["id"].endswith("~2")) == first_copies
+    assert len(second) == len(first_copies) == 14066
+    assert sum(r["content"] is None for r in second) == 10  # first turns longer than data.max_length

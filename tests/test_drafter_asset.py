@@ -29,11 +29,11 @@ def shipped_asset() -> Path:
 
 
 def shipped_recipe():
-    """The shipped drafter's run as benchmarks/h200_pipeline.sh made it (thirteenth session):
-    experiment=smollm2-h200-turns3-sampled, under /tmp/e3 (train.init_from, a path below
+    """The shipped drafter's run as benchmarks/h200_pipeline.sh made it (fifteenth session):
+    experiment=smollm2-h200-turns3-sampled2, under /tmp/e3 (train.init_from, a path below
     paths.root, is part of the train stage's hash)."""
-    return compose(["experiment=smollm2-h200-turns3-sampled", "paths.root=/tmp/e3",
-                    "data.source=/tmp/e3/turns3s.jsonl"])
+    return compose(["experiment=smollm2-h200-turns3-sampled2", "paths.root=/tmp/e3",
+                    "data.source=/tmp/e3/turns3s2.jsonl"])
 
 
 def test_pack_then_unpack_keeps_each_weight_within_half_its_rows_step(tmp_path):
