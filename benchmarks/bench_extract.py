@@ -27,22 +27,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from eagle3 import extract  # noqa: E402
 from eagle3.target import Target  # noqa: E402
 
-SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                     rope_theta=100000.0, tie_word_embeddings=True)
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
 
 
 def load_bench_target(name: str, device: str, dtype: str) -> Target:
     if name == "smollm2-shape":
         from transformers import LlamaConfig, LlamaForCausalLM
+
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).to(device=device, dtype=getattr(torch, dtype))
+        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).to(
+            device=device, dtype=getattr(torch, dtype)
+        )
         layers = SMOLLM2_SHAPE["num_hidden_layers"]
-        return Target(model.eval().requires_grad_(False), SimpleNamespace(pad_token_id=2), Path("random"),
-                      [2, layers // 2, layers - 3])
+        return Target(
+            model.eval().requires_grad_(False),
+            SimpleNamespace(pad_token_id=2),
+            Path("random"),
+            [2, layers // 2, layers - 3],
+        )
     from eagle3.common import compose
     from eagle3.target import load_target
-    return load_target(compose([f"target={name}", f"target.dtype={dtype}", f"target.device={device}"]))
+
+    return load_target(
+        compose([f"target={name}", f"target.dtype={dtype}", f"target.device={device}"])
+    )
 
 
 def synthetic_plans(rows: int, length: int, shards: int, vocab: int) -> list[extract.ShardPlan]:
@@ -52,8 +70,16 @@ def synthetic_plans(rows: int, length: int, shards: int, vocab: int) -> list[ext
     plans = []
     for number in range(shards):
         ids = torch.randint(3, vocab, (rows, length), generator=generator).tolist()
-        plans.append(extract.ShardPlan("train", number, number * rows, ids, [[1] * length] * rows,
-                                       [f"s{number}-{r}" for r in range(rows)]))
+        plans.append(
+            extract.ShardPlan(
+                "train",
+                number,
+                number * rows,
+                ids,
+                [[1] * length] * rows,
+                [f"s{number}-{r}" for r in range(rows)],
+            )
+        )
     return plans
 
 
@@ -74,12 +100,15 @@ def time_bare(target: Target, plans, batch_tokens: int) -> float:
     return time.perf_counter() - started
 
 
-def time_extract(target: Target, plans, batch_tokens: int, verify: bool, writers: int) -> tuple[float, int]:
+def time_extract(
+    target: Target, plans, batch_tokens: int, verify: bool, writers: int
+) -> tuple[float, int]:
     with tempfile.TemporaryDirectory(dir=".") as root:
         (Path(root) / "train").mkdir()
         started = time.perf_counter()
-        written = extract.extract_shards(target, plans, Path(root), batch_tokens, torch.bfloat16, verify,
-                                         writers=writers)
+        written = extract.extract_shards(
+            target, plans, Path(root), batch_tokens, torch.bfloat16, verify, writers=writers
+        )
         synchronize(target.device)
         return time.perf_counter() - started, written
 
@@ -94,8 +123,12 @@ def time_capture_only(target: Target, plans, batch_tokens: int) -> float:
 
 
 def bench_extract(args) -> dict:
-    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    device = torch.device(
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    dtype = (
+        args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    )
     target = load_bench_target(args.target, str(device), dtype)
     rows, length = map(int, args.batch.split("x"))
     plans = synthetic_plans(rows, length, args.shards, target.vocab_size)
@@ -104,23 +137,42 @@ def bench_extract(args) -> dict:
     tokens = args.shards * rows * length
     bare = min(time_bare(target, plans, batch_tokens) for _ in range(args.repeats))
     capture = min(time_capture_only(target, plans, batch_tokens) for _ in range(args.repeats))
-    timed = [time_extract(target, plans, batch_tokens, args.verify, args.writers) for _ in range(args.repeats)]
+    timed = [
+        time_extract(target, plans, batch_tokens, args.verify, args.writers)
+        for _ in range(args.repeats)
+    ]
     seconds, written = min(timed)
-    return {"bench": "extract", "target": args.target, "device": str(torch.cuda.get_device_name(device)
-            if device.type == "cuda" else "cpu"), "dtype": dtype, "batch": args.batch, "shards": args.shards,
-            "tokens": tokens, "verify": args.verify, "writers": args.writers, "bare_tok_s": round(tokens / bare),
-            "capture_only_tok_s": round(tokens / capture), "capture_ratio": round(bare / capture, 3),
-            "extract_tok_s": round(tokens / seconds), "ratio": round(bare / seconds, 3),
-            "bytes_per_token": round(written / tokens, 1)}
+    return {
+        "bench": "extract",
+        "target": args.target,
+        "device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
+        "dtype": dtype,
+        "batch": args.batch,
+        "shards": args.shards,
+        "tokens": tokens,
+        "verify": args.verify,
+        "writers": args.writers,
+        "bare_tok_s": round(tokens / bare),
+        "capture_only_tok_s": round(tokens / capture),
+        "capture_ratio": round(bare / capture, 3),
+        "extract_tok_s": round(tokens / seconds),
+        "ratio": round(bare / seconds, 3),
+        "bytes_per_token": round(written / tokens, 1),
+    }
 
 
 def bench_data(args) -> dict:
     from eagle3 import data
     from eagle3.common import compose
+
     with tempfile.TemporaryDirectory() as root:
         artifacts = Path(root) / "artifacts"
         artifacts.mkdir()
-        overrides = [f"target={args.target}", f"paths.artifacts={artifacts}", "tracking.enabled=false"]
+        overrides = [
+            f"target={args.target}",
+            f"paths.artifacts={artifacts}",
+            "tracking.enabled=false",
+        ]
         if args.limit:
             overrides.append(f"data.limit={args.limit}")
         if args.targets_from:
@@ -129,29 +181,47 @@ def bench_data(args) -> dict:
         out = data.run(compose(overrides))
         seconds = time.perf_counter() - started
         counts = out.manifest()["counts"]
-    return {"bench": "data", "target": args.target, "limit": args.limit, "rows_read": counts["rows"],
-            "conversations": counts["train_conversations"] + counts["val_conversations"],
-            "tokens": counts["train_tokens"] + counts["val_tokens"], "seconds": round(seconds, 2),
-            "rows_per_s": round(counts["rows"] / seconds, 1),
-            "conversations_per_s": round((counts["train_conversations"] + counts["val_conversations"]) / seconds, 1)}
+    return {
+        "bench": "data",
+        "target": args.target,
+        "limit": args.limit,
+        "rows_read": counts["rows"],
+        "conversations": counts["train_conversations"] + counts["val_conversations"],
+        "tokens": counts["train_tokens"] + counts["val_tokens"],
+        "seconds": round(seconds, 2),
+        "rows_per_s": round(counts["rows"] / seconds, 1),
+        "conversations_per_s": round(
+            (counts["train_conversations"] + counts["val_conversations"]) / seconds, 1
+        ),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="bench", required=True)
     ext = sub.add_parser("extract")
-    ext.add_argument("--target", default="tiny-llama", help="tiny-llama | smollm2-135m | smollm2-shape")
+    ext.add_argument(
+        "--target", default="tiny-llama", help="tiny-llama | smollm2-135m | smollm2-shape"
+    )
     ext.add_argument("--batch", default="16x1024", help="ROWSxLENGTH per forward")
     ext.add_argument("--shards", type=int, default=4, help="shards (one batch each) per timed pass")
     ext.add_argument("--repeats", type=int, default=3, help="timed passes; the fastest counts")
     ext.add_argument("--device", default="auto")
-    ext.add_argument("--dtype", default="auto", help="compute dtype: auto = bfloat16 on GPU, float32 on CPU")
+    ext.add_argument(
+        "--dtype", default="auto", help="compute dtype: auto = bfloat16 on GPU, float32 on CPU"
+    )
     ext.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True)
-    ext.add_argument("--writers", type=int, default=2, help="shard-writing threads (extract.writers)")
+    ext.add_argument(
+        "--writers", type=int, default=2, help="shard-writing threads (extract.writers)"
+    )
     dat = sub.add_parser("data")
     dat.add_argument("--target", default="tiny-llama")
-    dat.add_argument("--limit", type=int, default=None, help="conversations after filtering (default all)")
-    dat.add_argument("--targets-from", default=None, help="an artifacts/targets folder with converted targets")
+    dat.add_argument(
+        "--limit", type=int, default=None, help="conversations after filtering (default all)"
+    )
+    dat.add_argument(
+        "--targets-from", default=None, help="an artifacts/targets folder with converted targets"
+    )
     args = parser.parse_args()
     print(json.dumps(bench_extract(args) if args.bench == "extract" else bench_data(args)))
 

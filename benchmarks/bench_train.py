@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 class Section(dict):
     """A dict read both as cfg.get(name) and cfg.name (what drafter_config expects)."""
+
     __getattr__ = dict.get
 
 
@@ -38,12 +39,18 @@ def target_config(name: str | None, config_json: str | None) -> dict:
         return json.loads(Path(config_json).read_text())
     from eagle3.common import compose
     from eagle3.target import resolve_target_path
+
     cfg = compose([f"target={name}"])
-    return json.loads((Path(resolve_target_path(cfg.target, Path(cfg.paths.artifacts))) / "config.json").read_text())
+    return json.loads(
+        (
+            Path(resolve_target_path(cfg.target, Path(cfg.paths.artifacts))) / "config.json"
+        ).read_text()
+    )
 
 
 def make_drafter(config: dict, draft_vocab: int, device: str):
     from eagle3.drafter import Eagle3Drafter, drafter_config
+
     layers = config["num_hidden_layers"]
     dcfg = Section(num_layers=1, draft_vocab_size=draft_vocab)
     drafter = Eagle3Drafter(drafter_config(config, dcfg, [2, layers // 2, layers - 3])).to(device)
@@ -57,15 +64,18 @@ def make_drafter(config: dict, draft_vocab: int, device: str):
 
 def random_batch(config: dict, length: int, device: str, batch: int = 1) -> dict:
     hidden, vocab = config["hidden_size"], config["vocab_size"]
-    return {"input_ids": torch.randint(0, vocab, (batch, length), device=device),
-            "loss_mask": torch.ones(batch, length, dtype=torch.long, device=device),
-            "aux_hidden": torch.randn(batch, length, 3 * hidden, device=device),
-            "last_hidden": torch.randn(batch, length, hidden, device=device)}
+    return {
+        "input_ids": torch.randint(0, vocab, (batch, length), device=device),
+        "loss_mask": torch.ones(batch, length, dtype=torch.long, device=device),
+        "aux_hidden": torch.randn(batch, length, 3 * hidden, device=device),
+        "last_hidden": torch.randn(batch, length, hidden, device=device),
+    }
 
 
 def write_profile(step, device: str, path: str, steps: int = 2) -> None:
     """The top kernels/ops of `steps` training steps by self time (CUDA time on a GPU)."""
     from torch.profiler import ProfilerActivity, profile
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
@@ -79,6 +89,7 @@ def write_profile(step, device: str, path: str, steps: int = 2) -> None:
 def random_target(config: dict, device: str):
     """A random-weight target with the config's shapes (bf16 on GPU), as the online train stage runs it."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     return LlamaForCausalLM(LlamaConfig(**config)).to(device=device, dtype=dtype).eval()
 
@@ -89,14 +100,30 @@ def use_gqa_with_mask() -> None:
     import torch.nn.functional as F
 
     import eagle3.ttt as ttt
-    ttt.sdpa = lambda q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    ttt.sdpa = lambda q, k, v, mask: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, enable_gqa=True
+    )
 
 
-def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: str, draft_vocab: int,
-            batch_size: int = 1, profile_path: str | None = None, online: bool = False, vary: bool = False,
-            cudnn: bool = True, compile_loss: bool = False) -> dict:
+def measure(
+    config: dict,
+    length: int,
+    path: str,
+    ttt: int,
+    steps: int,
+    device: str,
+    draft_vocab: int,
+    batch_size: int = 1,
+    profile_path: str | None = None,
+    online: bool = False,
+    vary: bool = False,
+    cudnn: bool = True,
+    compile_loss: bool = False,
+) -> dict:
     from eagle3.target import capture_hidden_states
     from eagle3.ttt import ttt_loss
+
     label = path
     if path == "sdpa-gqa":
         use_gqa_with_mask()
@@ -119,9 +146,13 @@ def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: 
         batch = next(schedule, batch)  # the profiled steps after the schedule repeat the last batch
         with autocast:
             if target is not None:  # the online stage's target forward for the hidden states
-                aux, last = capture_hidden_states(target, batch["input_ids"], [2, layers // 2, layers - 3])
+                aux, last = capture_hidden_states(
+                    target, batch["input_ids"], [2, layers // 2, layers - 3]
+                )
                 batch.update(aux_hidden=aux, last_hidden=last)
-            loss, _ = ttt_loss(drafter, batch, head, ttt, 0.8, attention=path, compile_loss=compile_loss)
+            loss, _ = ttt_loss(
+                drafter, batch, head, ttt, 0.8, attention=path, compile_loss=compile_loss
+            )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
         optimizer.step()
@@ -137,21 +168,35 @@ def measure(config: dict, length: int, path: str, ttt: int, steps: int, device: 
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - started) / steps
-    peak = (torch.cuda.max_memory_allocated() if device == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if device == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     if profile_path:
         write_profile(step, device, profile_path)
     mean_length = sum(lengths[1:]) / steps
-    return {"T": length, "batch": batch_size, "path": label, "online": online, "vary": vary, "cudnn": cudnn,
-            "compile_loss": compile_loss, "ttt": ttt, "s_per_step": round(seconds, 4),
-            "samples_per_s": round(batch_size / seconds, 1),
-            "tokens_per_s": round(batch_size * mean_length / seconds, 1), "peak_GiB": round(peak / 2 ** 30, 3),
-            "peak_kind": "cuda max_memory_allocated" if device == "cuda" else "process max RSS"}
+    return {
+        "T": length,
+        "batch": batch_size,
+        "path": label,
+        "online": online,
+        "vary": vary,
+        "cudnn": cudnn,
+        "compile_loss": compile_loss,
+        "ttt": ttt,
+        "s_per_step": round(seconds, 4),
+        "samples_per_s": round(batch_size / seconds, 1),
+        "tokens_per_s": round(batch_size * mean_length / seconds, 1),
+        "peak_GiB": round(peak / 2**30, 3),
+        "peak_kind": "cuda max_memory_allocated" if device == "cuda" else "process max RSS",
+    }
 
 
 def check_flex(config: dict, length: int, ttt: int, device: str, draft_vocab: int) -> dict:
     """sdpa vs flex on the same random inputs (float32): loss and every gradient."""
     from eagle3.ttt import ttt_loss
+
     drafter = make_drafter(config, draft_vocab, device)
     head = torch.randn(config["vocab_size"], config["hidden_size"], device=device) * 0.05
     batch = random_batch(config, length, device)
@@ -160,35 +205,71 @@ def check_flex(config: dict, length: int, ttt: int, device: str, draft_vocab: in
         drafter.zero_grad()
         loss, metrics = ttt_loss(drafter, batch, head, ttt, 0.8, attention=path)
         loss.backward()
-        results[path] = (loss.detach(), metrics, {n: p.grad.clone() for n, p in drafter.named_parameters()
-                                                   if p.grad is not None})
-    worst = max(float((results["flex"][2][n] - g).abs().max() / g.abs().max().clamp(min=1e-12))
-                for n, g in results["sdpa"][2].items())
-    return {"T": length, "loss_sdpa": float(results["sdpa"][0]), "loss_flex": float(results["flex"][0]),
-            "max_rel_grad_diff": worst, "tau_hat_equal": results["sdpa"][1]["tau_hat"] == results["flex"][1]["tau_hat"],
-            "grads_compared": len(results["sdpa"][2])}
+        results[path] = (
+            loss.detach(),
+            metrics,
+            {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None},
+        )
+    worst = max(
+        float((results["flex"][2][n] - g).abs().max() / g.abs().max().clamp(min=1e-12))
+        for n, g in results["sdpa"][2].items()
+    )
+    return {
+        "T": length,
+        "loss_sdpa": float(results["sdpa"][0]),
+        "loss_flex": float(results["flex"][0]),
+        "max_rel_grad_diff": worst,
+        "tau_hat_equal": results["sdpa"][1]["tau_hat"] == results["flex"][1]["tau_hat"],
+        "grads_compared": len(results["sdpa"][2]),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--targets", nargs="+", default=["tiny-llama", "smollm2-135m"])
     parser.add_argument("--config-json", help="a target's config.json instead of --targets")
     parser.add_argument("--lengths", nargs="+", type=int, default=[512, 1024])
-    parser.add_argument("--paths", nargs="+", default=["sdpa"],
-                        help="sdpa, flex (GPU only) and/or sdpa-gqa (the mask with enable_gqa, for comparison)")
-    parser.add_argument("--vary", action="store_true",
-                        help="a new length every step (T, T-8, ...), as the train stage's buckets give")
-    parser.add_argument("--cudnn", action=argparse.BooleanOptionalAction, default=True,
-                        help="allow cuDNN's fused attention (it builds a graph per new shape)")
-    parser.add_argument("--online", action="store_true",
-                        help="include the online stage's target forward (random weights, the config's shapes)")
-    parser.add_argument("--compile-loss", action="store_true",
-                        help="the soft cross-entropy torch.compile'd (train.compile_loss)")
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        default=["sdpa"],
+        help="sdpa, flex (GPU only) and/or sdpa-gqa (the mask with enable_gqa, for comparison)",
+    )
+    parser.add_argument(
+        "--vary",
+        action="store_true",
+        help="a new length every step (T, T-8, ...), as the train stage's buckets give",
+    )
+    parser.add_argument(
+        "--cudnn",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="allow cuDNN's fused attention (it builds a graph per new shape)",
+    )
+    parser.add_argument(
+        "--online",
+        action="store_true",
+        help="include the online stage's target forward (random weights, the config's shapes)",
+    )
+    parser.add_argument(
+        "--compile-loss",
+        action="store_true",
+        help="the soft cross-entropy torch.compile'd (train.compile_loss)",
+    )
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--draft-vocab", type=int, default=32000)
-    parser.add_argument("--batch", type=int, default=1, help="sequences per step (the train stage: train.batch_size)")
-    parser.add_argument("--profile", help="write a kernel table per configuration to PROFILE.<T>.<path>.txt")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="sequences per step (the train stage: train.batch_size)",
+    )
+    parser.add_argument(
+        "--profile", help="write a kernel table per configuration to PROFILE.<T>.<path>.txt"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--check-flex", action="store_true")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one configuration, JSON out
@@ -197,24 +278,62 @@ def main() -> None:
         name, length, path = args.one.split(",")
         config = target_config(name if name != "-" else None, args.config_json)
         profile = f"{args.profile}.{length}.{path}.txt" if args.profile else None
-        print(json.dumps({"target": name, **measure(config, int(length), path, args.ttt, args.steps, args.device,
-                                                   args.draft_vocab, args.batch, profile, args.online, args.vary,
-                                                   args.cudnn, args.compile_loss)}))
+        print(
+            json.dumps(
+                {
+                    "target": name,
+                    **measure(
+                        config,
+                        int(length),
+                        path,
+                        args.ttt,
+                        args.steps,
+                        args.device,
+                        args.draft_vocab,
+                        args.batch,
+                        profile,
+                        args.online,
+                        args.vary,
+                        args.cudnn,
+                        args.compile_loss,
+                    ),
+                }
+            )
+        )
         return
     names = ["-"] if args.config_json else args.targets
     if args.check_flex:
         for name in names:
             config = target_config(name if name != "-" else None, args.config_json)
             for length in args.lengths:
-                print(json.dumps({"target": name, **check_flex(config, length, args.ttt, args.device,
-                                                              args.draft_vocab)}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "target": name,
+                            **check_flex(config, length, args.ttt, args.device, args.draft_vocab),
+                        }
+                    ),
+                    flush=True,
+                )
         return
     for name in names:
         for length in args.lengths:
             for path in args.paths:
-                command = [sys.executable, __file__, f"--one={name},{length},{path}", "--ttt", str(args.ttt),
-                           "--steps", str(args.steps), "--draft-vocab", str(args.draft_vocab),
-                           "--batch", str(args.batch), "--device", args.device]
+                command = [
+                    sys.executable,
+                    __file__,
+                    f"--one={name},{length},{path}",
+                    "--ttt",
+                    str(args.ttt),
+                    "--steps",
+                    str(args.steps),
+                    "--draft-vocab",
+                    str(args.draft_vocab),
+                    "--batch",
+                    str(args.batch),
+                    "--device",
+                    args.device,
+                ]
                 command += ["--profile", args.profile] if args.profile else []
                 command += ["--online"] if args.online else []
                 command += ["--vary"] if args.vary else []
@@ -223,9 +342,19 @@ def main() -> None:
                 command += ["--config-json", args.config_json] if args.config_json else []
                 done = subprocess.run(command, capture_output=True, text=True)
                 lines = done.stdout.strip().splitlines()
-                print(lines[-1] if done.returncode == 0 and lines else
-                      json.dumps({"target": name, "T": length, "path": path, "error": done.stderr.strip()[-300:]}),
-                      flush=True)
+                print(
+                    lines[-1]
+                    if done.returncode == 0 and lines
+                    else json.dumps(
+                        {
+                            "target": name,
+                            "T": length,
+                            "path": path,
+                            "error": done.stderr.strip()[-300:],
+                        }
+                    ),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from eagle3.drafter import Eagle3Drafter
@@ -23,9 +22,14 @@ else:  # written at the end of training: rebuild it from the config the run used
     from eagle3.common import compose
     from eagle3.drafter import drafter_config
     from eagle3.target import default_aux_layer_ids, resolve_target_path
+
     cfg = compose(overrides)
-    target_config = LlamaConfig.from_pretrained(resolve_target_path(cfg.target, Path(cfg.paths.artifacts)))
-    config = drafter_config(target_config, cfg.drafter, default_aux_layer_ids(target_config.num_hidden_layers))
+    target_config = LlamaConfig.from_pretrained(
+        resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
+    )
+    config = drafter_config(
+        target_config, cfg.drafter, default_aux_layer_ids(target_config.num_hidden_layers)
+    )
 drafter = Eagle3Drafter(config)
 missing, unexpected = drafter.load_state_dict(drafter_weights(checkpoint), strict=False)
 assert not unexpected and all(k.startswith("embed_tokens.") for k in missing), (missing, unexpected)

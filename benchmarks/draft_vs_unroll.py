@@ -20,9 +20,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-
 from bench_engine import load, load_drafter, parse_spec
 from e2e_bench import read_suite
+
 from eagle3.engine import SpecDecoder
 from eagle3.engine.fused import FusedGreedy
 from eagle3.ttt import unroll
@@ -34,16 +34,21 @@ def record_chains(chains: list) -> None:
     def recording(self):
         draft_chain(self)
         chains.append((int(self.position), self.tokens.tolist()))
+
     FusedGreedy.draft_chain = recording
 
 
-def compare(target, drafter, prompt: list[int], answer: list[int], chains: list, counts: dict) -> None:
+def compare(
+    target, drafter, prompt: list[int], answer: list[int], chains: list, counts: dict
+) -> None:
     sequence = prompt + answer
     ids = torch.tensor([sequence], device=target.device)
     aux, _ = target.capture(ids)
     with torch.no_grad():
-        steps = [drafter.to_target_ids(logits[0].argmax(-1)).tolist()
-                 for logits in unroll(drafter, ids, aux, len(counts["compared"]))]
+        steps = [
+            drafter.to_target_ids(logits[0].argmax(-1)).tolist()
+            for logits in unroll(drafter, ids, aux, len(counts["compared"]))
+        ]
     for position, chain in chains:
         for k, drafted in enumerate(chain[1:]):
             if position + k + 1 >= len(sequence):
@@ -62,7 +67,9 @@ def compare(target, drafter, prompt: list[int], answer: list[int], chains: list,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--target", required=True, help="HF model folder (with tokenizer)")
     parser.add_argument("--drafter", required=True, help="exported drafter folder")
     parser.add_argument("--suites", required=True, help="comma-separated suite JSONL files")
@@ -76,7 +83,9 @@ def main() -> None:
     spec = parse_spec(args.spec)
     if spec.topk != 1:
         raise SystemExit(f"--spec {args.spec}: a chain (dN) is needed")
-    target = load(SimpleNamespace(device=args.device, dtype=args.dtype, random_from=None, target=args.target))
+    target = load(
+        SimpleNamespace(device=args.device, dtype=args.dtype, random_from=None, target=args.target)
+    )
     drafter = load_drafter(SimpleNamespace(drafter=args.drafter), target)
     chains: list = []
     record_chains(chains)
@@ -84,7 +93,10 @@ def main() -> None:
     eos = target.tokenizer.convert_tokens_to_ids("<|im_end|>")
     rows = []
     for suite in args.suites.split(","):
-        counts = {name: [0] * spec.steps for name in ("compared", "equal", "accepted", "unroll_total", "unroll_right")}
+        counts = {
+            name: [0] * spec.steps
+            for name in ("compared", "equal", "accepted", "unroll_total", "unroll_right")
+        }
         for prompt in read_suite(Path(suite), target.tokenizer, args.prompts):
             chains.clear()
             answer = decoder.generate(prompt, args.max_new_tokens, stop_ids=[eos]).tokens
@@ -92,9 +104,12 @@ def main() -> None:
         rows.append({"suite": Path(suite).stem, **counts})
         print(Path(suite).stem)
         for k in range(spec.steps):
-            print(f"  draft {k}: equal {counts['equal'][k]}/{counts['compared'][k]}, engine acceptance "
-                  f"{counts['accepted'][k] / max(counts['compared'][k], 1):.3f}, unroll accuracy "
-                  f"{counts['unroll_right'][k] / max(counts['unroll_total'][k], 1):.3f}", flush=True)
+            print(
+                f"  draft {k}: equal {counts['equal'][k]}/{counts['compared'][k]}, engine acceptance "
+                f"{counts['accepted'][k] / max(counts['compared'][k], 1):.3f}, unroll accuracy "
+                f"{counts['unroll_right'][k] / max(counts['unroll_total'][k], 1):.3f}",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 

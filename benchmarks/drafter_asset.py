@@ -32,7 +32,9 @@ def quantize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     packed = {}
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and tensor.dim() == 2:
-            scale = (tensor.float().abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+            scale = (tensor.float().abs().amax(dim=1) / 127).clamp_min(
+                torch.finfo(torch.float32).tiny
+            )
             packed[name] = (tensor.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             packed[name + SCALE] = scale
         else:
@@ -41,13 +43,19 @@ def quantize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def dequantize(packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: tensor.float() * packed[name + SCALE][:, None] if name + SCALE in packed else tensor
-            for name, tensor in packed.items() if not name.endswith(SCALE)}
+    return {
+        name: tensor.float() * packed[name + SCALE][:, None] if name + SCALE in packed else tensor
+        for name, tensor in packed.items()
+        if not name.endswith(SCALE)
+    }
 
 
 def add_file(archive: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
-    info.size, info.mode = len(data), 0o644  # mtime 0, no owner: the same export packs to the same bytes
+    info.size, info.mode = (
+        len(data),
+        0o644,
+    )  # mtime 0, no owner: the same export packs to the same bytes
     archive.addfile(info, io.BytesIO(data))
 
 
@@ -56,8 +64,11 @@ def pack(export: Path, out_dir: Path = ASSETS) -> Path:
     sglang = export / "sglang"
     tensors = load((sglang / "model.safetensors").read_bytes())
     out = out_dir / f"drafter-{json.loads(manifest)['hash']}.tgz"
-    with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as zipped, \
-            tarfile.open(fileobj=zipped, mode="w") as archive:
+    with (
+        open(out, "wb") as raw,
+        gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as zipped,
+        tarfile.open(fileobj=zipped, mode="w") as archive,
+    ):
         add_file(archive, "manifest.json", manifest)
         add_file(archive, "sglang/config.json", (sglang / "config.json").read_bytes())
         add_file(archive, "sglang/model.int8.safetensors", save(quantize(tensors)))
@@ -77,9 +88,13 @@ def unpack(asset: Path, out: Path) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     verbs = parser.add_subparsers(dest="verb", required=True)
-    packing = verbs.add_parser("pack", help="an export folder -> benchmarks/assets/drafter-<hash>.tgz")
+    packing = verbs.add_parser(
+        "pack", help="an export folder -> benchmarks/assets/drafter-<hash>.tgz"
+    )
     packing.add_argument("export", type=Path)
     packing.add_argument("--out-dir", type=Path, default=ASSETS)
     unpacking = verbs.add_parser("unpack", help="an asset -> an export folder")

@@ -16,9 +16,16 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-WEIGHTED = {"draft_ms_per_step": "verify_steps", "verify_ms_per_step": "verify_steps",
-            "prefill_ms_per_prompt": "prompts"}
-PHASES = [("draft", "draft_ms_per_step"), ("verify", "verify_ms_per_step"), ("prefill ms/prompt", "prefill_ms_per_prompt")]
+WEIGHTED = {
+    "draft_ms_per_step": "verify_steps",
+    "verify_ms_per_step": "verify_steps",
+    "prefill_ms_per_prompt": "prompts",
+}
+PHASES = [
+    ("draft", "draft_ms_per_step"),
+    ("verify", "verify_ms_per_step"),
+    ("prefill ms/prompt", "prefill_ms_per_prompt"),
+]
 
 
 def totals(rows: list[dict]) -> list[dict]:
@@ -30,16 +37,26 @@ def totals(rows: list[dict]) -> list[dict]:
     for method, group in grouped.items():
         suites = [r["suite"] for r in group]
         if len(set(suites)) != len(suites):
-            raise SystemExit(f"{method}: suite measured twice ({sorted(suites)}); give variant files apart")
+            raise SystemExit(
+                f"{method}: suite measured twice ({sorted(suites)}); give variant files apart"
+            )
         tokens, wall = sum(r["tokens"] for r in group), sum(r["wall_s"] for r in group)
-        total = {"method": method, "suites": suites, "prompts": sum(r["prompts"] for r in group),
-                 "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall}
+        total = {
+            "method": method,
+            "suites": suites,
+            "prompts": sum(r["prompts"] for r in group),
+            "tokens": tokens,
+            "wall_s": wall,
+            "tok_per_s": tokens / wall,
+        }
         steps = sum(r.get("verify_steps", 0) for r in group)
         if steps:
             total |= {"tau": tokens / steps, "step_ms": 1000 * wall / steps}
             for key, weight in WEIGHTED.items():
                 if all(key in r for r in group):  # files before a phase was timed lack its key
-                    total[key] = sum(r[key] * r[weight] for r in group) / sum(r[weight] for r in group)
+                    total[key] = sum(r[key] * r[weight] for r in group) / sum(
+                        r[weight] for r in group
+                    )
         out.append(total)
     off = next((t for t in out if t["method"] == "off"), None)
     for total in out:
@@ -59,7 +76,9 @@ def report(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("files", nargs="+", type=Path, help="e2e_bench.py --json outputs")
     parser.add_argument("--json", type=Path, help="write the totals here")
     args = parser.parse_args()

@@ -34,14 +34,26 @@ from eagle3.suites import load_suite
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--limit", type=int, default=6000)
     parser.add_argument("--max-chars", type=int, default=2000, help="longest first prompt kept")
-    parser.add_argument("--all-turns", action="store_true", help="whole conversations, answers as placeholders")
-    parser.add_argument("--max-turns", type=int, default=None, help="with --all-turns: user turns kept")
-    parser.add_argument("--first-turn-copies", type=int, default=0,
-                        help="with --all-turns: rows repeating each conversation's first user turn alone")
-    parser.add_argument("--suites", action="store_true", help="the bench suites, into the folder --out")
+    parser.add_argument(
+        "--all-turns", action="store_true", help="whole conversations, answers as placeholders"
+    )
+    parser.add_argument(
+        "--max-turns", type=int, default=None, help="with --all-turns: user turns kept"
+    )
+    parser.add_argument(
+        "--first-turn-copies",
+        type=int,
+        default=0,
+        help="with --all-turns: rows repeating each conversation's first user turn alone",
+    )
+    parser.add_argument(
+        "--suites", action="store_true", help="the bench suites, into the folder --out"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.suites:
@@ -53,9 +65,13 @@ def main() -> None:
         for conversation in splits["train"]:
             prompt = next(m["content"] for m in conversation["messages"] if m["role"] == "user")
             if len(prompt) <= args.max_chars:
-                out.write(json.dumps(row_of(conversation, prompt, args.all_turns, args.max_turns)) + "\n")
+                out.write(
+                    json.dumps(row_of(conversation, prompt, args.all_turns, args.max_turns)) + "\n"
+                )
                 for copy in range(1, args.first_turn_copies + 1 if args.all_turns else 1):
-                    row = row_of({**conversation, "id": f"{conversation['id']}~{copy}"}, prompt, True, 1)
+                    row = row_of(
+                        {**conversation, "id": f"{conversation['id']}~{copy}"}, prompt, True, 1
+                    )
                     out.write(json.dumps(row) + "\n")
                 written += 1
             if written == args.limit:

@@ -21,15 +21,19 @@ import json
 import re
 from pathlib import Path
 
+from e2e_totals import totals  # beside this script
 from mlflow.tracking import MlflowClient
 
-from e2e_totals import totals  # beside this script
 from eagle3.common import compose
 from eagle3.tracking import flatten, setup
 
-PROGRESS = re.compile(r"train: step (\d+)/\d+ epoch \d+ loss ([\d.]+) tau_hat ([\d.]+)\s+([\d.]+) samples/s")
-VALIDATION = re.compile(r"train: validation after epoch \d+ \(step (\d+)\): tau_hat ([\d.]+)"
-                        r"(?:, over the first \d+ tokens ([\d.]+))?, loss ([\d.]+)")
+PROGRESS = re.compile(
+    r"train: step (\d+)/\d+ epoch \d+ loss ([\d.]+) tau_hat ([\d.]+)\s+([\d.]+) samples/s"
+)
+VALIDATION = re.compile(
+    r"train: validation after epoch \d+ \(step (\d+)\): tau_hat ([\d.]+)"
+    r"(?:, over the first \d+ tokens ([\d.]+))?, loss ([\d.]+)"
+)
 
 
 def progress_rows(path: Path) -> list[dict]:
@@ -39,11 +43,20 @@ def progress_rows(path: Path) -> list[dict]:
     train, val = {}, {}
     for line in path.read_text().splitlines():
         if m := PROGRESS.search(line):
-            train[int(m[1])] = {"step": int(m[1]), "train/loss": float(m[2]), "train/tau_hat": float(m[3]),
-                                "train/samples_per_s": float(m[4])}
+            train[int(m[1])] = {
+                "step": int(m[1]),
+                "train/loss": float(m[2]),
+                "train/tau_hat": float(m[3]),
+                "train/samples_per_s": float(m[4]),
+            }
         elif m := VALIDATION.search(line):
             head = {"val/tau_hat_head": float(m[3])} if m[3] else {}
-            val[int(m[1])] = {"step": int(m[1]), "val/tau_hat": float(m[2]), **head, "val/loss": float(m[4])}
+            val[int(m[1])] = {
+                "step": int(m[1]),
+                "val/tau_hat": float(m[2]),
+                **head,
+                "val/loss": float(m[4]),
+            }
     return [train[step] for step in sorted(train)] + [val[step] for step in sorted(val)]
 
 
@@ -52,14 +65,38 @@ def e2e_runs(data: dict) -> list[tuple[str, dict, dict, dict]]:
     off = {r["suite"]: r["tok_per_s"] for r in data["rows"] if r["method"] == "off"}
     runs = []
     for row in data["rows"]:
-        metrics = {k: float(row[k]) for k in ("tok_per_s", "tau", "wall_s", "tokens", "match_hf",
-                                              "draft_ms_per_step", "verify_ms_per_step", "host_ms_per_step",
-                                              "prefill_ms_per_prompt") if k in row}
+        metrics = {
+            k: float(row[k])
+            for k in (
+                "tok_per_s",
+                "tau",
+                "wall_s",
+                "tokens",
+                "match_hf",
+                "draft_ms_per_step",
+                "verify_ms_per_step",
+                "host_ms_per_step",
+                "prefill_ms_per_prompt",
+            )
+            if k in row
+        }
         if row["suite"] in off:
             metrics["speedup_vs_off"] = row["tok_per_s"] / off[row["suite"]]
-        params = {"bench.suite": row["suite"], "method": row["method"], "prompts": row["prompts"],
-                  "max_new_tokens": data["args"]["max_new_tokens"], "dtype": data["args"]["dtype"]}
-        runs.append((f"{row['suite']} {row['method']}", params, metrics, row.get("acceptance_per_position", [])))
+        params = {
+            "bench.suite": row["suite"],
+            "method": row["method"],
+            "prompts": row["prompts"],
+            "max_new_tokens": data["args"]["max_new_tokens"],
+            "dtype": data["args"]["dtype"],
+        }
+        runs.append(
+            (
+                f"{row['suite']} {row['method']}",
+                params,
+                metrics,
+                row.get("acceptance_per_position", []),
+            )
+        )
     return runs
 
 
@@ -71,14 +108,31 @@ def all_suites_runs(data: dict, off_rows: list[dict]) -> list[tuple[str, dict, d
     for total in totals(data["rows"] + ([] if own_off else off_rows)):
         if total["method"] == "off" and not own_off:
             continue
-        metrics = {k: float(total[k]) for k in ("tok_per_s", "tau", "wall_s", "tokens", "step_ms",
-                                                "draft_ms_per_step", "verify_ms_per_step",
-                                                "prefill_ms_per_prompt") if k in total}
+        metrics = {
+            k: float(total[k])
+            for k in (
+                "tok_per_s",
+                "tau",
+                "wall_s",
+                "tokens",
+                "step_ms",
+                "draft_ms_per_step",
+                "verify_ms_per_step",
+                "prefill_ms_per_prompt",
+            )
+            if k in total
+        }
         if "speedup" in total:
             metrics["speedup_vs_off"] = total["speedup"]
-        params = {"bench.suite": "all", "suites": ",".join(total["suites"]), "method": total["method"],
-                  "prompts": total["prompts"], "max_new_tokens": data["args"]["max_new_tokens"],
-                  "dtype": data["args"]["dtype"], "off_from": "this file" if own_off else "e2e.json"}
+        params = {
+            "bench.suite": "all",
+            "suites": ",".join(total["suites"]),
+            "method": total["method"],
+            "prompts": total["prompts"],
+            "max_new_tokens": data["args"]["max_new_tokens"],
+            "dtype": data["args"]["dtype"],
+            "off_from": "this file" if own_off else "e2e.json",
+        }
         runs.append((f"all {total['method']}", params, metrics, []))
     return runs
 
@@ -86,19 +140,47 @@ def all_suites_runs(data: dict, off_rows: list[dict]) -> list[tuple[str, dict, d
 def engine_runs(data: dict, path_name: str) -> list[tuple[str, dict, dict, dict]]:
     runs = []
     for row in data["rows"]:
-        metrics = {k: float(row[k]) for k in ("tok_per_s", "step_ms", "draft_ms_per_step", "verify_ms_per_step",
-                                              "prefill_ms_per_request", "capture_s") if k in row}
-        metrics.update({f"projected_tok_per_s_tau{t}": v for t, v in row["projected_tok_per_s"].items()})
-        params = {"spec": row["spec"], "engine_path": path_name, "weights": "random (SmolLM2 shapes)"}
+        metrics = {
+            k: float(row[k])
+            for k in (
+                "tok_per_s",
+                "step_ms",
+                "draft_ms_per_step",
+                "verify_ms_per_step",
+                "prefill_ms_per_request",
+                "capture_s",
+            )
+            if k in row
+        }
+        metrics.update(
+            {f"projected_tok_per_s_tau{t}": v for t, v in row["projected_tok_per_s"].items()}
+        )
+        params = {
+            "spec": row["spec"],
+            "engine_path": path_name,
+            "weights": "random (SmolLM2 shapes)",
+        }
         runs.append((f"engine-step {row['spec']} {path_name}", params, metrics, []))
     return runs
 
 
-def log_child(mlflow, parent, name: str, params: dict, metrics: dict, curve=(), steps=(), tags=None,
-              curve_name: str = "acceptance_per_position"):
+def log_child(
+    mlflow,
+    parent,
+    name: str,
+    params: dict,
+    metrics: dict,
+    curve=(),
+    steps=(),
+    tags=None,
+    curve_name: str = "acceptance_per_position",
+):
     inherited = {k: v for k, v in parent.data.tags.items() if not k.startswith("mlflow.")}
-    run = mlflow.create_run(parent.info.experiment_id, run_name=name,
-                            tags={**inherited, "mlflow.parentRunId": parent.info.run_id, **(tags or {})})
+    run = mlflow.create_run(
+        parent.info.experiment_id,
+        run_name=name,
+        tags={**inherited, "mlflow.parentRunId": parent.info.run_id, **(tags or {})},
+    )
     run_id = run.info.run_id
     for key, value in params.items():
         mlflow.log_param(run_id, key, str(value)[:500])
@@ -115,7 +197,9 @@ def log_child(mlflow, parent, name: str, params: dict, metrics: dict, curve=(), 
 
 
 def replace_earlier(mlflow, experiment_id: str, source: str) -> int:
-    old = mlflow.search_runs([experiment_id], f"tags.import_source = '{source}'", max_results=10_000)
+    old = mlflow.search_runs(
+        [experiment_id], f"tags.import_source = '{source}'", max_results=10_000
+    )
     for run in old:
         mlflow.delete_run(run.info.run_id)
     return len(old)
@@ -126,41 +210,94 @@ def import_folder(folder: Path, overrides: list[str]) -> dict:
     experiment_id = setup(cfg)
     mlflow = MlflowClient(tracking_uri=cfg.tracking.uri)
     replaced = replace_earlier(mlflow, experiment_id, folder.name)
-    machine = (folder / "gpu.txt").read_text().splitlines()[1:] if (folder / "gpu.txt").exists() else []
-    tags = {"import_source": folder.name, "stage": "import", "machine": ", ".join(machine) or "unknown"}
+    machine = (
+        (folder / "gpu.txt").read_text().splitlines()[1:] if (folder / "gpu.txt").exists() else []
+    )
+    tags = {
+        "import_source": folder.name,
+        "stage": "import",
+        "machine": ", ".join(machine) or "unknown",
+    }
     parent = mlflow.create_run(experiment_id, run_name=folder.name, tags=tags)
     children = []
     if (folder / "train_manifest.json").exists():
         manifest = json.loads((folder / "train_manifest.json").read_text())
-        counts = {f"final/{k}": float(v) for k, v in manifest["counts"].items() if isinstance(v, (int, float))}
+        counts = {
+            f"final/{k}": float(v)
+            for k, v in manifest["counts"].items()
+            if isinstance(v, (int, float))
+        }
         params = flatten({k: manifest["config"][k] for k in ("train", "drafter")})
-        steps = progress_rows(folder / "train_progress.log") if (folder / "train_progress.log").exists() else []
+        steps = (
+            progress_rows(folder / "train_progress.log")
+            if (folder / "train_progress.log").exists()
+            else []
+        )
         val_acc = [a for a in manifest["counts"].get("val_acc") or [] if a is not None]
-        children.append(log_child(mlflow, parent, "train", params, counts, val_acc, steps, {"stage": "train"},
-                                  curve_name="val_acc_per_ttt_step"))
+        children.append(
+            log_child(
+                mlflow,
+                parent,
+                "train",
+                params,
+                counts,
+                val_acc,
+                steps,
+                {"stage": "train"},
+                curve_name="val_acc_per_ttt_step",
+            )
+        )
     for devices in (1, 2, 4, 8):
         log = folder / f"ddp_{devices}gpu_progress.log"
         if log.exists():
             steps = progress_rows(log)
-            children.append(log_child(mlflow, parent, f"ddp {devices} gpu", {"trainer.devices": devices},
-                                      ddp_rate(steps, devices), steps=steps, tags={"stage": "train"}))
-    e2e_files = {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("e2e*.json"))}
+            children.append(
+                log_child(
+                    mlflow,
+                    parent,
+                    f"ddp {devices} gpu",
+                    {"trainer.devices": devices},
+                    ddp_rate(steps, devices),
+                    steps=steps,
+                    tags={"stage": "train"},
+                )
+            )
+    e2e_files = {
+        path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("e2e*.json"))
+    }
     off_rows = [r for r in e2e_files.get("e2e", {"rows": []})["rows"] if r["method"] == "off"]
     for stem, data in e2e_files.items():  # e2e.json, or e2e_<variant>.json: one engine setting each
         variant = stem.removeprefix("e2e").lstrip("_")
         for name, params, metrics, curve in e2e_runs(data) + all_suites_runs(data, off_rows):
             params["engine_variant"] = variant or "default"
-            children.append(log_child(mlflow, parent, f"{name} {variant}".strip(), params, metrics, curve,
-                                      tags={"stage": "bench"}))
+            children.append(
+                log_child(
+                    mlflow,
+                    parent,
+                    f"{name} {variant}".strip(),
+                    params,
+                    metrics,
+                    curve,
+                    tags={"stage": "bench"},
+                )
+            )
     for path in sorted(folder.glob("engine_*.json")):
         path_name = path.stem.removeprefix("engine_")
-        for name, params, metrics, curve in engine_runs(json.loads(path.read_text()), path_name):
-            children.append(log_child(mlflow, parent, name, params, metrics, tags={"stage": "engine"}))
-    for picture in sorted(folder.glob("*.png")):  # plots made from the folder's files (tree_shapes.py --plot)
+        for name, params, metrics, _curve in engine_runs(json.loads(path.read_text()), path_name):
+            children.append(
+                log_child(mlflow, parent, name, params, metrics, tags={"stage": "engine"})
+            )
+    for picture in sorted(
+        folder.glob("*.png")
+    ):  # plots made from the folder's files (tree_shapes.py --plot)
         mlflow.log_artifact(parent.info.run_id, str(picture))
     mlflow.set_terminated(parent.info.run_id)
-    return {"parent": parent.info.run_id, "children": len(children), "replaced": replaced,
-            "uri": cfg.tracking.uri}
+    return {
+        "parent": parent.info.run_id,
+        "children": len(children),
+        "replaced": replaced,
+        "uri": cfg.tracking.uri,
+    }
 
 
 def ddp_rate(steps: list[dict], devices: int) -> dict:
@@ -172,18 +309,25 @@ def ddp_rate(steps: list[dict], devices: int) -> dict:
         return {}
     pairs = list(zip(steps, steps[1:]))
     done = sum(b["step"] - a["step"] for a, b in pairs)
-    return {"samples_per_s": done / sum((b["step"] - a["step"]) / b["train/samples_per_s"] for a, b in pairs),
-            "devices": float(devices)}
+    return {
+        "samples_per_s": done
+        / sum((b["step"] - a["step"]) / b["train/samples_per_s"] for a, b in pairs),
+        "devices": float(devices),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("folder", type=Path)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (tracking.*, paths.root)")
     args = parser.parse_args()
     summary = import_folder(args.folder, args.overrides)
-    print(f"imported {args.folder.name}: parent run {summary['parent']}, {summary['children']} child runs "
-          f"({summary['replaced']} earlier runs replaced) into {summary['uri']}")
+    print(
+        f"imported {args.folder.name}: parent run {summary['parent']}, {summary['children']} child runs "
+        f"({summary['replaced']} earlier runs replaced) into {summary['uri']}"
+    )
 
 
 if __name__ == "__main__":

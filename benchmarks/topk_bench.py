@@ -42,8 +42,13 @@ def replay_us(fn, logits: torch.Tensor, k: int, replays: int) -> float:
 
 
 def show(row: dict) -> None:
-    print("  ".join(f"{key} {value:.1f}" if isinstance(value, float) else f"{key} {value}"
-                    for key, value in row.items()), flush=True)
+    print(
+        "  ".join(
+            f"{key} {value:.1f}" if isinstance(value, float) else f"{key} {value}"
+            for key, value in row.items()
+        ),
+        flush=True,
+    )
 
 
 def write_rows(rows: list[dict], path: str | None) -> None:
@@ -53,7 +58,9 @@ def write_rows(rows: list[dict], path: str | None) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--rows", default="1,8,16")
     parser.add_argument("--k", default="2,8,16")
@@ -61,8 +68,11 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     torch._dynamo.config.recompile_limit = 64
-    ways = {"torch.topk": torch_topk, "top_children": top_children,
-            "top_children compiled": torch.compile(top_children, dynamic=False)}
+    ways = {
+        "torch.topk": torch_topk,
+        "top_children": top_children,
+        "top_children compiled": torch.compile(top_children, dynamic=False),
+    }
     rows_out = []
     for rows in (int(r) for r in args.rows.split(",")):
         for k in (int(v) for v in args.k.split(",")):
@@ -71,7 +81,9 @@ def main() -> None:
             row = {"rows": rows, "k": k}
             for name, fn in ways.items():
                 values, indices = fn(logits, k)
-                assert torch.allclose(values, reference[0], atol=1e-5), name  # ties may pick other ids
+                assert torch.allclose(values, reference[0], atol=1e-5), (
+                    name
+                )  # ties may pick other ids
                 row[name] = replay_us(fn, logits, k, args.replays)
             show(row)
             rows_out.append(row)

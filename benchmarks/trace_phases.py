@@ -24,8 +24,11 @@ def graph_replays(trace: dict) -> list[list[dict]]:
         if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             by_launch[event["args"].get("correlation")].append(event)
     launches = [e for e in events if e.get("name", "").startswith("cudaGraphLaunch")]
-    return [sorted(by_launch[e["args"]["correlation"]], key=lambda k: k["ts"])
-            for e in launches if by_launch.get(e["args"].get("correlation"))]
+    return [
+        sorted(by_launch[e["args"]["correlation"]], key=lambda k: k["ts"])
+        for e in launches
+        if by_launch.get(e["args"].get("correlation"))
+    ]
 
 
 def by_count(replays: list[list[dict]]) -> dict[int, list[list[dict]]]:
@@ -41,7 +44,9 @@ def summarize(groups: dict[int, list[list[dict]]]) -> list[dict]:
     rows = []
     for count, group in groups.items():
         busy = sum(sum(k["dur"] for k in kernels) for kernels in group) / len(group)
-        span = sum(kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"] for kernels in group) / len(group)
+        span = sum(
+            kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"] for kernels in group
+        ) / len(group)
         rows.append({"kernels": count, "replays": len(group), "busy_us": busy, "span_us": span})
     return rows
 
@@ -49,13 +54,18 @@ def summarize(groups: dict[int, list[list[dict]]]) -> list[dict]:
 def report(replays: list[list[dict]], listed: list[int] | None = None) -> str:
     """The summary table, then the kernels of one (middle) replay of each listed kernel count (None: all)."""
     groups = by_count(replays)
-    lines = [f"{row['kernels']:5d} kernels  x{row['replays']:<4d} busy {row['busy_us']:8.1f} µs  "
-             f"span {row['span_us']:8.1f} µs" for row in summarize(groups)]
+    lines = [
+        f"{row['kernels']:5d} kernels  x{row['replays']:<4d} busy {row['busy_us']:8.1f} µs  "
+        f"span {row['span_us']:8.1f} µs"
+        for row in summarize(groups)
+    ]
     for count in groups if listed is None else listed:
         if count in groups:
             kernels = groups[count][len(groups[count]) // 2]
             lines += [f"-- a replay of {count} kernels"] + [
-                f"{k['ts'] - kernels[0]['ts']:8.1f} {k['dur']:6.1f}  {k['name'][:100]}" for k in kernels]
+                f"{k['ts'] - kernels[0]['ts']:8.1f} {k['dur']:6.1f}  {k['name'][:100]}"
+                for k in kernels
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -65,9 +75,13 @@ def load(path: str) -> list[list[dict]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("trace", help="chrome trace (.json or .json.gz)")
-    parser.add_argument("--kernels", type=int, nargs="*", default=[], help="list one replay with this many kernels")
+    parser.add_argument(
+        "--kernels", type=int, nargs="*", default=[], help="list one replay with this many kernels"
+    )
     parser.add_argument("--all", action="store_true", help="list one replay of every kernel count")
     args = parser.parse_args()
     replays = load(args.trace)

@@ -19,19 +19,23 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-
 from bench_engine import load, load_drafter
 from e2e_bench import read_suite, strip_eos
+
 from eagle3.data import build_vocab_map, load_splits
 from eagle3.engine import SpecDecoder
 from eagle3.spec import OFF
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--target", required=True, help="HF model folder (with tokenizer)")
     parser.add_argument("--drafter", help="exported drafter folder: its own vocab map")
-    parser.add_argument("--data", help="data stage folder: vocab maps of --sizes built from its train split")
+    parser.add_argument(
+        "--data", help="data stage folder: vocab maps of --sizes built from its train split"
+    )
     parser.add_argument("--sizes", default="8192,16384,32768")
     parser.add_argument("--suites", required=True, help="comma-separated suite JSONL files")
     parser.add_argument("--prompts", type=int, default=8)
@@ -40,7 +44,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--json")
     args = parser.parse_args()
-    target = load(SimpleNamespace(device=args.device, dtype=args.dtype, random_from=None, target=args.target))
+    target = load(
+        SimpleNamespace(device=args.device, dtype=args.dtype, random_from=None, target=args.target)
+    )
     vocabs: dict[str, set[int]] = {}
     if args.drafter:
         drafter = load_drafter(SimpleNamespace(drafter=args.drafter), target)
@@ -48,7 +54,9 @@ def main() -> None:
     if args.data:
         train = load_splits(args.data)["train"]
         for size in map(int, args.sizes.split(",")):
-            _, t2d, _ = build_vocab_map(train["input_ids"], train["loss_mask"], target.vocab_size, size)
+            _, t2d, _ = build_vocab_map(
+                train["input_ids"], train["loss_mask"], target.vocab_size, size
+            )
             vocabs[f"vocab {size}"] = set(t2d.nonzero().flatten().tolist())
     eos = target.tokenizer.convert_tokens_to_ids("<|im_end|>")
     decoder = SpecDecoder(target, None, OFF)
@@ -56,11 +64,19 @@ def main() -> None:
     for suite in args.suites.split(","):
         answers = []
         for prompt in read_suite(Path(suite), target.tokenizer, args.prompts):
-            answers += strip_eos(decoder.generate(prompt, args.max_new_tokens, stop_ids=[eos]).tokens, eos)
-        outside = {name: sum(t not in vocab for t in answers) / len(answers) for name, vocab in vocabs.items()}
+            answers += strip_eos(
+                decoder.generate(prompt, args.max_new_tokens, stop_ids=[eos]).tokens, eos
+            )
+        outside = {
+            name: sum(t not in vocab for t in answers) / len(answers)
+            for name, vocab in vocabs.items()
+        }
         rows.append({"suite": Path(suite).stem, "tokens": len(answers), "outside": outside})
-        print(f"{Path(suite).stem:>20} {len(answers):5d} tokens, outside: "
-              + "  ".join(f"{name} {share:.3f}" for name, share in outside.items()), flush=True)
+        print(
+            f"{Path(suite).stem:>20} {len(answers):5d} tokens, outside: "
+            + "  ".join(f"{name} {share:.3f}" for name, share in outside.items()),
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 

@@ -23,9 +23,17 @@ def test_root() -> Path:
 @pytest.fixture
 def make_cfg(test_root, tmp_path):
     """Compose the primary config with overrides; artifacts shared, mlruns per test."""
+
     def make(*overrides: str):
-        return compose([f"paths.root={test_root}", f"tracking.uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
-                        f"tracking.artifact_location={tmp_path}/mlruns/artifacts", *overrides])
+        return compose(
+            [
+                f"paths.root={test_root}",
+                f"tracking.uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
+                f"tracking.artifact_location={tmp_path}/mlruns/artifacts",
+                *overrides,
+            ]
+        )
+
     return make
 
 
@@ -52,17 +60,22 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_target(test_root):
     from eagle3.target import load_target
+
     return load_target(compose([f"paths.root={test_root}", "target=tiny-llama"]))
 
 
 @pytest.fixture(scope="session")
 def smollm2(test_root):
     from eagle3.target import load_target
-    return load_target(compose([f"paths.root={test_root}", "target=smollm2-135m", "target.dtype=float32"]))
+
+    return load_target(
+        compose([f"paths.root={test_root}", "target=smollm2-135m", "target.dtype=float32"])
+    )
 
 
 @pytest.fixture(scope="session")
 def smollm2_trained_drafter(test_root):
     """The exported SmolLM2 drafter trained by eagle3.train (engine_helpers.trained_smollm2_drafter)."""
     from engine_helpers import trained_smollm2_drafter
+
     return trained_smollm2_drafter(test_root)

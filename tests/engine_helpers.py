@@ -12,8 +12,12 @@ from omegaconf import OmegaConf
 from eagle3.drafter import build_drafter
 from eagle3.spec import resolve_spec
 
-PROMPTS = ["Hello there, how are you doing today?", "The capital of France is",
-           "def fibonacci(n):\n    ", "List three colors:"]
+PROMPTS = [
+    "Hello there, how are you doing today?",
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "List three colors:",
+]
 
 SPECS = {
     "off": dict(enabled=False, depth=1, steps=0, topk=1),
@@ -45,15 +49,16 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
 def fitted_drafter(target, dcfg, rollout_tokens: int = 96, steps: int = 150, seed: int = 0):
     """A drafter trained with the real TTT loss on the target's greedy rollouts of PROMPTS."""
     from eagle3.ttt import ttt_loss
+
     sequences = []
     for text in PROMPTS:
         prompt = target.tokenizer(text)["input_ids"]
         sequences.append(prompt + reference_greedy(target.model, prompt, rollout_tokens))
     torch.manual_seed(seed)
     drafter = build_drafter(target, dcfg)
-    vocab = sorted({t for seq in sequences for t in seq})[:drafter.config.draft_vocab_size]
+    vocab = sorted({t for seq in sequences for t in seq})[: drafter.config.draft_vocab_size]
     d2t = torch.zeros(drafter.config.draft_vocab_size, dtype=torch.long)
-    d2t[:len(vocab)] = torch.tensor(vocab) - torch.arange(len(vocab))
+    d2t[: len(vocab)] = torch.tensor(vocab) - torch.arange(len(vocab))
     t2d = torch.zeros(drafter.config.vocab_size, dtype=torch.bool)
     t2d[vocab] = True
     drafter.set_vocab_map(d2t, t2d)
@@ -61,12 +66,21 @@ def fitted_drafter(target, dcfg, rollout_tokens: int = 96, steps: int = 150, see
     for seq in sequences:
         ids = torch.tensor([seq])
         aux, last = target.capture(ids)
-        batches.append({"input_ids": ids, "loss_mask": torch.ones_like(ids), "aux_hidden": aux, "last_hidden": last})
+        batches.append(
+            {
+                "input_ids": ids,
+                "loss_mask": torch.ones_like(ids),
+                "aux_hidden": aux,
+                "last_hidden": last,
+            }
+        )
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=3e-3)
     drafter.train()
     for step in range(steps):
-        loss, _ = ttt_loss(drafter, batches[step % len(batches)], target.model.lm_head.weight, 4, 0.8)
+        loss, _ = ttt_loss(
+            drafter, batches[step % len(batches)], target.model.lm_head.weight, 4, 0.8
+        )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -79,18 +93,26 @@ AGREE_TOKENS = 32
 # SmolLM2 (a real model: varied greedy continuations, no near-ties) in float32 on both engines.
 # The tiny random Llama is no use here: its greedy output is one token repeated, which any drafter
 # predicts, so both engines would report the trivial tau = depth.
-AGREE_TARGET = ("target=smollm2-135m", "target.dtype=float32", f"drafter.draft_vocab_size={AGREE_VOCAB}")
+AGREE_TARGET = (
+    "target=smollm2-135m",
+    "target.dtype=float32",
+    f"drafter.draft_vocab_size={AGREE_VOCAB}",
+)
 
 
 def agree_cfg(test_root: Path, *overrides: str):
     """The SmolLM2 config the trained drafter belongs to (its prompts: the first AGREE_PROMPTS of the suite)."""
     from eagle3.common import compose
-    return compose([f"paths.root={test_root}", *AGREE_TARGET, f"bench.limit={AGREE_PROMPTS}", *overrides])
+
+    return compose(
+        [f"paths.root={test_root}", *AGREE_TARGET, f"bench.limit={AGREE_PROMPTS}", *overrides]
+    )
 
 
 def agree_prompts(target, cfg) -> list[list[int]]:
     from eagle3.bench import tokenize_prompts
     from eagle3.suites import load_suite
+
     return tokenize_prompts(target.tokenizer, load_suite(cfg.bench))
 
 
@@ -106,22 +128,40 @@ def trained_smollm2_drafter(test_root: Path) -> Path:
     if (out / "vllm" / "config.json").exists():
         return out
     train_dir = test_root / "drafters" / "smollm2-bench-train"
-    cfg = agree_cfg(test_root, "train.hidden_states=online", "train.ttt_length=4", "train.max_length=160",
-                    "train.batch_size=4", "train.bucket_batches=1", "train.epochs=15", "train.lr=3e-3",
-                    "train.warmup_ratio=0.05", "train.checkpoint_every_n_steps=1000", "trainer.accelerator=cpu",
-                    "trainer.progress_bar=false", "tracking.enabled=false")
+    cfg = agree_cfg(
+        test_root,
+        "train.hidden_states=online",
+        "train.ttt_length=4",
+        "train.max_length=160",
+        "train.batch_size=4",
+        "train.bucket_batches=1",
+        "train.epochs=15",
+        "train.lr=3e-3",
+        "train.warmup_ratio=0.05",
+        "train.checkpoint_every_n_steps=1000",
+        "trainer.accelerator=cpu",
+        "trainer.progress_bar=false",
+        "tracking.enabled=false",
+    )
     target = load_target(cfg, device="cpu")
     items = []
     for index, ids in enumerate(agree_prompts(target, cfg)):
         prompt = torch.tensor([ids])
         with torch.no_grad():
-            full = target.model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                         max_new_tokens=AGREE_TOKENS + 8, pad_token_id=0)[0]
+            full = target.model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                do_sample=False,
+                max_new_tokens=AGREE_TOKENS + 8,
+                pad_token_id=0,
+            )[0]
         mask = torch.zeros(len(full), dtype=torch.long)
-        mask[len(ids):] = 1
+        mask[len(ids) :] = 1
         items.append({"id": str(index), "input_ids": full, "loss_mask": mask})
     with torch.no_grad():
-        predicted = torch.cat([target.model(i["input_ids"][None]).logits[0].argmax(-1) for i in items])
+        predicted = torch.cat(
+            [target.model(i["input_ids"][None]).logits[0].argmax(-1) for i in items]
+        )
     top = predicted.bincount(minlength=target.vocab_size).topk(AGREE_VOCAB).indices.sort().values
     t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
     t2d[top] = True
@@ -129,7 +169,9 @@ def trained_smollm2_drafter(test_root: Path) -> Path:
     fit(cfg, target, data, train_dir, top - torch.arange(AGREE_VOCAB), t2d)
     drafter = load_trained_drafter(train_dir, target, which="final")
     drafter.config.target_num_layers = target.num_layers
-    export_drafter(cfg, drafter, {"note": "trained on the bench prompts' greedy continuations"}, out)
+    export_drafter(
+        cfg, drafter, {"note": "trained on the bench prompts' greedy continuations"}, out
+    )
     return out
 
 
@@ -140,4 +182,6 @@ def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> fl
     keep = expected > 0
     statistic = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
     dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic.double() / 2))
+    return float(
+        torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic.double() / 2)
+    )

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 import yaml
+from engine_helpers import AGREE_PROMPTS, AGREE_TARGET, AGREE_TOKENS
 from mlflow.tracking import MlflowClient
 
 from eagle3.bench import aggregate, baseline_output, job_identity, percentile, tokenize_prompts
@@ -23,32 +24,46 @@ from eagle3.common import Eagle3Error
 from eagle3.costmodel import StepCost, accept_length, fit_step_cost, predict
 from eagle3.suites import load_suite
 from eagle3.sweep import cost_model_rows, summarize
-from engine_helpers import AGREE_PROMPTS, AGREE_TARGET, AGREE_TOKENS
-
 
 # ---------------------------------------------------------------- suites
 
 
-@pytest.mark.parametrize("suite,count,first", [
-    ("vicuna", 80, "How can I improve my time management skills?"),
-    ("humaneval", 164, "from typing import List"),
-    ("gsm8k", 100, "Melanie is a door-to-door saleswoman."),
-])
+@pytest.mark.parametrize(
+    "suite,count,first",
+    [
+        ("vicuna", 80, "How can I improve my time management skills?"),
+        ("humaneval", 164, "from typing import List"),
+        ("gsm8k", 100, "Melanie is a door-to-door saleswoman."),
+    ],
+)
 def test_shipped_suites(make_cfg, suite, count, first):
     prompts = load_suite(make_cfg(f"bench.suite={suite}", "bench.limit=null").bench)
     assert len(prompts) == count and len({p.id for p in prompts}) == count
-    assert prompts[0].messages[0]["role"] == "user" and prompts[0].messages[0]["content"].startswith(first)
+    assert prompts[0].messages[0]["role"] == "user" and prompts[0].messages[0][
+        "content"
+    ].startswith(first)
     limited = load_suite(make_cfg(f"bench.suite={suite}", "bench.limit=3").bench)
     assert limited == prompts[:3]
 
 
 def test_user_jsonl_prompt_and_messages(make_cfg, tmp_path):
     path = tmp_path / "mine.jsonl"
-    rows = [{"prompt": "Say hi."},
-            {"id": "chat", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}]
+    rows = [
+        {"prompt": "Say hi."},
+        {
+            "id": "chat",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+            ],
+        },
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     prompts = load_suite(make_cfg(f"bench.prompts={path}", "bench.limit=null").bench)
-    assert [p.messages for p in prompts] == [[{"role": "user", "content": "Say hi."}], rows[1]["messages"]]
+    assert [p.messages for p in prompts] == [
+        [{"role": "user", "content": "Say hi."}],
+        rows[1]["messages"],
+    ]
     assert prompts[1].id == "chat"
     path.write_text(json.dumps({"text": "no prompt field"}) + "\n")
     with pytest.raises(Eagle3Error, match="no string field `prompt`"):
@@ -62,7 +77,9 @@ def test_user_jsonl_prompt_and_messages(make_cfg, tmp_path):
 def test_prompts_are_chat_templated_ids(tiny_target, make_cfg):
     prompts = load_suite(make_cfg("bench.limit=2").bench)
     ids = tokenize_prompts(tiny_target.tokenizer, prompts)
-    expected = tiny_target.tokenizer.apply_chat_template(prompts[0].messages, add_generation_prompt=True)
+    expected = tiny_target.tokenizer.apply_chat_template(
+        prompts[0].messages, add_generation_prompt=True
+    )
     expected = expected["input_ids"] if hasattr(expected, "keys") else expected
     assert ids[0] == list(expected) and all(isinstance(t, int) for t in ids[1])
     assert tiny_target.tokenizer.decode(ids[0]).rstrip().endswith("assistant")
@@ -73,17 +90,27 @@ def test_prompts_are_chat_templated_ids(tiny_target, make_cfg):
 
 def test_percentile_matches_linear_interpolation():
     values = [4.0, 1.0, 3.0, 2.0]
-    assert percentile(values, 50) == 2.5 and percentile(values, 0) == 1.0 and percentile(values, 100) == 4.0
+    assert (
+        percentile(values, 50) == 2.5
+        and percentile(values, 0) == 1.0
+        and percentile(values, 100) == 4.0
+    )
     assert percentile(values, 90) == pytest.approx(3.7) and percentile([], 50) is None
 
 
 def test_aggregate_exact():
-    records = [{"output_tokens": 11, "ttft_s": 0.1, "latency_s": 1.1, "tok_per_s": 10.0},
-               {"output_tokens": 21, "ttft_s": 0.3, "latency_s": 2.3, "tok_per_s": 21 / 2.3}]
-    m = aggregate(records, wall_s=3.2, acceptance={"accept_length": 2.5, "accept_per_pos": [0.9, 0.6]})
+    records = [
+        {"output_tokens": 11, "ttft_s": 0.1, "latency_s": 1.1, "tok_per_s": 10.0},
+        {"output_tokens": 21, "ttft_s": 0.3, "latency_s": 2.3, "tok_per_s": 21 / 2.3},
+    ]
+    m = aggregate(
+        records, wall_s=3.2, acceptance={"accept_length": 2.5, "accept_per_pos": [0.9, 0.6]}
+    )
     assert m["tokens_per_s"] == 32 / 3.2 and m["output_tokens"] == 32 and m["requests"] == 2
-    assert m["decode_tokens_per_s"] == pytest.approx(30 / 3.0)       # tokens after the first / decode time
-    assert m["step_s"] == pytest.approx(2.5 / 10.0)                  # tau / decode rate
+    assert m["decode_tokens_per_s"] == pytest.approx(
+        30 / 3.0
+    )  # tokens after the first / decode time
+    assert m["step_s"] == pytest.approx(2.5 / 10.0)  # tau / decode rate
     assert m["ttft_p50_ms"] == pytest.approx(200) and m["itl_p50_ms"] == pytest.approx(100)
     assert m["accept_per_pos"] == [0.9, 0.6] and m["accept_length"] == 2.5
 
@@ -99,28 +126,53 @@ def test_cost_model_recovers_line_and_predicts():
     per_pos = [0.8, 0.6, 0.4, 0.2]
     assert accept_length(per_pos, 3) == pytest.approx(2.4) and accept_length(per_pos, 6) is None
     pred = predict(per_pos, truth, [1, 3, 5, 9])
-    assert pred == {1: pytest.approx(1 / 0.02), 3: pytest.approx(2.4 / 0.028), 5: pytest.approx(3.0 / 0.036)}
+    assert pred == {
+        1: pytest.approx(1 / 0.02),
+        3: pytest.approx(2.4 / 0.028),
+        5: pytest.approx(3.0 / 0.036),
+    }
 
 
 def ok_result(depth, tok_s, tau, step_s, per_pos, **extra):
-    base = {"engine": "local", "suite": "vicuna", "batch_size": 1, "max_new_tokens": 64, "status": "ok",
-            "spec": f"d{depth}", "depth": depth, "steps": depth - 1, "topk": 1, "tokens_per_s": tok_s,
-            "baseline_tokens_per_s": 50.0, "baseline_step_s": 0.02, "speedup": tok_s / 50.0, "accept_length": tau,
-            "step_s": step_s, "decode_tokens_per_s": tau / step_s, "accept_per_pos": per_pos,
-            "ttft_p50_ms": 30.0, "itl_p50_ms": 10.0}
+    base = {
+        "engine": "local",
+        "suite": "vicuna",
+        "batch_size": 1,
+        "max_new_tokens": 64,
+        "status": "ok",
+        "spec": f"d{depth}",
+        "depth": depth,
+        "steps": depth - 1,
+        "topk": 1,
+        "tokens_per_s": tok_s,
+        "baseline_tokens_per_s": 50.0,
+        "baseline_step_s": 0.02,
+        "speedup": tok_s / 50.0,
+        "accept_length": tau,
+        "step_s": step_s,
+        "decode_tokens_per_s": tau / step_s,
+        "accept_per_pos": per_pos,
+        "ttft_p50_ms": 30.0,
+        "itl_p50_ms": 10.0,
+    }
     return {**base, **extra}
 
 
 def test_cost_model_rows_predict_unmeasured_depths():
     truth = StepCost(0.02, 0.004)
     per_pos = [0.8, 0.6, 0.4, 0.2, 0.1, 0.05, 0.02]
-    results = [ok_result(8, 90.0, accept_length(per_pos, 8), truth.step_s(8), per_pos),
-               ok_result(4, 80.0, accept_length(per_pos, 4), truth.step_s(4), per_pos[:3])]
+    results = [
+        ok_result(8, 90.0, accept_length(per_pos, 8), truth.step_s(8), per_pos),
+        ok_result(4, 80.0, accept_length(per_pos, 4), truth.step_s(4), per_pos[:3]),
+    ]
     rows = {r["depth"]: r for r in cost_model_rows(results, [2, 6, 12])}
     assert sorted(rows) == [2, 4, 6, 8]  # 12 is past the measured positions
-    assert rows[6]["predicted_tok_s"] == pytest.approx(accept_length(per_pos, 6) / truth.step_s(6), abs=0.01)
+    assert rows[6]["predicted_tok_s"] == pytest.approx(
+        accept_length(per_pos, 6) / truth.step_s(6), abs=0.01
+    )
     assert rows[6]["measured_tok_s"] == "" and rows[8]["measured_tok_s"] == pytest.approx(
-        rows[8]["predicted_tok_s"], abs=0.01)
+        rows[8]["predicted_tok_s"], abs=0.01
+    )
 
 
 # ---------------------------------------------------------------- summary and baseline cache
@@ -128,15 +180,26 @@ def test_cost_model_rows_predict_unmeasured_depths():
 
 def test_summary_lists_failed_jobs_and_best(make_cfg, tmp_path, capsys):
     per_pos = [0.8, 0.5, 0.3]
-    results = [ok_result(4, 95.0, 2.6, 0.028, per_pos), ok_result(3, 80.0, 2.3, 0.024, per_pos[:2]),
-               {**job_identity(make_cfg("serve=vllm", "spec=d10s5")), "status": "failed",
-                "error": "Eagle3Error: spec d10s5k4 (topk=4) is a tree; vLLM drafts chains only"}]
+    results = [
+        ok_result(4, 95.0, 2.6, 0.028, per_pos),
+        ok_result(3, 80.0, 2.3, 0.024, per_pos[:2]),
+        {
+            **job_identity(make_cfg("serve=vllm", "spec=d10s5")),
+            "status": "failed",
+            "error": "Eagle3Error: spec d10s5k4 (topk=4) is a tree; vLLM drafts chains only",
+        },
+    ]
     out = summarize(make_cfg(), results, tmp_path)
     assert out["best"]["spec"] == "d4"
     rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
     assert [(r["engine"], r["spec"], r["status"]) for r in rows] == [
-        ("local", "d4", "ok"), ("local", "d3", "ok"), ("vllm", "d10s5k4", "failed")]
-    assert "vLLM drafts chains only" in rows[2]["error"] and float(rows[0]["speedup"]) == pytest.approx(1.9)
+        ("local", "d4", "ok"),
+        ("local", "d3", "ok"),
+        ("vllm", "d10s5k4", "failed"),
+    ]
+    assert "vLLM drafts chains only" in rows[2]["error"] and float(
+        rows[0]["speedup"]
+    ) == pytest.approx(1.9)
     assert (tmp_path / "summary.md").read_text().count("\n") == 2 + 3
     for plot in ("tokens_per_s.png", "accept_length.png"):
         assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
@@ -146,9 +209,17 @@ def test_summary_lists_failed_jobs_and_best(make_cfg, tmp_path, capsys):
 
 def test_baseline_key_shared_across_specs_not_across_batch_sizes(make_cfg):
     a = baseline_output(make_cfg("target=tiny-llama", "spec.depth=16"))
-    assert a.hash == baseline_output(make_cfg("target=tiny-llama", "spec=d10s5", "serve.port=1234")).hash
-    for change in ("bench.batch_size=4", "bench.max_new_tokens=7", "serve=vllm", "bench.suite=gsm8k",
-                   "target=smollm2-135m"):
+    assert (
+        a.hash
+        == baseline_output(make_cfg("target=tiny-llama", "spec=d10s5", "serve.port=1234")).hash
+    )
+    for change in (
+        "bench.batch_size=4",
+        "bench.max_new_tokens=7",
+        "serve=vllm",
+        "bench.suite=gsm8k",
+        "target=smollm2-135m",
+    ):
         assert baseline_output(make_cfg("target=tiny-llama", change)).hash != a.hash, change
     assert a.path.parent.name == "bench_baseline"
 
@@ -186,9 +257,17 @@ def export_untrained_drafter(cfg, out: Path) -> Path:
 
 def run_sweep(test_root, tmp_path, *overrides) -> tuple[subprocess.CompletedProcess, Path]:
     sweep_dir = tmp_path / "sweep"
-    argv = [sys.executable, "-m", "eagle3.bench", "-m", *overrides, f"paths.root={test_root}",
-            f"tracking.uri=sqlite:///{tmp_path}/mlruns/mlflow.db", f"tracking.artifact_location={tmp_path}/mlruns/art",
-            f"hydra.sweep.dir={sweep_dir}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "eagle3.bench",
+        "-m",
+        *overrides,
+        f"paths.root={test_root}",
+        f"tracking.uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
+        f"tracking.artifact_location={tmp_path}/mlruns/art",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=1500, cwd=tmp_path)
     return out, sweep_dir
 
@@ -205,6 +284,7 @@ def sweep_runs(tmp_path) -> tuple:
 @pytest.fixture(scope="session")
 def vllm_drafter(test_root):
     from eagle3.common import compose
+
     cfg = compose([f"paths.root={test_root}", *VLLM_TINY])
     return export_untrained_drafter(cfg, test_root / "drafters" / "tiny-hd32-untrained")
 
@@ -214,18 +294,31 @@ def test_vllm_sweep_reads_counters_and_refuses_trees(test_root, tmp_path, vllm_d
     """`python -m eagle3.bench -m serve=vllm spec.depth=4,8` against a real vLLM (CPU), plus a
     tree job that vLLM cannot run: failed before launch, the sweep goes on, the summary lists it."""
     assert VLLM_PYTHON.exists(), "run `make vllm` (tools/setup_vllm.sh) to build .venv-vllm"
-    out, sweep_dir = run_sweep(test_root, tmp_path, "serve=vllm", "spec=default,d10s5", "spec.depth=4,8",
-                               *VLLM_TINY, *QUICK, f"drafter.path={vllm_drafter}")
+    out, sweep_dir = run_sweep(
+        test_root,
+        tmp_path,
+        "serve=vllm",
+        "spec=default,d10s5",
+        "spec.depth=4,8",
+        *VLLM_TINY,
+        *QUICK,
+        f"drafter.path={vllm_drafter}",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     results = [json.loads((sweep_dir / str(i) / "bench_result.json").read_text()) for i in range(4)]
     ok = [r for r in results if r["status"] == "ok"]
     failed = [r for r in results if r["status"] == "failed"]
     assert sorted(r["depth"] for r in ok) == [4, 8] and len(failed) == 2
     # d10s5 is a tree (topk 4): refused for vLLM before anything was launched
-    assert all("vLLM drafts chains only" in r["error"] and not (Path(r["folder"]) / "spec").exists() for r in failed)
+    assert all(
+        "vLLM drafts chains only" in r["error"] and not (Path(r["folder"]) / "spec").exists()
+        for r in failed
+    )
     for r in ok:
         requests = json.loads((Path(r["folder"]) / "spec" / "requests.json").read_text())
-        assert len(requests) == 3 and r["output_tokens"] == sum(q["output_tokens"] for q in requests)
+        assert len(requests) == 3 and r["output_tokens"] == sum(
+            q["output_tokens"] for q in requests
+        )
         assert r["num_drafts"] > 0 and len(r["accept_per_pos"]) == r["depth"] - 1  # vLLM's counters
         assert r["accept_length"] == pytest.approx(1 + sum(r["accept_per_pos"]))
         assert r["baseline_tokens_per_s"] == ok[0]["baseline_tokens_per_s"]  # measured once, reused
@@ -234,8 +327,13 @@ def test_vllm_sweep_reads_counters_and_refuses_trees(test_root, tmp_path, vllm_d
     client, parent, children = sweep_runs(tmp_path)
     assert [c.info.status for c in children] == ["FINISHED", "FINISHED", "FAILED", "FAILED"]
     assert children[0].data.metrics["accept_pos_0"] == ok[0]["accept_per_pos"][0]
-    assert {"summary.md", "summary.csv", "tokens_per_s.png", "accept_length.png", "cost_model.md"} <= {
-        a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {
+        "summary.md",
+        "summary.csv",
+        "tokens_per_s.png",
+        "accept_length.png",
+        "cost_model.md",
+    } <= {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert parent.info.status == "FINISHED" and parent.data.tags["failed_jobs"] == "2"
     assert "best: serve=vllm" in out.stdout and "2 of 4 jobs failed" in out.stdout
 
@@ -249,6 +347,7 @@ LOCAL_TINY = ("target=tiny-llama", "serve=local")
 @pytest.fixture(scope="session")
 def tiny_drafter(test_root):
     from eagle3.common import compose
+
     cfg = compose([f"paths.root={test_root}", "target=tiny-llama"])
     return export_untrained_drafter(cfg, test_root / "drafters" / "tiny-untrained")
 
@@ -256,10 +355,19 @@ def tiny_drafter(test_root):
 def test_local_sweep_one_job_refused(test_root, tmp_path, tiny_drafter):
     """`python -m eagle3.bench -m serve=local,vllm spec=d10s5`: the local job runs the tree through
     our server; vLLM refuses the tree: failed, listed, the sweep finishes."""
-    out, sweep_dir = run_sweep(test_root, tmp_path, "serve=local,vllm", "spec=d10s5", "target=tiny-llama", *QUICK,
-                               f"drafter.path={tiny_drafter}")
+    out, sweep_dir = run_sweep(
+        test_root,
+        tmp_path,
+        "serve=local,vllm",
+        "spec=d10s5",
+        "target=tiny-llama",
+        *QUICK,
+        f"drafter.path={tiny_drafter}",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    local, vllm = (json.loads((sweep_dir / str(i) / "bench_result.json").read_text()) for i in range(2))
+    local, vllm = (
+        json.loads((sweep_dir / str(i) / "bench_result.json").read_text()) for i in range(2)
+    )
     assert local["status"] == "ok", local.get("error")
     assert vllm["status"] == "failed" and "vLLM drafts chains only" in vllm["error"]
     assert local["output_tokens"] > 0 and local["accept_length"] >= 1.0 and local["speedup"] > 0
@@ -267,7 +375,10 @@ def test_local_sweep_one_job_refused(test_root, tmp_path, tiny_drafter):
     client, parent, children = sweep_runs(tmp_path)
     assert [c.info.status for c in children] == ["FINISHED", "FAILED"]
     assert "failure.txt" in {a.path for a in client.list_artifacts(children[1].info.run_id)}
-    assert children[0].data.params["spec.depth"] == "10" and children[0].data.metrics["tokens_per_s"] > 0
+    assert (
+        children[0].data.params["spec.depth"] == "10"
+        and children[0].data.metrics["tokens_per_s"] > 0
+    )
     assert "best: serve=local spec d10s5k4" in out.stdout and "1 of 2 jobs failed" in out.stdout
 
 
@@ -276,8 +387,14 @@ def test_killed_server_marks_the_job_failed(make_cfg, tmp_path, tiny_drafter):
     run), no engine process is left, and nothing raises out of run_job."""
     from eagle3.bench import run_job
 
-    cfg = make_cfg(*LOCAL_TINY, "spec.depth=4", "bench.limit=4", "bench.max_new_tokens=400", "bench.ignore_eos=true",
-                   f"drafter.path={tiny_drafter}")
+    cfg = make_cfg(
+        *LOCAL_TINY,
+        "spec.depth=4",
+        "bench.limit=4",
+        "bench.max_new_tokens=400",
+        "bench.ignore_eos=true",
+        f"drafter.path={tiny_drafter}",
+    )
     folder = tmp_path / "job"
     killed = {}
 
@@ -320,8 +437,14 @@ def test_local_and_vllm_measure_the_same_tau(make_cfg, tmp_path, smollm2_trained
     from eagle3.bench import run_job
 
     drafter = smollm2_trained_drafter
-    common = [*AGREE_TARGET, "spec.depth=4", f"bench.limit={AGREE_PROMPTS}", f"bench.max_new_tokens={AGREE_TOKENS}",
-              "bench.ignore_eos=true", f"drafter.path={drafter}"]
+    common = [
+        *AGREE_TARGET,
+        "spec.depth=4",
+        f"bench.limit={AGREE_PROMPTS}",
+        f"bench.max_new_tokens={AGREE_TOKENS}",
+        "bench.ignore_eos=true",
+        f"drafter.path={drafter}",
+    ]
     local = run_job(make_cfg(*common, "serve=local"), tmp_path / "local")
     vllm = run_job(make_cfg(*common, "serve=vllm"), tmp_path / "vllm")
     assert local["status"] == "ok", local.get("error")
@@ -336,16 +459,19 @@ def test_local_and_vllm_measure_the_same_tau(make_cfg, tmp_path, smollm2_trained
     # we allow that bound plus 0.05 for (b).
     steps = local["output_tokens"] / local["accept_length"]
     tolerance = 3 * AGREE_PROMPTS / steps + 0.05
-    print(f"tau local {local['accept_length']:.3f} vllm {vllm['accept_length']:.3f} tolerance {tolerance:.3f}; "
-          f"per position local {local['accept_per_pos']} vllm {vllm['accept_per_pos']}")
+    print(
+        f"tau local {local['accept_length']:.3f} vllm {vllm['accept_length']:.3f} tolerance {tolerance:.3f}; "
+        f"per position local {local['accept_per_pos']} vllm {vllm['accept_per_pos']}"
+    )
     assert abs(local["accept_length"] - vllm["accept_length"]) <= tolerance
 
 
 def test_sweep_without_a_drafter_names_the_command(test_root, tmp_path):
     """No drafter trained for this config: every job fails before launching anything, the summary
     lists them, the sweep exits 1 naming the command that makes one."""
-    out, sweep_dir = run_sweep(test_root, tmp_path, "spec.depth=16,10", "target=tiny-llama",
-                               "drafter.draft_vocab_size=77")  # a config nothing trained
+    out, sweep_dir = run_sweep(
+        test_root, tmp_path, "spec.depth=16,10", "target=tiny-llama", "drafter.draft_vocab_size=77"
+    )  # a config nothing trained
     assert out.returncode == 1
     assert "all 2 bench jobs failed" in out.stderr and "python -m eagle3.pipeline" in out.stderr
     rows = list(csv.DictReader(open(sweep_dir / "summary.csv")))
@@ -358,25 +484,61 @@ def test_tree_shapes_predicts_from_gpu_step_costs(tmp_path):
     0.002 ms per verified node plus a draft step's cost for its top-k (0.13 ms at k=2, 0.10 at k=8,
     0.17 at k=16); a shape's prediction is its τ (summed over suites) over that step time, and a shape
     whose top-k no GPU row has gets none."""
+
     def row(suite, method, steps, tau, draft_ms, all_in_ms):
-        return {"suite": suite, "method": method, "tokens": tau * steps, "verify_steps": steps,
-                "wall_s": steps * all_in_ms / 1e3, "draft_ms_per_step": draft_ms, "verify_ms_per_step": 1.4}
+        return {
+            "suite": suite,
+            "method": method,
+            "tokens": tau * steps,
+            "verify_steps": steps,
+            "wall_s": steps * all_in_ms / 1e3,
+            "draft_ms_per_step": draft_ms,
+            "verify_ms_per_step": 1.4,
+        }
 
     draft_step_ms = {2: 0.13, 8: 0.10, 16: 0.17}
 
     def step_ms(depth, steps, k):
         return 1.6 + 0.002 * depth + draft_step_ms[k] * steps
+
     gpu = [row("a", "off", 1000, 1.0, 0.02, 1.4)] + [
-        row("a", f"d{depth}s{steps}k{k}", 400, 2.5, draft_step_ms[k] * steps, step_ms(depth, steps, k))
-        for depth, steps, k in ((6, 3, 2), (8, 4, 2), (32, 4, 8), (24, 3, 8), (64, 5, 16))]
-    taus = [row("a", "d16s4k8", 300, 3.0, 0, 1), row("b", "d16s4k8", 100, 2.0, 0, 1),
-            row("a", "d24s6k8", 200, 3.5, 0, 1), row("a", "d8s4k2", 50, 2.0, 0, 1), row("a", "d16s4k4", 50, 3.0, 0, 1)]
+        row(
+            "a",
+            f"d{depth}s{steps}k{k}",
+            400,
+            2.5,
+            draft_step_ms[k] * steps,
+            step_ms(depth, steps, k),
+        )
+        for depth, steps, k in ((6, 3, 2), (8, 4, 2), (32, 4, 8), (24, 3, 8), (64, 5, 16))
+    ]
+    taus = [
+        row("a", "d16s4k8", 300, 3.0, 0, 1),
+        row("b", "d16s4k8", 100, 2.0, 0, 1),
+        row("a", "d24s6k8", 200, 3.5, 0, 1),
+        row("a", "d8s4k2", 50, 2.0, 0, 1),
+        row("a", "d16s4k4", 50, 3.0, 0, 1),
+    ]
     for name, rows in (("gpu", gpu), ("tau", taus)):
         (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "tree_shapes.py"
-    run = subprocess.run([sys.executable, str(script), "--tau", str(tmp_path / "tau.json"), "--gpu", str(tmp_path / "gpu.json"),
-                          "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "shapes.png")],
-                         check=True, capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--tau",
+            str(tmp_path / "tau.json"),
+            "--gpu",
+            str(tmp_path / "gpu.json"),
+            "--json",
+            str(tmp_path / "out.json"),
+            "--plot",
+            str(tmp_path / "shapes.png"),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     assert "d16s4k4: no --gpu row with top-k 4" in run.stdout
     assert (tmp_path / "shapes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = json.loads((tmp_path / "out.json").read_text())
@@ -385,7 +547,9 @@ def test_tree_shapes_predicts_from_gpu_step_costs(tmp_path):
     predicted = {r["spec"]: r for r in out["rows"]}
     assert sorted(predicted) == ["d16s4k8", "d24s6k8", "d8s4k2"]
     assert predicted["d16s4k8"]["tau"] == pytest.approx(2.75)  # (900 + 200) tokens / 400 steps
-    assert predicted["d16s4k8"]["predicted_tok_per_s"] == pytest.approx(2.75 / (step_ms(16, 4, 8) / 1e3))
+    assert predicted["d16s4k8"]["predicted_tok_per_s"] == pytest.approx(
+        2.75 / (step_ms(16, 4, 8) / 1e3)
+    )
     assert predicted["d24s6k8"]["predicted_speedup"] == pytest.approx(3.5 / step_ms(24, 6, 8) * 1.4)
     assert predicted["d24s6k8"]["tau_for_target"] == pytest.approx(2.5 * step_ms(24, 6, 8) / 1.4)
     assert predicted["d8s4k2"]["gpu_tok_per_s"] == pytest.approx(2.5 / (step_ms(8, 4, 2) / 1e3))
@@ -397,29 +561,62 @@ def test_e2e_totals_sums_the_suites_of_each_method(tmp_path):
     wall time (not the mean of the suites' rates), τ and the step over the summed verify steps, the phase
     times weighted by steps (prefill by prompts), the ratio against off's totals; a method measured twice
     on one suite is refused."""
+
     def row(suite, method, tokens, wall, steps, draft, prompts=4):
-        return {"suite": suite, "method": method, "prompts": prompts, "tokens": tokens, "wall_s": wall,
-                "verify_steps": steps, "draft_ms_per_step": draft, "verify_ms_per_step": 1.0,
-                "prefill_ms_per_prompt": 2.0 if suite == "a" else 4.0}
-    first = [row("a", "off", 100, 1.0, 100, 0.0), row("b", "off", 300, 2.0, 300, 0.0),
-             row("a", "d8", 100, 0.25, 25, 0.2), row("b", "d8", 300, 0.5, 50, 0.5, prompts=12)]
+        return {
+            "suite": suite,
+            "method": method,
+            "prompts": prompts,
+            "tokens": tokens,
+            "wall_s": wall,
+            "verify_steps": steps,
+            "draft_ms_per_step": draft,
+            "verify_ms_per_step": 1.0,
+            "prefill_ms_per_prompt": 2.0 if suite == "a" else 4.0,
+        }
+
+    first = [
+        row("a", "off", 100, 1.0, 100, 0.0),
+        row("b", "off", 300, 2.0, 300, 0.0),
+        row("a", "d8", 100, 0.25, 25, 0.2),
+        row("b", "d8", 300, 0.5, 50, 0.5, prompts=12),
+    ]
     second = [row("a", "d16", 90, 0.5, 30, 0.3)]
     for name, rows in (("first", first), ("second", second)):
         (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_totals.py"
-    run = subprocess.run([sys.executable, str(script), str(tmp_path / "first.json"), str(tmp_path / "second.json"),
-                          "--json", str(tmp_path / "totals.json")], check=True, capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            str(tmp_path / "first.json"),
+            str(tmp_path / "second.json"),
+            "--json",
+            str(tmp_path / "totals.json"),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     out = {t["method"]: t for t in json.loads((tmp_path / "totals.json").read_text())}
     assert list(out) == ["off", "d8", "d16"]
-    assert out["off"]["tok_per_s"] == pytest.approx(400 / 3.0) and out["d8"]["tok_per_s"] == pytest.approx(400 / 0.75)
+    assert out["off"]["tok_per_s"] == pytest.approx(400 / 3.0) and out["d8"][
+        "tok_per_s"
+    ] == pytest.approx(400 / 0.75)
     assert out["d8"]["speedup"] == pytest.approx((400 / 0.75) / (400 / 3.0))
     assert "speedup" not in out["d16"]  # one suite of two: not comparable with off's totals
-    assert out["d8"]["tau"] == pytest.approx(400 / 75) and out["d8"]["step_ms"] == pytest.approx(1000 * 0.75 / 75)
+    assert out["d8"]["tau"] == pytest.approx(400 / 75) and out["d8"]["step_ms"] == pytest.approx(
+        1000 * 0.75 / 75
+    )
     assert out["d8"]["draft_ms_per_step"] == pytest.approx((0.2 * 25 + 0.5 * 50) / 75)
     assert out["d8"]["prefill_ms_per_prompt"] == pytest.approx((2.0 * 4 + 4.0 * 12) / 16)
     assert "d8:    533.3 tok/s (4.000x off)" in run.stdout
-    (tmp_path / "twice.json").write_text(json.dumps({"rows": first + [row("b", "d8", 1, 1.0, 1, 0.1)]}))
-    twice = subprocess.run([sys.executable, str(script), str(tmp_path / "twice.json")], capture_output=True, text=True)
+    (tmp_path / "twice.json").write_text(
+        json.dumps({"rows": first + [row("b", "d8", 1, 1.0, 1, 0.1)]})
+    )
+    twice = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "twice.json")], capture_output=True, text=True
+    )
     assert twice.returncode != 0 and "d8: suite measured twice (['a', 'b', 'b'])" in twice.stderr
 
 
@@ -427,26 +624,60 @@ def test_trace_phases_groups_kernels_by_graph_replay(tmp_path):
     """benchmarks/trace_phases.py on a profiler trace of known shape: two replays of a 3-kernel graph,
     one of a 2-kernel graph, a kernel launched outside any graph (left out) and a graph launch whose
     kernels were not recorded (left out); busy sums kernel time, span runs first start to last end."""
+
     def kernel(correlation, ts, dur, name="k"):
-        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+        return {
+            "cat": "kernel",
+            "name": name,
+            "ts": ts,
+            "dur": dur,
+            "args": {"correlation": correlation},
+        }
 
     def launch(correlation):
-        return {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "args": {"correlation": correlation}}
-    events = [launch(1), kernel(1, 10, 2), kernel(1, 14, 3), kernel(1, 20, 1),
-              launch(2), kernel(2, 100, 4), kernel(2, 106, 2), kernel(2, 111, 1),
-              launch(3), kernel(3, 200, 5), {"cat": "gpu_memset", "name": "Memset", "ts": 207, "dur": 1,
-                                             "args": {"correlation": 3}},
-              kernel(4, 300, 50), launch(5)]
+        return {
+            "cat": "cuda_runtime",
+            "name": "cudaGraphLaunch",
+            "args": {"correlation": correlation},
+        }
+
+    events = [
+        launch(1),
+        kernel(1, 10, 2),
+        kernel(1, 14, 3),
+        kernel(1, 20, 1),
+        launch(2),
+        kernel(2, 100, 4),
+        kernel(2, 106, 2),
+        kernel(2, 111, 1),
+        launch(3),
+        kernel(3, 200, 5),
+        {"cat": "gpu_memset", "name": "Memset", "ts": 207, "dur": 1, "args": {"correlation": 3}},
+        kernel(4, 300, 50),
+        launch(5),
+    ]
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "trace_phases.py"
-    out = subprocess.run([sys.executable, str(script), str(path), "--kernels", "2"], check=True,
-                         capture_output=True, text=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, str(script), str(path), "--kernels", "2"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()
     assert out[0].split() == ["2", "kernels", "x1", "busy", "6.0", "µs", "span", "8.0", "µs"]
     assert out[1].split() == ["3", "kernels", "x2", "busy", "6.5", "µs", "span", "11.5", "µs"]
     assert out[2] == "-- a replay of 2 kernels"
     assert [line.split() for line in out[3:]] == [["0.0", "5.0", "k"], ["7.0", "1.0", "Memset"]]
-    every = subprocess.run([sys.executable, str(script), str(path), "--all"], check=True, capture_output=True,
-                           text=True).stdout.splitlines()
-    assert every[:2] == out[:2] and every.count("-- a replay of 3 kernels") == 1 and len(every) == 2 + 3 + 4
+    every = subprocess.run(
+        [sys.executable, str(script), str(path), "--all"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()
+    assert (
+        every[:2] == out[:2]
+        and every.count("-- a replay of 3 kernels") == 1
+        and len(every) == 2 + 3 + 4
+    )

@@ -4,8 +4,8 @@ import json
 import os
 import shutil
 import subprocess
-import time
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -23,8 +23,14 @@ JSONL = FIXTURES / "conversations.jsonl"
 
 
 def file_cfg(make_cfg, *overrides, source=JSONL):
-    return make_cfg("target=tiny-llama", "data=file", f"data.source={source}", "data.val_fraction=0.2",
-                    "drafter.draft_vocab_size=256", *overrides)
+    return make_cfg(
+        "target=tiny-llama",
+        "data=file",
+        f"data.source={source}",
+        "data.val_fraction=0.2",
+        "drafter.draft_vocab_size=256",
+        *overrides,
+    )
 
 
 def conversations(cfg):
@@ -43,26 +49,52 @@ def test_sharegpt_package_parses_complete_conversations(make_cfg):
 def test_bad_rows_are_counted_by_reason_and_skipped(make_cfg):
     convs, counts = conversations(file_cfg(make_cfg))
     bad = {k: v for k, v in counts.items() if k.startswith("bad_")}
-    assert bad == {"bad_missing_role": 1, "bad_empty_content": 1, "bad_wrong_type": 2, "bad_roles_out_of_order": 1,
-                   "bad_unknown_role": 1, "bad_no_messages": 1, "bad_not_an_object": 1, "bad_no_turns": 1,
-                   "bad_invalid_utf8": 1, "bad_no_assistant_turn": 1}
+    assert bad == {
+        "bad_missing_role": 1,
+        "bad_empty_content": 1,
+        "bad_wrong_type": 2,
+        "bad_roles_out_of_order": 1,
+        "bad_unknown_role": 1,
+        "bad_no_messages": 1,
+        "bad_not_an_object": 1,
+        "bad_no_turns": 1,
+        "bad_invalid_utf8": 1,
+        "bad_no_assistant_turn": 1,
+    }
     assert counts["invalid_json"] == 1 and counts["rows"] == 22 and counts["normalised"] == 11
     ids = [c["id"] for c in convs]
-    assert ids == ["m-1", "m-2", "s-1", "s-2", "m-3", "m-4", "m-5-dup", "m-6", "m-7-trailing-user", "m-8", "m-9"]
+    assert ids == [
+        "m-1",
+        "m-2",
+        "s-1",
+        "s-2",
+        "m-3",
+        "m-4",
+        "m-5-dup",
+        "m-6",
+        "m-7-trailing-user",
+        "m-8",
+        "m-9",
+    ]
     by_id = {c["id"]: c["messages"] for c in convs}
     # ShareGPT roles mapped, its leading assistant fragment dropped, a trailing unanswered user turn dropped
-    assert by_id["s-2"] == [{"role": "user", "content": "Summarise it in one line."},
-                            {"role": "assistant", "content": "A fox outwits a crow to win some cheese."}]
+    assert by_id["s-2"] == [
+        {"role": "user", "content": "Summarise it in one line."},
+        {"role": "assistant", "content": "A fox outwits a crow to win some cheese."},
+    ]
     assert [m["role"] for m in by_id["s-1"]] == ["user", "assistant"] * 3
     assert by_id["m-7-trailing-user"][-1] == {"role": "assistant", "content": "Eight."}
 
 
 def test_json_array_and_parquet_sources_match_jsonl(make_cfg, tmp_path):
     from datasets import Dataset
+
     from_jsonl, _ = conversations(file_cfg(make_cfg))
     from_json, _ = conversations(file_cfg(make_cfg, source=FIXTURES / "conversations.json"))
     rows = json.loads((FIXTURES / "conversations.json").read_text())
-    openai_rows = [r for r in rows if "messages" in r]  # parquet needs one schema: the OpenAI-style rows
+    openai_rows = [
+        r for r in rows if "messages" in r
+    ]  # parquet needs one schema: the OpenAI-style rows
     Dataset.from_list(openai_rows).to_parquet(tmp_path / "rows.parquet")
     from_parquet, _ = conversations(file_cfg(make_cfg, source=tmp_path / "rows.parquet"))
     assert from_json == from_jsonl
@@ -70,9 +102,11 @@ def test_json_array_and_parquet_sources_match_jsonl(make_cfg, tmp_path):
 
 
 def test_missing_or_wrong_format_source_is_one_clear_error(make_cfg, tmp_path):
-    for source, words in [(tmp_path / "nope.jsonl", "no such file"),
-                          (FIXTURES / "not_a_dataset.json", "not a JSON array or JSON lines"),
-                          (tmp_path / "prompts.csv", "no such file")]:
+    for source, words in [
+        (tmp_path / "nope.jsonl", "no such file"),
+        (FIXTURES / "not_a_dataset.json", "not a JSON array or JSON lines"),
+        (tmp_path / "prompts.csv", "no such file"),
+    ]:
         with pytest.raises(Eagle3Error, match=words) as err:
             conversations(file_cfg(make_cfg, source=source))
         assert str(source) in str(err.value)
@@ -88,20 +122,46 @@ def test_missing_or_wrong_format_source_is_one_clear_error(make_cfg, tmp_path):
 
 
 def test_app_prints_one_line_error_for_missing_file(test_root, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "eagle3.data", f"paths.root={test_root}", "target=tiny-llama",
-                          "tracking.enabled=false", "data=file", f"data.source={tmp_path}/missing.jsonl"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eagle3.data",
+            f"paths.root={test_root}",
+            "target=tiny-llama",
+            "tracking.enabled=false",
+            "data=file",
+            f"data.source={tmp_path}/missing.jsonl",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 1
-    assert out.stderr.strip().splitlines()[-1].startswith(f"eagle3 error: data.source {tmp_path}/missing.jsonl")
+    assert (
+        out.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"eagle3 error: data.source {tmp_path}/missing.jsonl")
+    )
     assert "Traceback" not in out.stderr
 
 
 def test_filters_report_counts_before_and_after(make_cfg):
-    cfg = file_cfg(make_cfg, "data.filters.min_turns=2", "data.filters.max_turns=2", "data.filters.max_chars=150")
+    cfg = file_cfg(
+        make_cfg,
+        "data.filters.min_turns=2",
+        "data.filters.max_turns=2",
+        "data.filters.max_chars=150",
+    )
     counts: dict = {}
     splits = data.conversations_for(cfg.data, counts)
-    assert (counts["normalised"], counts["after_min_turns"], counts["after_max_turns"],
-            counts["after_max_chars"], counts["after_dedup_first_prompt"]) == (11, 4, 3, 2, 2)
+    assert (
+        counts["normalised"],
+        counts["after_min_turns"],
+        counts["after_max_turns"],
+        counts["after_max_chars"],
+        counts["after_dedup_first_prompt"],
+    ) == (11, 4, 3, 2, 2)
     assert sorted(c["id"] for s in splits.values() for c in s) == ["m-2", "m-3"]
     dedup = data.conversations_for(file_cfg(make_cfg).data, {})
     ids = [c["id"] for s in dedup.values() for c in s]
@@ -118,21 +178,28 @@ def test_split_is_seeded_limited_and_disjoint(make_cfg):
 
 
 def test_system_policy(make_cfg):
-    replace, _ = conversations(file_cfg(make_cfg, "data.normalise.system_policy=replace",
-                                        "data.normalise.system_prompt=Be brief."))
+    replace, _ = conversations(
+        file_cfg(
+            make_cfg,
+            "data.normalise.system_policy=replace",
+            "data.normalise.system_prompt=Be brief.",
+        )
+    )
     drop, _ = conversations(file_cfg(make_cfg, "data.normalise.system_policy=drop"))
     assert all(c["messages"][0] == {"role": "system", "content": "Be brief."} for c in replace)
     assert sum(m["role"] == "system" for c in replace for m in c["messages"]) == len(replace)
     assert not any(m["role"] == "system" for c in drop for m in c["messages"])
 
 
-MULTI_TURN = [{"role": "system", "content": "You answer tersely."},
-              {"role": "user", "content": "Name a prime number."},
-              {"role": "assistant", "content": "7"},
-              {"role": "user", "content": "And an even one?"},
-              {"role": "assistant", "content": "2 is the only even prime.\nNo other even number is."},
-              {"role": "user", "content": "Write code."},
-              {"role": "assistant", "content": "def f(n):\n    return n * 2  # 日本語"}]
+MULTI_TURN = [
+    {"role": "system", "content": "You answer tersely."},
+    {"role": "user", "content": "Name a prime number."},
+    {"role": "assistant", "content": "7"},
+    {"role": "user", "content": "And an even one?"},
+    {"role": "assistant", "content": "2 is the only even prime.\nNo other even number is."},
+    {"role": "user", "content": "Write code."},
+    {"role": "assistant", "content": "def f(n):\n    return n * 2  # 日本語"},
+]
 
 
 def masked_runs(tokenizer, ids, mask):
@@ -151,8 +218,12 @@ def masked_runs(tokenizer, ids, mask):
 def test_loss_mask_covers_exactly_assistant_contents_and_end_of_turn(make_cfg, tiny_target, system):
     cfg = file_cfg(make_cfg)
     tok = tiny_target.tokenizer
-    messages = MULTI_TURN if system else MULTI_TURN[1:]  # without one, the template adds its default
-    cols = data.tokenize_conversations(tok, [{"id": "x", "messages": messages}], cfg.data, Counter())
+    messages = (
+        MULTI_TURN if system else MULTI_TURN[1:]
+    )  # without one, the template adds its default
+    cols = data.tokenize_conversations(
+        tok, [{"id": "x", "messages": messages}], cfg.data, Counter()
+    )
     ids, mask = cols["input_ids"][0], cols["loss_mask"][0]
     assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=False)
     answers = [m["content"] for m in messages if m["role"] == "assistant"]
@@ -166,30 +237,43 @@ def test_loss_mask_follows_another_template(make_cfg, tiny_target):
     """No SmolLM2 offsets are hard-coded: a different layout and end-of-turn token work too."""
     tok = tiny_target.tokenizer
     saved = tok.chat_template
-    tok.chat_template = ("{% for m in messages %}{{ '### ' + m['role'] + ':\n' + m['content'] + '<|endoftext|>\n' }}"
-                         "{% endfor %}{% if add_generation_prompt %}{{ '### assistant:\n' }}{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{{ '### ' + m['role'] + ':\n' + m['content'] + '<|endoftext|>\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '### assistant:\n' }}{% endif %}"
+    )
     try:
         cfg = file_cfg(make_cfg, "data.end_of_turn='<|endoftext|>'")
-        cols = data.tokenize_conversations(tok, [{"id": "x", "messages": MULTI_TURN}], cfg.data, Counter())
+        cols = data.tokenize_conversations(
+            tok, [{"id": "x", "messages": MULTI_TURN}], cfg.data, Counter()
+        )
     finally:
         tok.chat_template = saved
     answers = [m["content"] for m in MULTI_TURN if m["role"] == "assistant"]
-    assert masked_runs(tok, cols["input_ids"][0], cols["loss_mask"][0]) == [a + "<|endoftext|>" for a in answers]
+    assert masked_runs(tok, cols["input_ids"][0], cols["loss_mask"][0]) == [
+        a + "<|endoftext|>" for a in answers
+    ]
 
 
 def test_truncation_policies(make_cfg, tiny_target):
     tok = tiny_target.tokenizer
     conv = [{"id": "x", "messages": MULTI_TURN}]
-    full = data.tokenize_conversations(tok, conv, file_cfg(make_cfg).data, Counter())["input_ids"][0]
+    full = data.tokenize_conversations(tok, conv, file_cfg(make_cfg).data, Counter())["input_ids"][
+        0
+    ]
     counts = Counter()
-    cut = data.tokenize_conversations(tok, conv, file_cfg(make_cfg, "data.max_length=40").data, counts)
+    cut = data.tokenize_conversations(
+        tok, conv, file_cfg(make_cfg, "data.max_length=40").data, counts
+    )
     assert cut["input_ids"][0] == full[:40] and counts["truncated"] == 1
     counts = Counter()
-    dropped = data.tokenize_conversations(tok, conv, file_cfg(make_cfg, "data.max_length=40",
-                                                              "data.truncation=drop").data, counts)
+    dropped = data.tokenize_conversations(
+        tok, conv, file_cfg(make_cfg, "data.max_length=40", "data.truncation=drop").data, counts
+    )
     assert dropped["id"] == [] and counts["dropped_too_long"] == 1
     counts = Counter()  # cut before the first answer: nothing left to learn
-    none = data.tokenize_conversations(tok, conv, file_cfg(make_cfg, "data.max_length=20").data, counts)
+    none = data.tokenize_conversations(
+        tok, conv, file_cfg(make_cfg, "data.max_length=20").data, counts
+    )
     assert none["id"] == [] and counts["dropped_no_assistant_tokens"] == 1
 
 
@@ -216,7 +300,11 @@ def test_data_stage_output_manifest_mlflow_and_idempotence(make_cfg, tiny_target
     out = data.run(cfg)
     assert out.complete and out.path == data.data_output(cfg).path
     splits = data.load_splits(out.path)
-    assert set(splits) == {"train", "val"} and splits["train"].column_names == ["id", "input_ids", "loss_mask"]
+    assert set(splits) == {"train", "val"} and splits["train"].column_names == [
+        "id",
+        "input_ids",
+        "loss_mask",
+    ]
     assert (len(splits["train"]), len(splits["val"])) == (8, 2)
     tok = tiny_target.tokenizer
     row = splits["train"][0]
@@ -229,7 +317,12 @@ def test_data_stage_output_manifest_mlflow_and_idempotence(make_cfg, tiny_target
     assert counts["coverage_train"] == 1.0  # 256 draft ids cover this tiny fixture's answer tokens
     assert counts["bad_invalid_utf8"] == 1 and counts["after_dedup_first_prompt"] == 10
     runs = MlflowClient(cfg.tracking.uri).search_runs(
-        [MlflowClient(cfg.tracking.uri).get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+        [
+            MlflowClient(cfg.tracking.uri)
+            .get_experiment_by_name(cfg.tracking.experiment)
+            .experiment_id
+        ]
+    )
     metrics = runs[0].data.metrics
     assert metrics["bad_empty_content"] == 1 and metrics["train_conversations"] == 8
     artifacts = [a.path for a in MlflowClient(cfg.tracking.uri).list_artifacts(runs[0].info.run_id)]
@@ -237,9 +330,13 @@ def test_data_stage_output_manifest_mlflow_and_idempotence(make_cfg, tiny_target
     stamp = (out.path / "vocab_map.safetensors").stat().st_mtime_ns
     assert data.run(cfg).path == out.path
     assert (out.path / "vocab_map.safetensors").stat().st_mtime_ns == stamp  # second run is a no-op
-    other = data.data_output(file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "drafter.draft_vocab_size=128"))
+    other = data.data_output(
+        file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "drafter.draft_vocab_size=128")
+    )
     assert other.hash != out.hash
-    same = data.data_output(file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "data.regen.concurrency=3"))
+    same = data.data_output(
+        file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "data.regen.concurrency=3")
+    )
     assert same.hash == out.hash  # execution-only settings do not change the output
 
 
@@ -251,35 +348,60 @@ def test_vocab_map_from_another_source(make_cfg, tiny_target, own_artifacts):
     plain = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "drafter.draft_vocab_size=64")
     base = data.run(plain)
     own_d2t, own_t2d = data.load_vocab_map(base.path)
-    d2t = torch.arange(0, 128, 2)[:64] - torch.arange(64)  # draft id i -> target id 2i: not the counted map
+    d2t = torch.arange(0, 128, 2)[:64] - torch.arange(
+        64
+    )  # draft id i -> target id 2i: not the counted map
     t2d = torch.zeros(tiny_target.vocab_size, dtype=torch.bool)
     t2d[torch.arange(0, 128, 2)] = True
     assert not torch.equal(d2t, own_d2t)
     drafter = build_drafter(tiny_target, plain.drafter)
     drafter.set_vocab_map(d2t, t2d)
     export = export_sglang(drafter, own_artifacts / "export" / "sglang", {"ttt_length": 7})
-    cfg = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "drafter.draft_vocab_size=64",
-                   f"data.vocab_map_from={export.parent}")
+    cfg = file_cfg(
+        make_cfg,
+        f"paths.artifacts={own_artifacts}",
+        "drafter.draft_vocab_size=64",
+        f"data.vocab_map_from={export.parent}",
+    )
     out = data.run(cfg)
     assert out.hash != base.hash and data.regen_log_path(cfg) == data.regen_log_path(plain)
     got_d2t, got_t2d = data.load_vocab_map(out.path)
     assert torch.equal(got_d2t, d2t) and torch.equal(got_t2d, t2d)
     splits = data.load_splits(out.path)
-    masked = torch.cat([torch.tensor(r["input_ids"])[torch.tensor(r["loss_mask"]).bool()] for r in splits["train"]])
-    assert out.manifest()["counts"]["coverage_train"] == pytest.approx(float(t2d[masked].float().mean()))
+    masked = torch.cat(
+        [torch.tensor(r["input_ids"])[torch.tensor(r["loss_mask"]).bool()] for r in splits["train"]]
+    )
+    assert out.manifest()["counts"]["coverage_train"] == pytest.approx(
+        float(t2d[masked].float().mean())
+    )
     # another data output's map, given by its folder, is taken as it is
-    again = data.run(file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "drafter.draft_vocab_size=64",
-                              "data.seed=1", f"data.vocab_map_from={base.path}"))
+    again = data.run(
+        file_cfg(
+            make_cfg,
+            f"paths.artifacts={own_artifacts}",
+            "drafter.draft_vocab_size=64",
+            "data.seed=1",
+            f"data.vocab_map_from={base.path}",
+        )
+    )
     assert torch.equal(data.load_vocab_map(again.path)[0], own_d2t)
     with pytest.raises(Eagle3Error, match="data.vocab_map_from=.*64 draft ids.*needs 32"):
-        data.run(file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "drafter.draft_vocab_size=32",
-                          f"data.vocab_map_from={export.parent}"))
+        data.run(
+            file_cfg(
+                make_cfg,
+                f"paths.artifacts={own_artifacts}",
+                "drafter.draft_vocab_size=32",
+                f"data.vocab_map_from={export.parent}",
+            )
+        )
 
 
 def test_empty_validation_split_is_one_clear_error(make_cfg, tiny_target, own_artifacts):
     """datasets cannot reload an empty split, and training validates every epoch: refused at the data stage."""
     cfg = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "data.val_fraction=0")
-    with pytest.raises(Eagle3Error, match=r"validation split is empty \(0 held out by data.val_fraction=0"):
+    with pytest.raises(
+        Eagle3Error, match=r"validation split is empty \(0 held out by data.val_fraction=0"
+    ):
         data.run(cfg)
     assert not data.data_output(cfg).complete
 
@@ -300,21 +422,33 @@ def test_tokenizer_hash_tells_tokenizers_apart(tiny_target):
 
 
 def regen_cfg(make_cfg, artifacts, *overrides):
-    return file_cfg(make_cfg, f"paths.artifacts={artifacts}", "data.regenerate=true", "data.regen.max_new_tokens=6",
-                    "data.regen.batch_size=4", *overrides)
-
+    return file_cfg(
+        make_cfg,
+        f"paths.artifacts={artifacts}",
+        "data.regenerate=true",
+        "data.regen.max_new_tokens=6",
+        "data.regen.batch_size=4",
+        *overrides,
+    )
 
 
 def greedy_answer(target, messages, max_new_tokens):
     """The target's own greedy answer to one prompt, unbatched: the reference."""
     tok = target.tokenizer
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = tok.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     with torch.no_grad():
-        out = target.model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eot,
-                                    pad_token_id=eot)
-    new = out[0, ids["input_ids"].shape[1]:].tolist()
-    new = new[:new.index(eot)] if eot in new else new
+        out = target.model.generate(
+            **ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eot,
+            pad_token_id=eot,
+        )
+    new = out[0, ids["input_ids"].shape[1] :].tolist()
+    new = new[: new.index(eot)] if eot in new else new
     return tok.decode(new, skip_special_tokens=True).strip()
 
 
@@ -342,18 +476,31 @@ def check_regenerated(out, target, source_convs, max_new_tokens=6):
             assert answers[(conv["id"], turn)] == greedy_answer(target, messages, max_new_tokens)
             messages.append({"role": "assistant", "content": answers[(conv["id"], turn)]})
         assert rows[conv["id"]]["input_ids"] == target.tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=False)
+            messages, tokenize=True, return_dict=False
+        )
 
 
-def test_local_regeneration_answers_every_turn_with_the_targets_greedy_output(make_cfg, own_artifacts, tiny_target):
+def test_local_regeneration_answers_every_turn_with_the_targets_greedy_output(
+    make_cfg, own_artifacts, tiny_target
+):
     cfg = regen_cfg(make_cfg, own_artifacts)
     out = data.run(cfg)
     source = [c for s in data.conversations_for(cfg.data, {}).values() for c in s]
     assert any(c["id"] == "p-1" for c in source)  # a prompt-only row gets its answer
     check_regenerated(out, tiny_target, source)
-    counts = out.manifest()["counts"]  # every answer is one of the 6-token greedy answers: none loops
-    assert counts["regen_answers"] == sum(map(data.user_turns, source)) and counts["regen_looping"] == 0
-    assert out.manifest()["sampling"] == {"backend": "local", "max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0}
+    counts = out.manifest()[
+        "counts"
+    ]  # every answer is one of the 6-token greedy answers: none loops
+    assert (
+        counts["regen_answers"] == sum(map(data.user_turns, source))
+        and counts["regen_looping"] == 0
+    )
+    assert out.manifest()["sampling"] == {
+        "backend": "local",
+        "max_new_tokens": 6,
+        "temperature": 0.0,
+        "top_p": 1.0,
+    }
 
 
 def test_another_draft_vocab_reuses_the_regenerated_answers(make_cfg, own_artifacts, monkeypatch):
@@ -364,19 +511,26 @@ def test_another_draft_vocab_reuses_the_regenerated_answers(make_cfg, own_artifa
     first = data.run(regen_cfg(make_cfg, own_artifacts))
     turns = first.manifest()["counts"]["regen_answers"]
     generated = []
-    monkeypatch.setattr(data.LocalGenerator, "generate", lambda self, prompts: generated.append(prompts) or [])
+    monkeypatch.setattr(
+        data.LocalGenerator, "generate", lambda self, prompts: generated.append(prompts) or []
+    )
     for vocab in (64, 32):
         cfg = regen_cfg(make_cfg, own_artifacts, f"drafter.draft_vocab_size={vocab}")
         out = data.run(cfg)
         assert out.path != first.path and out.complete and generated == []
-        assert out.manifest()["counts"]["regen_turns_resumed"] == turns == len(turn_records(out.path))
+        assert (
+            out.manifest()["counts"]["regen_turns_resumed"] == turns == len(turn_records(out.path))
+        )
         assert turn_records(out.path) == turn_records(first.path)
         assert data.load_vocab_map(out.path)[0].numel() == vocab
-        shutil.rmtree(data.regen_log_path(cfg).parent)  # the second round seeds from a data output's copy
+        shutil.rmtree(
+            data.regen_log_path(cfg).parent
+        )  # the second round seeds from a data output's copy
 
 
-def test_reuse_answers_takes_another_logs_answers_and_generates_the_rest(make_cfg, own_artifacts, tmp_path,
-                                                                         monkeypatch):
+def test_reuse_answers_takes_another_logs_answers_and_generates_the_rest(
+    make_cfg, own_artifacts, tmp_path, monkeypatch
+):
     """data.regen.reuse_answers: the answers another regeneration logged for these conversations' turns are
     taken (here its first turns, the log ending in a line cut by a kill) and only the other turns are
     generated (the generator wrapped to count its prompts); greedy, they come out as the full run's. The
@@ -388,35 +542,55 @@ def test_reuse_answers_takes_another_logs_answers_and_generates_the_rest(make_cf
     source = tmp_path / "turns.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in first_turns) + '{"id": "cut", "tu')
     generated, generate = [], data.LocalGenerator.generate
-    monkeypatch.setattr(data.LocalGenerator, "generate",
-                        lambda self, prompts: generated.extend(prompts) or generate(self, prompts))
+    monkeypatch.setattr(
+        data.LocalGenerator,
+        "generate",
+        lambda self, prompts: generated.extend(prompts) or generate(self, prompts),
+    )
     cfg = regen_cfg(make_cfg, own_artifacts, f"data.regen.reuse_answers={source}")
     assert data.regen_log_path(cfg) != data.regen_log_path(regen_cfg(make_cfg, own_artifacts))
     out = data.run(cfg)
     counts = out.manifest()["counts"]
-    assert counts["regen_turns_reused"] == len(first_turns) and len(generated) == len(records) - len(first_turns)
+    assert counts["regen_turns_reused"] == len(first_turns) and len(generated) == len(
+        records
+    ) - len(first_turns)
     assert counts["regen_answers"] == len(records)
     answers = lambda rows: {(r["id"], r["turn"]): r["content"] for r in rows}  # noqa: E731
     assert answers(turn_records(out.path)) == answers(records)
     with pytest.raises(Eagle3Error, match="data.regen.reuse_answers=.*no such answer log"):
-        data.run(regen_cfg(make_cfg, own_artifacts, f"data.regen.reuse_answers={tmp_path / 'missing.jsonl'}"))
+        data.run(
+            regen_cfg(
+                make_cfg, own_artifacts, f"data.regen.reuse_answers={tmp_path / 'missing.jsonl'}"
+            )
+        )
 
 
-def test_regen_seed_draws_other_sampled_answers_and_stays_out_of_the_hash_when_null(make_cfg, own_artifacts):
+def test_regen_seed_draws_other_sampled_answers_and_stays_out_of_the_hash_when_null(
+    make_cfg, own_artifacts
+):
     """data.regen.seed: sampled answers are reproducible under one seed, differ under another, and null is
     data.seed (the same answers, and the answer log's old path: the key is left out of the hash)."""
+
     def sampled(seed):
-        cfg = regen_cfg(make_cfg, own_artifacts, "data.regen.temperature=1.0", f"data.regen.seed={seed}")
+        cfg = regen_cfg(
+            make_cfg, own_artifacts, "data.regen.temperature=1.0", f"data.regen.seed={seed}"
+        )
         out = data.run(cfg)
-        return data.regen_log_path(cfg), sorted((r["id"], r["turn"], r["content"]) for r in turn_records(out.path))
+        return data.regen_log_path(cfg), sorted(
+            (r["id"], r["turn"], r["content"]) for r in turn_records(out.path)
+        )
 
     default_path, default = sampled("null")
     data_seed = make_cfg().data.seed
     plain = regen_cfg(make_cfg, own_artifacts, "data.regen.temperature=1.0")
-    assert "seed" not in data.answer_sections(plain)["data"]["regen"] and default_path == data.regen_log_path(plain)
+    assert "seed" not in data.answer_sections(plain)["data"][
+        "regen"
+    ] and default_path == data.regen_log_path(plain)
     same_path, same = sampled(data_seed)
     other_path, other = sampled(data_seed + 1)
-    assert same == default and same_path != default_path  # the same draws, logged under the explicit key
+    assert (
+        same == default and same_path != default_path
+    )  # the same draws, logged under the explicit key
     assert len({default_path, same_path, other_path}) == 3
     assert [key[:2] for key in other] == [key[:2] for key in default] and other != default
     shutil.rmtree(other_path.parent)
@@ -443,16 +617,25 @@ def test_a_second_run_waits_for_the_one_regenerating(make_cfg, own_artifacts, ca
     holder, and regenerates only once it is free. The first run is played by a process that holds the
     real lock until told to let go, so the wait is seen without racing two regenerations."""
     import threading
+
     cfg = regen_cfg(make_cfg, own_artifacts)
     shared, release = data.regen_log_path(cfg), own_artifacts / "release"
-    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(shared.parent), str(release)],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(shared.parent), str(release)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "holding"
     result = {}
     thread = threading.Thread(target=lambda: result.update(out=data.run(cfg)))
 
     def waiting() -> list[str]:
-        return [r.getMessage() for r in caplog.records if "is regenerating the answers" in r.getMessage()]
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if "is regenerating the answers" in r.getMessage()
+        ]
+
     try:
         with caplog.at_level("INFO", logger="eagle3"):
             thread.start()
@@ -460,17 +643,23 @@ def test_a_second_run_waits_for_the_one_regenerating(make_cfg, own_artifacts, ca
             while not waiting() and thread.is_alive() and time.time() < deadline:
                 time.sleep(0.05)
             time.sleep(1.0)
-            assert thread.is_alive() and not shared.exists()  # blocked before writing a single answer
+            assert (
+                thread.is_alive() and not shared.exists()
+            )  # blocked before writing a single answer
             release.touch()
             thread.join(300)
     finally:
         release.touch()
     assert holder.wait(30) == 0
-    assert waiting() == [f"data: another data run (pid {holder.pid}) is regenerating the answers in "
-                         f"{shared.parent}; waiting for it, then its answers are reused"]
+    assert waiting() == [
+        f"data: another data run (pid {holder.pid}) is regenerating the answers in "
+        f"{shared.parent}; waiting for it, then its answers are reused"
+    ]
     source = [c for s in data.conversations_for(cfg.data, {}).values() for c in s]
     counts = result["out"].manifest()["counts"]
-    assert counts["regen_turns_resumed"] == 0 and counts["regen_answers"] == sum(map(data.user_turns, source))
+    assert counts["regen_turns_resumed"] == 0 and counts["regen_answers"] == sum(
+        map(data.user_turns, source)
+    )
     assert (shared.parent / "lock").read_text() == f"pid {os.getpid()}"  # the last holder: this run
 
 
@@ -482,6 +671,7 @@ class ChatServer:
     def __init__(self, target, api_key):
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
         self.target, self.api_key = target, api_key
         self.always_fail: set[str] = set()
         self.fail_once: dict[str, str] = {}
@@ -502,7 +692,9 @@ class ChatServer:
                 self.wfile.write(payload)
 
             def do_GET(self):
-                self.reply(200, {"object": "list", "data": [{"id": "tiny-llama", "object": "model"}]})
+                self.reply(
+                    200, {"object": "list", "data": [{"id": "tiny-llama", "object": "model"}]}
+                )
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -511,8 +703,20 @@ class ChatServer:
                 status, answer = server.answer(body)
                 if status != 200:
                     return self.reply(status, {"error": "simulated failure"})
-                self.reply(200, {"object": "chat.completion", "model": body["model"], "choices": [
-                    {"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": answer}}]})
+                self.reply(
+                    200,
+                    {
+                        "object": "chat.completion",
+                        "model": body["model"],
+                        "choices": [
+                            {
+                                "index": 0,
+                                "finish_reason": "length",
+                                "message": {"role": "assistant", "content": answer},
+                            }
+                        ],
+                    },
+                )
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}/v1"
@@ -537,24 +741,40 @@ class ChatServer:
         self.http.server_close()
 
 
-def test_openai_regeneration_retries_reports_failures_and_resumes(make_cfg, own_artifacts, tiny_target,
-                                                                  monkeypatch):
+def test_openai_regeneration_retries_reports_failures_and_resumes(
+    make_cfg, own_artifacts, tiny_target, monkeypatch
+):
     key = "sk-test-0123456789-do-not-log"
     monkeypatch.setenv("EAGLE3_TEST_KEY", key)
     server = ChatServer(tiny_target, key)
     try:
         server.always_fail = {"Say hi."}
         server.fail_once = {"Is 91 prime?": "slow", "List three colours.": "error"}
-        cfg = regen_cfg(make_cfg, own_artifacts, "data.regen.backend=openai", f"data.regen.base_url={server.url}",
-                        "data.regen.api_key_env=EAGLE3_TEST_KEY", "data.regen.max_retries=2",
-                        "data.regen.backoff_s=0.05", "data.regen.timeout_s=1", "data.regen.concurrency=3")
+        cfg = regen_cfg(
+            make_cfg,
+            own_artifacts,
+            "data.regen.backend=openai",
+            f"data.regen.base_url={server.url}",
+            "data.regen.api_key_env=EAGLE3_TEST_KEY",
+            "data.regen.max_retries=2",
+            "data.regen.backoff_s=0.05",
+            "data.regen.timeout_s=1",
+            "data.regen.concurrency=3",
+        )
         with pytest.raises(Eagle3Error, match="1 conversations failed regeneration") as err:
             data.run(cfg)
         out = data.data_output(cfg)
         failed = json.loads((out.path / "regen" / "failed.json").read_text())
-        assert list(failed) == ["m-9"] and "HTTP 500" in failed["m-9"] and str(out.path) in str(err.value)
+        assert (
+            list(failed) == ["m-9"]
+            and "HTTP 500" in failed["m-9"]
+            and str(out.path) in str(err.value)
+        )
         assert server.requests.count("Say hi.") == 3  # first try + 2 retries
-        assert server.requests.count("Is 91 prime?") == 2 and server.requests.count("List three colours.") == 2
+        assert (
+            server.requests.count("Is 91 prime?") == 2
+            and server.requests.count("List three colours.") == 2
+        )
         done = {(r["id"], r["turn"]) for r in turn_records(out.path)}
         assert ("m-8", 0) in done and ("m-4", 0) in done and not any(i == "m-9" for i, _ in done)
         # the endpoint recovers: a rerun asks only for what is missing
@@ -573,7 +793,12 @@ def test_openai_regeneration_retries_reports_failures_and_resumes(make_cfg, own_
 
 
 def test_openai_endpoint_down_is_one_clear_error(make_cfg, own_artifacts):
-    cfg = regen_cfg(make_cfg, own_artifacts, "data.regen.backend=openai", "data.regen.base_url=http://127.0.0.1:9/v1")
+    cfg = regen_cfg(
+        make_cfg,
+        own_artifacts,
+        "data.regen.backend=openai",
+        "data.regen.base_url=http://127.0.0.1:9/v1",
+    )
     with pytest.raises(Eagle3Error, match="cannot list models at http://127.0.0.1:9/v1/models"):
         data.run(cfg)
 
@@ -593,16 +818,28 @@ def kill_when(proc, ready, timeout=600):
     proc.wait()
 
 
-def test_kill_9_during_regeneration_resumes_without_loss_or_duplicates(make_cfg, own_artifacts, tiny_target,
-                                                                      test_root, tmp_path):
-    overrides = [f"paths.root={test_root}", f"paths.artifacts={own_artifacts}", "target=tiny-llama",
-                 "tracking.enabled=false", "data=file", f"data.source={FIXTURES / 'conversations.jsonl'}",
-                 "data.val_fraction=0.2", "drafter.draft_vocab_size=256", "data.regenerate=true",
-                 "data.regen.max_new_tokens=16", "data.regen.batch_size=1"]
+def test_kill_9_during_regeneration_resumes_without_loss_or_duplicates(
+    make_cfg, own_artifacts, tiny_target, test_root, tmp_path
+):
+    overrides = [
+        f"paths.root={test_root}",
+        f"paths.artifacts={own_artifacts}",
+        "target=tiny-llama",
+        "tracking.enabled=false",
+        "data=file",
+        f"data.source={FIXTURES / 'conversations.jsonl'}",
+        "data.val_fraction=0.2",
+        "drafter.draft_vocab_size=256",
+        "data.regenerate=true",
+        "data.regen.max_new_tokens=16",
+        "data.regen.batch_size=1",
+    ]
     cfg = make_cfg(*overrides[1:])
     out = data.data_output(cfg)
     turns_file = data.regen_log_path(cfg)
-    proc = subprocess.Popen(app_command("data", overrides), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        app_command("data", overrides), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     kill_when(proc, lambda: turns_file.exists() and turns_file.read_bytes().count(b"\n") >= 3)
     written = turns_file.read_bytes().count(b"\n")
     assert not out.complete and written < 17  # 17 user turns in all: the kill cut the run short
@@ -618,20 +855,26 @@ def test_loop_start_finds_where_an_ngram_comes_round_the_third_time():
     looping = "I like it. " + cycle * 3
     assert data.loop_start(looping, 8) == len("I like it. ") + 2 * len(cycle)
     assert data.loop_start("I like it. " + cycle * 2, 8) is None  # twice is not a loop yet
-    assert data.loop_start(cycle * 3, 9) == 2 * len(cycle)  # the cycle is 9 words: its first 9-gram fits 3 times
+    assert data.loop_start(cycle * 3, 9) == 2 * len(
+        cycle
+    )  # the cycle is 9 words: its first 9-gram fits 3 times
     assert data.loop_start(cycle * 3, 10) is None  # a 10-gram would need 28 words
     assert data.loop_start("short", 8) is None
 
 
 def test_report_loops_counts_every_answer_of_every_split():
     cycle = "one two three four five six seven eight "
+
     def conv(*answers):
         messages = []
         for a in answers:
             messages += [{"role": "user", "content": "q"}, {"role": "assistant", "content": a}]
         return {"id": "x", "messages": messages}
+
     counts = {}
-    data.report_loops({"train": [conv(cycle * 4, "fine"), conv("fine")], "val": [conv(cycle * 3)]}, 8, counts)
+    data.report_loops(
+        {"train": [conv(cycle * 4, "fine"), conv("fine")], "val": [conv(cycle * 3)]}, 8, counts
+    )
     assert (counts["regen_answers"], counts["regen_looping"]) == (4, 2)
 
 
@@ -639,21 +882,38 @@ def test_prompt_file_keeps_the_first_user_turns(tmp_path):
     """benchmarks/first_turns.py --all-turns --max-turns 2: each conversation of the shipped slice
     up to (not including) its third user turn, every assistant answer a '.' placeholder."""
     from eagle3.common import compose
+
     out = tmp_path / "turns2.jsonl"
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_turns.py"
-    subprocess.run([sys.executable, str(script), "--all-turns", "--max-turns", "2", "--limit", "300",
-                    "--out", str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--all-turns",
+            "--max-turns",
+            "2",
+            "--limit",
+            "300",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    conversations = data.conversations_for(compose(["data=sharegpt", "data.val_fraction=0"]).data, Counter())["train"]
+    conversations = data.conversations_for(
+        compose(["data=sharegpt", "data.val_fraction=0"]).data, Counter()
+    )["train"]
     source = {c["id"]: c["messages"] for c in conversations}
     assert len(rows) == 300
     for row in rows:
         messages = source[row["id"]]
         third = [i for i, m in enumerate(messages) if m["role"] == "user"][2:3]
-        expected = messages[:third[0]] if third else messages
+        expected = messages[: third[0]] if third else messages
         assert [m["role"] for m in row["messages"]] == [m["role"] for m in expected]
         assert [m["content"] for m in row["messages"]] == [
-            m["content"] if m["role"] != "assistant" else "." for m in expected]
+            m["content"] if m["role"] != "assistant" else "." for m in expected
+        ]
     assert sum(len([m for m in r["messages"] if m["role"] == "user"]) == 2 for r in rows) > 100
 
 
@@ -662,14 +922,29 @@ def test_prompt_file_with_first_turn_copies(tmp_path):
     holding its first user turn alone, the same messages up to and including that turn's placeholder."""
     out = tmp_path / "turns3s.jsonl"
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_turns.py"
-    subprocess.run([sys.executable, str(script), "--all-turns", "--max-turns", "3", "--first-turn-copies", "2",
-                    "--limit", "40", "--out", str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--all-turns",
+            "--max-turns",
+            "3",
+            "--first-turn-copies",
+            "2",
+            "--limit",
+            "40",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 120
     for original, *copies in zip(rows[0::3], rows[1::3], rows[2::3]):
         assert [c["id"] for c in copies] == [f"{original['id']}~1", f"{original['id']}~2"]
         first_user = next(i for i, m in enumerate(original["messages"]) if m["role"] == "user")
-        expected = original["messages"][:first_user + 2]  # up to the first answer's placeholder
+        expected = original["messages"][: first_user + 2]  # up to the first answer's placeholder
         assert all(c["messages"] == expected for c in copies)
         assert sum(m["role"] == "user" for m in copies[0]["messages"]) == 1
     assert sum(sum(m["role"] == "user" for m in r["messages"]) > 1 for r in rows[0::3]) > 10
@@ -680,18 +955,29 @@ def test_suite_files_hold_every_prompt_of_the_shipped_suites(tmp_path):
     in the suite's order with the messages the bench stage would send."""
     from eagle3.common import compose
     from eagle3.suites import load_suite
+
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_turns.py"
-    subprocess.run([sys.executable, str(script), "--suites", "--out", str(tmp_path)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(script), "--suites", "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
     for name, count in (("vicuna", 80), ("humaneval", 164), ("gsm8k", 100)):
-        rows = [json.loads(line) for line in (tmp_path / f"suite_{name}.jsonl").read_text().splitlines()]
+        rows = [
+            json.loads(line) for line in (tmp_path / f"suite_{name}.jsonl").read_text().splitlines()
+        ]
         prompts = load_suite(compose([f"bench.suite={name}", "bench.limit=null"]).bench)
         assert len(rows) == len(prompts) == count
         assert [(r["id"], r["messages"]) for r in rows] == [(p.id, p.messages) for p in prompts]
 
 
 SHIPPED_ANSWERS = {  # benchmarks/assets/regen-<hash>.tgz: (experiments, their prompt file, answered turns, turn numbers)
-    "07ac172fdd52": (("smollm2-h200-turns3", "smollm2-h200-turns3-v32k", "smollm2-h200-turns3-v32k-more"),
-                     "turns3.jsonl", 33189, {0, 1, 2}),
+    "07ac172fdd52": (
+        ("smollm2-h200-turns3", "smollm2-h200-turns3-v32k", "smollm2-h200-turns3-v32k-more"),
+        "turns3.jsonl",
+        33189,
+        {0, 1, 2},
+    ),
     "22ea300a3a13": (("smollm2-h200-turns3-sampled",), "turns3s.jsonl", 33189 + 14066, {0, 1, 2}),
     # only the answers it generated: the data stage reuses the rest from 22ea300a3a13 (data.regen.reuse_answers)
     "fea6c3211aa9": (("smollm2-h200-turns3-sampled2",), "turns3s2.jsonl", 14066, {0}),
@@ -700,15 +986,22 @@ SHIPPED_ANSWERS = {  # benchmarks/assets/regen-<hash>.tgz: (experiments, their p
 
 def shipped_answers(answer_hash: str) -> tuple[str, list[dict]]:
     import tarfile
-    asset = Path(__file__).resolve().parents[1] / "benchmarks" / "assets" / f"regen-{answer_hash}.tgz"
+
+    asset = (
+        Path(__file__).resolve().parents[1] / "benchmarks" / "assets" / f"regen-{answer_hash}.tgz"
+    )
     with tarfile.open(asset) as archive:
-        member, = archive.getnames()
-        return member, [json.loads(line) for line in archive.extractfile(member).read().decode().splitlines()]
+        (member,) = archive.getnames()
+        return member, [
+            json.loads(line) for line in archive.extractfile(member).read().decode().splitlines()
+        ]
 
 
 def test_every_shipped_answer_file_is_listed_here():
     folder = Path(__file__).resolve().parents[1] / "benchmarks" / "assets"
-    assert sorted(p.name for p in folder.glob("regen-*.tgz")) == sorted(f"regen-{h}.tgz" for h in SHIPPED_ANSWERS)
+    assert sorted(p.name for p in folder.glob("regen-*.tgz")) == sorted(
+        f"regen-{h}.tgz" for h in SHIPPED_ANSWERS
+    )
 
 
 @pytest.mark.parametrize("answer_hash", sorted(SHIPPED_ANSWERS))
@@ -718,14 +1011,21 @@ def test_shipped_answers_are_the_ones_their_experiments_ask_for(answer_hash):
     shipped slice or to a first-turn copy of one (<id>~n): a config change that moves the hash makes
     this fail, and the lease would silently regenerate again."""
     from eagle3.common import compose
+
     experiments, prompt_file, count, turns = SHIPPED_ANSWERS[answer_hash]
     member, rows = shipped_answers(answer_hash)
     for experiment in experiments:
-        cfg = compose([f"experiment={experiment}", "paths.root=/tmp/e3", f"data.source=/tmp/e3/{prompt_file}"])
+        cfg = compose(
+            [f"experiment={experiment}", "paths.root=/tmp/e3", f"data.source=/tmp/e3/{prompt_file}"]
+        )
         assert data.regen_log_path(cfg).relative_to(cfg.paths.artifacts).as_posix() == member
     assert member.split("/")[1] == answer_hash and len(rows) == count
-    ids = {c["id"] for c in data.conversations_for(compose(["data=sharegpt", "data.val_fraction=0"]).data,
-                                                   Counter())["train"]}
+    ids = {
+        c["id"]
+        for c in data.conversations_for(
+            compose(["data=sharegpt", "data.val_fraction=0"]).data, Counter()
+        )["train"]
+    }
     copies = {r["id"] for r in rows if "~" in r["id"]}
     assert {r["id"] for r in rows} - copies <= ids and {i.split("~")[0] for i in copies} <= ids
     assert {r["turn"] for r in rows if "~" in r["id"]} <= {0} and {r["turn"] for r in rows} == turns
@@ -738,6 +1038,7 @@ def test_sampled_answers_reuse_the_greedy_ones_word_for_word():
 
     def by_turn(rows):
         return sorted((r["id"], r["turn"], r["content"]) for r in rows)
+
     assert by_turn(r for r in sampled if "~" not in r["id"]) == by_turn(greedy)
 
 
@@ -749,4 +1050,6 @@ def test_second_sampled_answers_are_one_new_copy_of_each_first_turn_the_sampled_
     first_copies = sorted(r["id"].split("~")[0] for r in sampled if r["id"].endswith("~1"))
     assert sorted(r["id"].split("~")[0] for r in second if r["id"].endswith("~2")) == first_copies
     assert len(second) == len(first_copies) == 14066
-    assert sum(r["content"] is None for r in second) == 10  # first turns longer than data.max_length
+    assert (
+        sum(r["content"] is None for r in second) == 10
+    )  # first turns longer than data.max_length

@@ -18,13 +18,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def drafter_asset(*args) -> Path:
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "drafter_asset.py"), *map(str, args)],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "drafter_asset.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return Path(done.stdout.strip())
 
 
 def shipped_asset() -> Path:
-    asset, = (ROOT / "benchmarks" / "assets").glob("drafter-*.tgz")
+    (asset,) = (ROOT / "benchmarks" / "assets").glob("drafter-*.tgz")
     return asset
 
 
@@ -32,24 +36,38 @@ def shipped_recipe():
     """The shipped drafter's run as benchmarks/h200_pipeline.sh made it (fifteenth session):
     experiment=smollm2-h200-turns3-sampled2, under /tmp/e3 (train.init_from, a path below
     paths.root, is part of the train stage's hash)."""
-    return compose(["experiment=smollm2-h200-turns3-sampled2", "paths.root=/tmp/e3",
-                    "data.source=/tmp/e3/turns3s2.jsonl"])
+    return compose(
+        [
+            "experiment=smollm2-h200-turns3-sampled2",
+            "paths.root=/tmp/e3",
+            "data.source=/tmp/e3/turns3s2.jsonl",
+        ]
+    )
 
 
 def test_pack_then_unpack_keeps_each_weight_within_half_its_rows_step(tmp_path):
     export = tmp_path / "export"
     (export / "sglang").mkdir(parents=True)
     torch.manual_seed(0)
-    weights = {"fc.weight": torch.randn(8, 12) * torch.logspace(-3, 1, 8)[:, None],  # rows 10,000x apart
-               "empty.weight": torch.zeros(2, 5), "norm.weight": torch.randn(12),
-               "d2t": torch.arange(6) * 3, "t2d": torch.rand(10) > 0.5}
+    weights = {
+        "fc.weight": torch.randn(8, 12) * torch.logspace(-3, 1, 8)[:, None],  # rows 10,000x apart
+        "empty.weight": torch.zeros(2, 5),
+        "norm.weight": torch.randn(12),
+        "d2t": torch.arange(6) * 3,
+        "t2d": torch.rand(10) > 0.5,
+    }
     save_file(weights, export / "sglang" / "model.safetensors")
     (export / "sglang" / "config.json").write_text('{"draft_vocab_size": 6}')
     (export / "manifest.json").write_text('{"hash": "abc123"}')
     asset = drafter_asset("pack", export, "--out-dir", tmp_path)
     first = asset.read_bytes()
-    assert asset.name == "drafter-abc123.tgz" and drafter_asset("pack", export, "--out-dir", tmp_path) == asset
-    assert asset.read_bytes() == first  # the same export packs to the same bytes (a stable asset hash)
+    assert (
+        asset.name == "drafter-abc123.tgz"
+        and drafter_asset("pack", export, "--out-dir", tmp_path) == asset
+    )
+    assert (
+        asset.read_bytes() == first
+    )  # the same export packs to the same bytes (a stable asset hash)
 
     out = drafter_asset("unpack", asset, tmp_path / "back")
     back = load_file(out / "sglang" / "model.safetensors")
@@ -71,28 +89,43 @@ def test_shipped_drafter_is_its_recipes_export(tmp_path):
     from eagle3.data import data_output
     from eagle3.export import export_output
     from eagle3.train import train_output
+
     cfg = shipped_recipe()
     asset = shipped_asset()
     assert asset.name == f"drafter-{export_output(cfg).hash}.tgz"
-    manifest = json.loads((drafter_asset("unpack", asset, tmp_path / "shipped") / "manifest.json").read_text())
+    manifest = json.loads(
+        (drafter_asset("unpack", asset, tmp_path / "shipped") / "manifest.json").read_text()
+    )
     assert manifest["upstream"] == {"train": train_output(cfg).hash}
     assert manifest["recipe"]["data_hash"] == data_output(cfg).hash
 
 
 @pytest.mark.slow
-def test_shipped_drafter_drafts_smollm2_losslessly_on_prompts_it_never_saw(smollm2, test_root, tmp_path):
+def test_shipped_drafter_drafts_smollm2_losslessly_on_prompts_it_never_saw(
+    smollm2, test_root, tmp_path
+):
     """Unpacked and loaded as the server loads it, in float32 on the first vicuna prompts (not in its
     training data): the output is SmolLM2's greedy decode, and drafts are accepted as a trained
     drafter's are (an untrained one, or weights under names the engine ignores, give tau ~1)."""
+    from engine_helpers import reference_greedy
+
     from eagle3.bench import tokenize_prompts
     from eagle3.engine import SpecDecoder, summarize
     from eagle3.engine.server import load_engine_drafter
     from eagle3.spec import resolve_spec
     from eagle3.suites import load_suite
-    from engine_helpers import reference_greedy
+
     out = drafter_asset("unpack", shipped_asset(), tmp_path / "shipped")
-    cfg = compose([f"paths.root={test_root}", "target=smollm2-135m", "target.dtype=float32", f"drafter.path={out}",
-                   "spec=d32s4k8", "bench.limit=2"])
+    cfg = compose(
+        [
+            f"paths.root={test_root}",
+            "target=smollm2-135m",
+            "target.dtype=float32",
+            f"drafter.path={out}",
+            "spec=d32s4k8",
+            "bench.limit=2",
+        ]
+    )
     spec = resolve_spec(cfg.spec)
     drafter, source = load_engine_drafter(cfg, smollm2, spec)
     assert source == str(out / "sglang")

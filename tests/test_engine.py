@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import PROMPTS, chi_square_p_value, fitted_drafter, reference_greedy, spec
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3.common import Eagle3Error
@@ -12,7 +13,6 @@ from eagle3.drafter import build_drafter
 from eagle3.engine import ContextOverflow, RequestStats, SpecDecoder, measure_acceptance, summarize
 from eagle3.engine.sampling import sampled_path
 from eagle3.target import Target
-from engine_helpers import PROMPTS, chi_square_p_value, fitted_drafter, reference_greedy, spec
 
 NEW_TOKENS = 40
 FALSE_ALARM = 1e-3  # each chi-square test rejects a correct sampler with this probability
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest
 @pytest.fixture(scope="module")
 def tiny_cfg(test_root):
     from eagle3.common import compose
+
     return compose([f"paths.root={test_root}", "target=tiny-llama"])
 
 
@@ -68,8 +69,10 @@ def test_greedy_is_lossless_fitted_drafter(tiny_target, fitted, references, name
 def test_fused_steps_match_step_by_step(tiny_target, fitted, references, name):
     """The device-side greedy step (static shapes, one host read; what the CUDA graphs replay)
     commits exactly what the step-by-step path commits, step for step."""
-    fused, plain = SpecDecoder(tiny_target, fitted, spec(name)), SpecDecoder(tiny_target, fitted, spec(name),
-                                                                              fused=False)
+    fused, plain = (
+        SpecDecoder(tiny_target, fitted, spec(name)),
+        SpecDecoder(tiny_target, fitted, spec(name), fused=False),
+    )
     assert fused.fused is not None and plain.fused is None
     for prompt, expected in references:
         a, b = fused.generate(prompt, NEW_TOKENS), plain.generate(prompt, NEW_TOKENS)
@@ -79,28 +82,42 @@ def test_fused_steps_match_step_by_step(tiny_target, fitted, references, name):
 
 
 @pytest.mark.parametrize("name", ["off", "d6", "d10s5k4"])
-def test_overlapped_steps_commit_the_same_and_waste_at_most_one(tiny_target, fitted, references, name, monkeypatch):
+def test_overlapped_steps_commit_the_same_and_waste_at_most_one(
+    tiny_target, fitted, references, name, monkeypatch
+):
     """engine.overlap_steps: each fused step is launched before the last one is read. Same tokens and
     acceptance as one step at a time; a generation that ends on its budget launches exactly the steps it
     counts, one that ends on a stop token at most one more; a context that ends mid-way leaves the
     look-ahead out (its steps would not fit) and finishes on plain steps."""
     from eagle3.engine.fused import FusedGreedy
+
     launched, from_host = [], []  # every step launched; those launched from the host's state
     launch, launch_next = FusedGreedy.launch, FusedGreedy.launch_next
-    monkeypatch.setattr(FusedGreedy, "launch_next", lambda self, bound: launched.append(bound) or launch_next(self, bound))
-    monkeypatch.setattr(FusedGreedy, "launch", lambda self, *args: from_host.append(1) or launch(self, *args))
+    monkeypatch.setattr(
+        FusedGreedy,
+        "launch_next",
+        lambda self, bound: launched.append(bound) or launch_next(self, bound),
+    )
+    monkeypatch.setattr(
+        FusedGreedy, "launch", lambda self, *args: from_host.append(1) or launch(self, *args)
+    )
     overlapped = SpecDecoder(tiny_target, fitted, spec(name))
     serial = SpecDecoder(tiny_target, fitted, spec(name), overlap_steps=False)
     for prompt, expected in references:
         b = serial.generate(prompt, NEW_TOKENS)
         launched.clear(), from_host.clear()
         a = overlapped.generate(prompt, NEW_TOKENS)
-        assert a.tokens == b.tokens == expected and a.stats.accepted_per_step == b.stats.accepted_per_step
-        assert len(launched) == a.stats.verify_steps and len(from_host) < len(launched) // 2  # the rest ran ahead
+        assert (
+            a.tokens == b.tokens == expected
+            and a.stats.accepted_per_step == b.stats.accepted_per_step
+        )
+        assert (
+            len(launched) == a.stats.verify_steps and len(from_host) < len(launched) // 2
+        )  # the rest ran ahead
         launched.clear()
         stop = expected[NEW_TOKENS // 2]
         a = overlapped.generate(prompt, NEW_TOKENS, stop_ids=[stop])
-        assert a.tokens == expected[:expected.index(stop) + 1]
+        assert a.tokens == expected[: expected.index(stop) + 1]
         assert a.stats.verify_steps <= len(launched) <= a.stats.verify_steps + 1
     short = SpecDecoder(tiny_target, fitted, spec(name), max_context=len(references[0][0]) + 12)
     assert short.generate(references[0][0], NEW_TOKENS).tokens == references[0][1][:12]
@@ -115,6 +132,7 @@ def test_every_chain_draft_is_the_unrolls_step(tiny_target, fitted, references, 
     draft or a later one, changes it, and lossless tests cannot see it."""
     from eagle3.engine.fused import FusedGreedy
     from eagle3.ttt import unroll
+
     chains = []
     if fused:
         draft_chain = FusedGreedy.draft_chain
@@ -122,6 +140,7 @@ def test_every_chain_draft_is_the_unrolls_step(tiny_target, fitted, references, 
         def recording_chain(self):
             draft_chain(self)
             chains.append((int(self.position), self.tokens.tolist()))
+
         monkeypatch.setattr(FusedGreedy, "draft_chain", recording_chain)
     else:
         draft = SpecDecoder.draft
@@ -130,6 +149,7 @@ def test_every_chain_draft_is_the_unrolls_step(tiny_target, fitted, references, 
             tree = draft(self, root, position, h_last, sampling)
             chains.append((position, tree.tokens.tolist()))
             return tree
+
         monkeypatch.setattr(SpecDecoder, "draft", recording_draft)
     decoder = SpecDecoder(tiny_target, fitted, spec("d4"), fused=fused)
     checked, drafted_steps = [0] * decoder.spec.steps, 0
@@ -167,7 +187,9 @@ def test_lean_forward_off_gives_the_same_tokens(tiny_target, fitted, references,
 
 @pytest.mark.parametrize("lean", [True, False])
 @pytest.mark.parametrize("eager_cudnn", [False, True])
-def test_prefill_attention_leaves_cudnn_out(tiny_target, fitted, references, monkeypatch, lean, eager_cudnn):
+def test_prefill_attention_leaves_cudnn_out(
+    tiny_target, fitted, references, monkeypatch, lean, eager_cudnn
+):
     """Forwards outside CUDA graphs (a prefill: the target's and the drafter's) run sdpa with
     cuDNN attention disabled, unless eager_cudnn; the flag is torch's own again afterwards.
     (A CPU machine cannot run cuDNN; the test reads the backend flag each sdpa call sees.)"""
@@ -178,8 +200,14 @@ def test_prefill_attention_leaves_cudnn_out(tiny_target, fitted, references, mon
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    decoder = SpecDecoder(tiny_target, fitted, spec("d6s3k2"), lean=lean, eager_cudnn=eager_cudnn,
-                          draft_attention="sdpa")  # the drafter's layer through sdpa too (the default is explicit)
+    decoder = SpecDecoder(
+        tiny_target,
+        fitted,
+        spec("d6s3k2"),
+        lean=lean,
+        eager_cudnn=eager_cudnn,
+        draft_attention="sdpa",
+    )  # the drafter's layer through sdpa too (the default is explicit)
     prompt, expected = references[0]
     before = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(True)  # torch's default, whatever earlier tests left
@@ -213,8 +241,10 @@ def test_fused_steps_across_cache_widths(tiny_target, fitted):
     switches windows mid-way and still commits what the step-by-step path commits."""
     prompt = list(range(1000, 1240))
     for name in ["d6", "d10s5k4"]:
-        fused, plain = SpecDecoder(tiny_target, fitted, spec(name)), SpecDecoder(tiny_target, fitted, spec(name),
-                                                                                  fused=False)
+        fused, plain = (
+            SpecDecoder(tiny_target, fitted, spec(name)),
+            SpecDecoder(tiny_target, fitted, spec(name), fused=False),
+        )
         a, b = fused.generate(prompt, 30), plain.generate(prompt, 30)
         assert a.tokens == b.tokens and a.stats.accepted_per_step == b.stats.accepted_per_step
         assert fused.fused.widths[:2] == [256, 512] and fused.fused.width == 512
@@ -226,8 +256,12 @@ def test_compiled_draft_phases_commit_the_same(tiny_target, fitted, references):
     backend here) commit what the eager fused steps commit, step for step, for a chain and for a
     tree; crossing a cache width compiles each phase once more (generic widths), not per width."""
     from torch._dynamo.utils import counters
+
     long_prompt = list(range(1000, 1240))  # crosses from the 256-slot window to the 512 one
-    for name, prompts, graphs in [("d6", references[:2], 2), ("d8s4k3", [*references[:2], (long_prompt, None)], 4)]:
+    for name, prompts, graphs in [
+        ("d6", references[:2], 2),
+        ("d8s4k3", [*references[:2], (long_prompt, None)], 4),
+    ]:
         counters.clear()
         compiled = SpecDecoder(tiny_target, fitted, spec(name), compile_draft=True)
         eager = SpecDecoder(tiny_target, fitted, spec(name))
@@ -236,10 +270,20 @@ def test_compiled_draft_phases_commit_the_same(tiny_target, fitted, references):
             assert a.tokens == b.tokens and a.stats.accepted_per_step == b.stats.accepted_per_step
             assert expected is None or a.tokens == expected[:30]
         assert compiled.fused.width == (512 if graphs == 4 else 256)
-        assert counters["stats"]["unique_graphs"] == graphs  # draft and extend, compiled; verify stays eager
+        assert (
+            counters["stats"]["unique_graphs"] == graphs
+        )  # draft and extend, compiled; verify stays eager
 
 
-HOST_READS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "is_nonzero", "equal", "_unique2"}
+HOST_READS = {
+    "_local_scalar_dense",
+    "item",
+    "nonzero",
+    "masked_select",
+    "is_nonzero",
+    "equal",
+    "_unique2",
+}
 
 
 @pytest.mark.parametrize("name", ["off", "d6", "d10s5k4"])
@@ -270,7 +314,10 @@ def test_fused_phases_are_graph_safe(tiny_target, untrained, references, name):
         for phase in fused.phases:
             phase()
     assert watch.bad == []
-    assert int(fused.position) == len(prompt) + int(fused.accepted[0]) + 1 and fused.root.tolist() == fused.bonus.tolist()
+    assert (
+        int(fused.position) == len(prompt) + int(fused.accepted[0]) + 1
+        and fused.root.tolist() == fused.bonus.tolist()
+    )
     caught = Watch()
     with caught:  # the mistake it guards against: a 0-d tensor index is read on the host
         torch.arange(4)[torch.tensor(2)]
@@ -280,9 +327,15 @@ def test_fused_phases_are_graph_safe(tiny_target, untrained, references, name):
 def test_full_tree_accepts_at_least_the_chain(tiny_target, fitted, references):
     """A tree that keeps every candidate contains the chain's drafts, so it accepts no less."""
     from engine_helpers import SPECS
-    SPECS["d5"], SPECS["all_s4k3"] = dict(enabled=True, depth=5, steps=None, topk=1), \
-        dict(enabled=True, depth=1 + 3 + 3 * 9, steps=4, topk=3)
-    chain, tree = SpecDecoder(tiny_target, fitted, spec("d5")), SpecDecoder(tiny_target, fitted, spec("all_s4k3"))
+
+    SPECS["d5"], SPECS["all_s4k3"] = (
+        dict(enabled=True, depth=5, steps=None, topk=1),
+        dict(enabled=True, depth=1 + 3 + 3 * 9, steps=4, topk=3),
+    )
+    chain, tree = (
+        SpecDecoder(tiny_target, fitted, spec("d5")),
+        SpecDecoder(tiny_target, fitted, spec("all_s4k3")),
+    )
     for prompt, expected in references:
         a, b = chain.generate(prompt, NEW_TOKENS), tree.generate(prompt, NEW_TOKENS)
         assert a.tokens == b.tokens == expected
@@ -295,21 +348,33 @@ def test_stop_ids_and_on_tokens(tiny_target, fitted, references):
     stop = expected[7]
     first = expected.index(stop)
     result = decoder.generate(prompt, NEW_TOKENS, stop_ids=[stop])
-    assert result.tokens == expected[:first + 1] and result.finish_reason == "stop"
+    assert result.tokens == expected[: first + 1] and result.finish_reason == "stop"
     seen = []
-    result = decoder.generate(prompt, NEW_TOKENS, on_tokens=lambda new: seen.extend(new) or len(seen) >= 10)
-    assert result.finish_reason == "stop" and result.tokens == seen == expected[:len(seen)] and len(seen) >= 10
+    result = decoder.generate(
+        prompt, NEW_TOKENS, on_tokens=lambda new: seen.extend(new) or len(seen) >= 10
+    )
+    assert (
+        result.finish_reason == "stop"
+        and result.tokens == seen == expected[: len(seen)]
+        and len(seen) >= 10
+    )
     seen = []  # a step that commits past max_new_tokens: on_tokens sees only what the result keeps
     result = decoder.generate(prompt, 10, on_tokens=lambda new: seen.extend(new) or False)
-    assert 1 + sum(a + 1 for a in result.stats.accepted_per_step) > 10 and seen == result.tokens == expected[:10]
+    assert (
+        1 + sum(a + 1 for a in result.stats.accepted_per_step) > 10
+        and seen == result.tokens == expected[:10]
+    )
 
 
 def test_request_generator_reproduces_and_leaves_the_running_one(tiny_target, fitted, references):
     prompt, _ = references[0]
     decoder = SpecDecoder(tiny_target, fitted, spec("d8s4k3"), seed=0)
     state = decoder.generator.get_state()
-    draw = lambda seed: decoder.generate(prompt, 12, temperature=1.0,
-                                         generator=torch.Generator().manual_seed(seed)).tokens
+    draw = lambda seed: (
+        decoder.generate(
+            prompt, 12, temperature=1.0, generator=torch.Generator().manual_seed(seed)
+        ).tokens
+    )
     assert draw(5) == draw(5) != draw(6)
     assert torch.equal(decoder.generator.get_state(), state)
 
@@ -317,7 +382,9 @@ def test_request_generator_reproduces_and_leaves_the_running_one(tiny_target, fi
 def test_context_limits(tiny_target, fitted, references):
     prompt, expected = references[0]
     decoder = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), max_context=len(prompt) + 12)
-    result = decoder.generate(prompt, NEW_TOKENS)  # the tree no longer fits near the end: plain steps
+    result = decoder.generate(
+        prompt, NEW_TOKENS
+    )  # the tree no longer fits near the end: plain steps
     assert result.tokens == expected[:12] and result.finish_reason == "length"
     with pytest.raises(ContextOverflow, match=f"context holds {len(prompt) + 12}"):
         decoder.generate(list(range(1, len(prompt) + 13)), 4)
@@ -332,21 +399,26 @@ def test_top_children_are_a_stable_sorts_first_k(n, k):
     """tree.top_k (two rounds of short sorts) equals a full stable descending sort's first k, ties
     to the lower index, on rows full of ties; top_children's scores are the log-softmax's values."""
     from eagle3.engine.tree import top_children, top_k
+
     generator = torch.Generator().manual_seed(n + k)
     rows = torch.randn(6, n, generator=generator).bfloat16().float()  # bf16 logits: many exact ties
     rows[0] = 1.0  # one row all tied
-    rows[1, n // 2:] = rows[1, :n - n // 2].clone()  # values repeated, far apart
-    rows[2, :n // 3] = -1e30  # a stretch far below the rest, all tied
+    rows[1, n // 2 :] = rows[1, : n - n // 2].clone()  # values repeated, far apart
+    rows[2, : n // 3] = -1e30  # a stretch far below the rest, all tied
     values, indices = top_k(rows, k)
     reference = torch.sort(rows, dim=-1, descending=True, stable=True)
-    assert torch.equal(indices, reference.indices[:, :k]) and torch.equal(values, reference.values[:, :k])
+    assert torch.equal(indices, reference.indices[:, :k]) and torch.equal(
+        values, reference.values[:, :k]
+    )
     log_probs, ids = top_children(rows, k)
     assert torch.equal(ids, indices)
     assert torch.allclose(log_probs, torch.log_softmax(rows, dim=-1).gather(-1, indices), atol=1e-5)
     for temperature in (0.5, 2.0):  # the tree temperature rescales the scores, never the choice
         log_probs, ids = top_children(rows, k, temperature)
         assert torch.equal(ids, indices)
-        assert torch.allclose(log_probs, torch.log_softmax(rows / temperature, dim=-1).gather(-1, indices), atol=1e-5)
+        assert torch.allclose(
+            log_probs, torch.log_softmax(rows / temperature, dim=-1).gather(-1, indices), atol=1e-5
+        )
 
 
 def test_tree_temperature_changes_the_trees_not_the_tokens(tiny_target, fitted, references):
@@ -354,11 +426,13 @@ def test_tree_temperature_changes_the_trees_not_the_tokens(tiny_target, fitted, 
     decode, the fused and the step-by-step path alike (same acceptance per step); a temperature <= 0 is refused."""
     trees = {}
     for temperature in (1.0, 0.25, 16.0):
-        fused, plain = (SpecDecoder(tiny_target, fitted, spec("d10s5k4"), fused=f, tree_temperature=temperature)
-                        for f in (True, False))
+        fused, plain = (
+            SpecDecoder(tiny_target, fitted, spec("d10s5k4"), fused=f, tree_temperature=temperature)
+            for f in (True, False)
+        )
         drafted = []
         draft = plain.draft
-        plain.draft = lambda *args: drafted.append(draft(*args)) or drafted[-1]
+        plain.draft = lambda *args: drafted.append(draft(*args)) or drafted[-1]  # noqa: B023
         for prompt, expected in references:
             a, b = fused.generate(prompt, NEW_TOKENS), plain.generate(prompt, NEW_TOKENS)
             assert a.tokens == b.tokens == expected
@@ -377,7 +451,10 @@ def test_draft_attention_explicit_and_sdpa_commit_the_same(tiny_target, fitted, 
     trees here: the same tokens and the same acceptance, step for step."""
     explicit = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), fused=fused)
     sdpa = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), fused=fused, draft_attention="sdpa")
-    assert explicit.drafter_run.lean.explicit_attention and not sdpa.drafter_run.lean.explicit_attention
+    assert (
+        explicit.drafter_run.lean.explicit_attention
+        and not sdpa.drafter_run.lean.explicit_attention
+    )
     with pytest.raises(Eagle3Error, match="engine.draft_attention='flash'"):
         SpecDecoder(tiny_target, fitted, spec("d10s5k4"), draft_attention="flash")
     for prompt, expected in references:
@@ -390,9 +467,13 @@ def test_explicit_draft_attention_matches_sdpa(fitted):
     """LeanDrafter's softmax(QK^T)V equals sdpa's output on a masked step (float32, 1e-5)."""
     from eagle3.engine.kv import DrafterKV
     from eagle3.engine.llama import LeanDrafter
+
     config, outputs = fitted.config, []
     for explicit in (False, True):
-        lean, kv = LeanDrafter(fitted, 32, explicit), DrafterKV(config, 32, torch.float32, torch.device("cpu"))
+        lean, kv = (
+            LeanDrafter(fitted, 32, explicit),
+            DrafterKV(config, 32, torch.float32, torch.device("cpu")),
+        )
         kv.buffer.normal_(generator=torch.Generator().manual_seed(1))
         kv.prepare(torch.arange(10, 13), 16)
         positions = torch.tensor([10, 11, 12])
@@ -403,12 +484,22 @@ def test_explicit_draft_attention_matches_sdpa(fitted):
 
 
 def test_stats_arithmetic():
-    a = RequestStats(prompt_tokens=5, completion_tokens=11, verify_steps=4, accepted_per_step=[3, 0, 2, 1],
-                     draft_tokens_per_step=3)
+    a = RequestStats(
+        prompt_tokens=5,
+        completion_tokens=11,
+        verify_steps=4,
+        accepted_per_step=[3, 0, 2, 1],
+        draft_tokens_per_step=3,
+    )
     assert a.tau == 11 / 4 and a.accepted_per_position == [3, 2, 1]
     assert a.as_dict()["accepted_tokens"] == 6 and a.as_dict()["draft_tokens"] == 12
-    b = RequestStats(prompt_tokens=2, completion_tokens=3, verify_steps=2, accepted_per_step=[1, 0],
-                     draft_tokens_per_step=3)
+    b = RequestStats(
+        prompt_tokens=2,
+        completion_tokens=3,
+        verify_steps=2,
+        accepted_per_step=[1, 0],
+        draft_tokens_per_step=3,
+    )
     total = summarize([a, b])
     assert total["tau"] == 14 / 6 and total["accepted_tokens"] == 7
     assert total["acceptance_per_position"] == [4 / 6, 2 / 6, 1 / 6]
@@ -438,15 +529,22 @@ def test_sampled_path_draws_from_the_target_distribution():
         for _ in range(draws):
             if draft_probs is not None:  # a chain drafts its child by sampling from q
                 tokens = [0, int(torch.multinomial(q[1], 1, generator=generator))]
-            path, bonus = sampled_path(tokens, parents, p[:len(tokens)], draft_probs, generator)
+            path, bonus = sampled_path(tokens, parents, p[: len(tokens)], draft_probs, generator)
             counts[tokens[path[1]] if len(path) > 1 else bonus] += 1
         assert chi_square_p_value(counts, p[0]) > FALSE_ALARM
 
 
 def tiny_vocab_target(vocab: int = 6) -> Target:
     torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(config).eval().requires_grad_(False)
     return Target(model, None, None, [0, 1, 1])
 
@@ -458,17 +556,26 @@ def test_sampling_preserves_the_sequence_distribution(name):
     a verify step: accepted draft or residual draw)."""
     from engine_helpers import SPECS
     from omegaconf import OmegaConf
-    SPECS["d3"], SPECS["tree"] = dict(enabled=True, depth=3, steps=None, topk=1), \
-        dict(enabled=True, depth=4, steps=2, topk=2)
+
+    SPECS["d3"], SPECS["tree"] = (
+        dict(enabled=True, depth=3, steps=None, topk=1),
+        dict(enabled=True, depth=4, steps=2, topk=2),
+    )
     target, temperature, length, draws = tiny_vocab_target(), 1.5, 2, 1000
-    drafter = build_drafter(target, OmegaConf.create({"num_layers": 1, "draft_vocab_size": 6})).eval()
+    drafter = build_drafter(
+        target, OmegaConf.create({"num_layers": 1, "draft_vocab_size": 6})
+    ).eval()
     prompt = [1, 2]
     with torch.no_grad():
-        ids = torch.tensor([[*prompt, *seq] for seq in torch.cartesian_prod(*[torch.arange(6)] * length).tolist()])
-        probs = torch.softmax(target.model(ids).logits[:, len(prompt) - 1:-1].double() / temperature, dim=-1)
-        exact = probs.gather(-1, ids[:, len(prompt):, None])[..., 0].prod(dim=-1)
+        ids = torch.tensor(
+            [[*prompt, *seq] for seq in torch.cartesian_prod(*[torch.arange(6)] * length).tolist()]
+        )
+        probs = torch.softmax(
+            target.model(ids).logits[:, len(prompt) - 1 : -1].double() / temperature, dim=-1
+        )
+        exact = probs.gather(-1, ids[:, len(prompt) :, None])[..., 0].prod(dim=-1)
     decoder = SpecDecoder(target, drafter, spec(name), seed=1)
-    counts = torch.zeros(6 ** length, dtype=torch.float64)
+    counts = torch.zeros(6**length, dtype=torch.float64)
     accepted = rejected = 0
     for _ in range(draws):
         result = decoder.generate(prompt, length, temperature=temperature)
@@ -497,24 +604,35 @@ def test_top_p_restricts_to_the_nucleus(tiny_target, fitted, references):
 @pytest.mark.parametrize("name", ["d4", "d6s3k2"])
 def test_smollm2_greedy_is_lossless_untrained_drafter(smollm2, name):
     from eagle3.common import compose
+
     torch.manual_seed(0)
     drafter = build_drafter(smollm2, compose(["target=smollm2-135m"]).drafter).eval()
     decoder = SpecDecoder(smollm2, drafter, spec(name))
     tok = smollm2.tokenizer
     for question in ["What is the capital of France?", "Write a haiku about the sea."]:
-        prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=True)["input_ids"]
-        expected = reference_greedy(smollm2.model, prompt, 24)  # (generate's min_new_tokens would mask EOS)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": question}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+        expected = reference_greedy(
+            smollm2.model, prompt, 24
+        )  # (generate's min_new_tokens would mask EOS)
         assert decoder.generate(prompt, 24).tokens == expected
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["d4", "d6s3k2"])
-def test_smollm2_greedy_is_lossless_trained_drafter(smollm2, smollm2_trained_drafter, test_root, name):
+def test_smollm2_greedy_is_lossless_trained_drafter(
+    smollm2, smollm2_trained_drafter, test_root, name
+):
     """The drafter eagle3.train made (engine_helpers.trained_smollm2_drafter), loaded as the server
     loads it: drafts are accepted (measured tau > 1.2) and the output is still the target's greedy decode."""
-    from eagle3.engine.server import load_engine_drafter
     from engine_helpers import agree_cfg, agree_prompts
+
+    from eagle3.engine.server import load_engine_drafter
+
     cfg = agree_cfg(test_root, f"drafter.path={smollm2_trained_drafter}")
     drafter, _ = load_engine_drafter(cfg, smollm2, spec(name))
     decoder = SpecDecoder(smollm2, drafter, spec(name))

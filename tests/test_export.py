@@ -17,11 +17,21 @@ from eagle3.common import Eagle3Error
 from eagle3.drafter import build_drafter
 from eagle3.target import default_aux_layer_ids
 
-RECIPE = {"ttt_length": 7, "step_decay": 0.8, "vocab_map_hash": "abc", "data_hash": "def", "tau_hat": 2.5}
+RECIPE = {
+    "ttt_length": 7,
+    "step_decay": 0.8,
+    "vocab_map_hash": "abc",
+    "data_hash": "def",
+    "tau_hat": 2.5,
+}
 
 
 def random_vocab_map(target_vocab: int, draft_vocab: int, seed: int = 0):
-    ids = torch.randperm(target_vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values
+    ids = (
+        torch.randperm(target_vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
+        .sort()
+        .values
+    )
     t2d = torch.zeros(target_vocab, dtype=torch.bool)
     t2d[ids] = True
     return ids - torch.arange(draft_vocab), t2d
@@ -34,7 +44,9 @@ def randomise(drafter, seed: int = 0):
         for name, param in drafter.named_parameters():
             if not name.startswith("embed_tokens"):
                 param.copy_(torch.randn(param.shape, generator=generator))
-    drafter.set_vocab_map(*random_vocab_map(drafter.config.vocab_size, drafter.config.draft_vocab_size, seed))
+    drafter.set_vocab_map(
+        *random_vocab_map(drafter.config.vocab_size, drafter.config.draft_vocab_size, seed)
+    )
     return drafter
 
 
@@ -42,7 +54,10 @@ def randomise(drafter, seed: int = 0):
 def shared_mlflow(tmp_path_factory):
     """One MLflow store for this module's registry tests (creating a sqlite store costs ~10 s)."""
     root = tmp_path_factory.mktemp("mlruns")
-    return [f"tracking.uri=sqlite:///{root}/mlflow.db", f"tracking.artifact_location={root}/artifacts"]
+    return [
+        f"tracking.uri=sqlite:///{root}/mlflow.db",
+        f"tracking.artifact_location={root}/artifacts",
+    ]
 
 
 @pytest.fixture
@@ -62,12 +77,17 @@ def draft_step(drafter, seed: int = 1):
     """One drafting step on fixed random inputs with a causal mask: the logits."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, drafter.config.vocab_size, (1, 6), generator=generator)
-    aux = torch.randn(1, 6, 3 * drafter.config.target_hidden_size, generator=generator).to(drafter.fc.weight.dtype)
+    aux = torch.randn(1, 6, 3 * drafter.config.target_hidden_size, generator=generator).to(
+        drafter.fc.weight.dtype
+    )
     positions = torch.arange(6)[None]
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
     from eagle3.drafter import sdpa
+
     with torch.no_grad():
-        hidden = drafter(ids, drafter.project(aux), positions, lambda i, q, k, v: sdpa(q, k, v, causal))
+        hidden = drafter(
+            ids, drafter.project(aux), positions, lambda i, q, k, v: sdpa(q, k, v, causal)
+        )
         return drafter.logits(hidden)
 
 
@@ -84,10 +104,26 @@ def test_sglang_folder_has_exactly_the_engine_keys_and_config(drafter, tiny_targ
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
     assert config["max_position_embeddings"] >= tiny_target.config.max_position_embeddings
     assert config["rope_theta"] == 10000.0
-    assert config["eagle3"]["recipe"] == RECIPE and config["eagle3"]["aux_layer_ids_hf"] == [1, 2, 3]
-    midlayer = {f"midlayer.{n}.weight" for n in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-        "mlp.up_proj", "mlp.down_proj", "input_layernorm", "hidden_norm", "post_attention_layernorm")}
+    assert config["eagle3"]["recipe"] == RECIPE and config["eagle3"]["aux_layer_ids_hf"] == [
+        1,
+        2,
+        3,
+    ]
+    midlayer = {
+        f"midlayer.{n}.weight"
+        for n in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+            "input_layernorm",
+            "hidden_norm",
+            "post_attention_layernorm",
+        )
+    }
     assert set(tensors) == midlayer | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
     assert tensors["fc.weight"].shape == (hidden, 3 * target_hidden)
     assert tensors["midlayer.self_attn.q_proj.weight"].shape == (hidden, 2 * hidden)
@@ -97,20 +133,30 @@ def test_sglang_folder_has_exactly_the_engine_keys_and_config(drafter, tiny_targ
     assert torch.equal(tensors["midlayer.hidden_norm.weight"], drafter.layers[0].hidden_norm.weight)
 
 
-def test_multi_layer_drafter_exports_layers_i_in_each_engines_names(tiny_target, make_cfg, tmp_path):
+def test_multi_layer_drafter_exports_layers_i_in_each_engines_names(
+    tiny_target, make_cfg, tmp_path
+):
     """Layers after the first: vLLM names their input norm input_layernorm, SGLang hidden_norm
     (SGLang's LlamaDecoderLayer fuses the residual add into hidden_norm; same function)."""
-    two_layers = randomise(build_drafter(tiny_target, make_cfg("target=tiny-llama", "drafter.num_layers=2").drafter))
-    for engine, later, absent in (("vllm", "input_layernorm", "hidden_norm"),
-                                  ("sglang", "hidden_norm", "input_layernorm")):
+    two_layers = randomise(
+        build_drafter(tiny_target, make_cfg("target=tiny-llama", "drafter.num_layers=2").drafter)
+    )
+    for engine, later, absent in (
+        ("vllm", "input_layernorm", "hidden_norm"),
+        ("sglang", "hidden_norm", "input_layernorm"),
+    ):
         folder = export.export_sglang(two_layers, tmp_path / engine, RECIPE, engine=engine)
         tensors = load_file(str(folder / "model.safetensors"))
         assert not any(k.startswith("midlayer.") for k in tensors)
         assert tensors["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * 64
         assert tensors["layers.1.self_attn.q_proj.weight"].shape[1] == 64
-        assert torch.equal(tensors[f"layers.1.{later}.weight"], two_layers.layers[1].input_layernorm.weight)
+        assert torch.equal(
+            tensors[f"layers.1.{later}.weight"], two_layers.layers[1].input_layernorm.weight
+        )
         assert f"layers.1.{absent}.weight" not in tensors and len(tensors) == 5 + 10 + 9
-        loaded = export.attach_target_embedding(export.load_drafter(folder, aux_convention=engine), tiny_target)
+        loaded = export.attach_target_embedding(
+            export.load_drafter(folder, aux_convention=engine), tiny_target
+        )
         assert_same_weights(loaded, two_layers)
         assert torch.equal(draft_step(loaded), draft_step(two_layers))
 
@@ -123,7 +169,9 @@ def test_wrongly_named_checkpoint_is_rejected_listing_keys(drafter, tmp_path):
     tensors = export.engine_tensors(drafter, "speculators")  # layers.0.* names
     config = export.sglang_config(drafter, RECIPE, "sglang", torch.float32)
     with pytest.raises(Eagle3Error) as err:
-        export.write_folder(tensors, config, export.expected_shapes(drafter.config, "sglang"), tmp_path / "bad")
+        export.write_folder(
+            tensors, config, export.expected_shapes(drafter.config, "sglang"), tmp_path / "bad"
+        )
     message = str(err.value)
     assert "20 key/shape problem(s)" in message
     assert "missing midlayer.self_attn.q_proj.weight [64, 128]" in message
@@ -131,14 +179,19 @@ def test_wrongly_named_checkpoint_is_rejected_listing_keys(drafter, tmp_path):
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
 
 
-def test_wrong_shape_dtype_and_unset_vocab_map_are_rejected(drafter, tiny_target, make_cfg, tmp_path):
+def test_wrong_shape_dtype_and_unset_vocab_map_are_rejected(
+    drafter, tiny_target, make_cfg, tmp_path
+):
     expected = export.expected_shapes(drafter.config, "sglang")
     config = export.sglang_config(drafter, RECIPE, "sglang", torch.float32)
     tensors = export.engine_tensors(drafter, "sglang")
     tensors["lm_head.weight"] = tensors["lm_head.weight"][:100]
     tensors["d2t"] = tensors["d2t"].int()
-    with pytest.raises(Eagle3Error, match=r"d2t has dtype torch.int32, expected torch.int64; "
-                                          r"lm_head.weight has shape \[100, 64\], expected \[8192, 64\]"):
+    with pytest.raises(
+        Eagle3Error,
+        match=r"d2t has dtype torch.int32, expected torch.int64; "
+        r"lm_head.weight has shape \[100, 64\], expected \[8192, 64\]",
+    ):
         export.write_folder(tensors, config, expected, tmp_path / "bad")
     fresh = build_drafter(tiny_target, make_cfg("target=tiny-llama").drafter)  # vocab map never set
     with pytest.raises(Eagle3Error, match="d2t and t2d disagree"):
@@ -177,15 +230,25 @@ def test_embedding_included_on_request(drafter, tiny_target, tmp_path):
 
 
 def test_speculators_folder_round_trip(drafter, tiny_target, tmp_path):
-    folder = export.export_speculators(drafter, tmp_path / "spec", RECIPE, speculative_tokens=5, verifier="tiny")
+    folder = export.export_speculators(
+        drafter, tmp_path / "spec", RECIPE, speculative_tokens=5, verifier="tiny"
+    )
     config = json.loads((folder / "config.json").read_text())
     tensors = load_file(str(folder / "model.safetensors"))
     assert config["speculators_model_type"] == "eagle3" and config["norm_before_residual"] is False
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
     assert config["transformer_layer_config"]["num_hidden_layers"] == 1
-    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM reads HF indices as written
-    assert "layers.0.hidden_norm.weight" in tensors and not any(k.startswith("midlayer") for k in tensors)
-    assert_same_weights(export.attach_target_embedding(export.load_drafter(folder), tiny_target), drafter)
+    assert config["eagle_aux_hidden_state_layer_ids"] == [
+        1,
+        2,
+        3,
+    ]  # vLLM reads HF indices as written
+    assert "layers.0.hidden_norm.weight" in tensors and not any(
+        k.startswith("midlayer") for k in tensors
+    )
+    assert_same_weights(
+        export.attach_target_embedding(export.load_drafter(folder), tiny_target), drafter
+    )
 
 
 # ---------------------------------------------------------------- aux-layer id conventions
@@ -195,11 +258,21 @@ def test_custom_aux_ids_are_written_in_each_engines_convention(drafter, tmp_path
     """tiny-llama captures HF hidden_states[1, 2, 3]: vLLM reads ids as HF indices, SGLang adds 1."""
     sglang = export.export_sglang(drafter, tmp_path / "sglang", RECIPE, engine="sglang")
     vllm = export.export_sglang(drafter, tmp_path / "vllm", RECIPE, engine="vllm")
-    sglang_ids = json.loads((sglang / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    vllm_ids = json.loads((vllm / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    sglang_ids = json.loads((sglang / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"
+    ]
+    vllm_ids = json.loads((vllm / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"
+    ]
     assert sglang_ids == [0, 1, 2] and vllm_ids == [1, 2, 3]
-    assert json.loads((vllm / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-    assert "eagle_aux_hidden_state_layer_ids" not in json.loads((sglang / "config.json").read_text())
+    assert json.loads((vllm / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [
+        1,
+        2,
+        3,
+    ]
+    assert "eagle_aux_hidden_state_layer_ids" not in json.loads(
+        (sglang / "config.json").read_text()
+    )
     # What each engine captures from those ids (their sources): SGLang layers_to_capture = id + 1,
     # both capturing the input of that decoder layer = HF hidden_states[id].
     assert [i + 1 for i in sglang_ids] == vllm_ids == [1, 2, 3]
@@ -208,7 +281,11 @@ def test_custom_aux_ids_are_written_in_each_engines_convention(drafter, tmp_path
         config = json.loads((folder / "config.json").read_text())
         del config["eagle3"]
         (folder / "config.json").write_text(json.dumps(config))
-        assert export.load_drafter(folder, aux_convention=convention).config.aux_layer_ids == [1, 2, 3]
+        assert export.load_drafter(folder, aux_convention=convention).config.aux_layer_ids == [
+            1,
+            2,
+            3,
+        ]
 
 
 def test_default_aux_ids_write_no_ids_and_engines_agree(drafter, tmp_path):
@@ -221,7 +298,8 @@ def test_default_aux_ids_write_no_ids_and_engines_agree(drafter, tmp_path):
         assert "eagle_config" not in config
         assert config["eagle3"]["aux_layer_ids_hf"] == [2, 15, 27]
     assert "eagle_aux_hidden_state_layer_ids" not in json.loads(
-        (export.export_speculators(drafter, tmp_path / "spec", RECIPE) / "config.json").read_text())
+        (export.export_speculators(drafter, tmp_path / "spec", RECIPE) / "config.json").read_text()
+    )
     assert export.engine_aux_ids([2, 15, 27], "sglang") == [1, 14, 26]
     assert export.engine_aux_ids([2, 15, 27], "vllm") == [2, 15, 27]
 
@@ -241,7 +319,9 @@ def test_foreign_folder_without_ids_gets_the_targets_default(drafter, tiny_targe
 # ---------------------------------------------------------------- importing published variants
 
 
-def write_foreign(folder: Path, tensors: dict, config: dict, weights: str = "model.safetensors") -> Path:
+def write_foreign(
+    folder: Path, tensors: dict, config: dict, weights: str = "model.safetensors"
+) -> Path:
     folder.mkdir(parents=True)
     if weights.endswith(".bin"):
         torch.save(tensors, folder / weights)
@@ -267,17 +347,25 @@ def test_import_specforge_folder_with_embedding_and_sglang_ids(drafter, tiny_tar
 
 
 def test_import_eagle_bin_with_model_prefix(drafter, tmp_path):
-    tensors = {("model." + k if k != "lm_head.weight" else k): v
-               for k, v in export.engine_tensors(drafter, "sglang", include_embedding=True).items()}
-    folder = write_foreign(tmp_path / "eagle", tensors, foreign_config(drafter), weights="pytorch_model.bin")
+    tensors = {
+        ("model." + k if k != "lm_head.weight" else k): v
+        for k, v in export.engine_tensors(drafter, "sglang", include_embedding=True).items()
+    }
+    folder = write_foreign(
+        tmp_path / "eagle", tensors, foreign_config(drafter), weights="pytorch_model.bin"
+    )
     assert_same_weights(export.load_drafter(folder), drafter)
 
 
 def test_import_stacked_projections(drafter, tmp_path):
     tensors = export.engine_tensors(drafter, "speculators", include_embedding=True)
     attn, mlp = "layers.0.self_attn.", "layers.0.mlp."
-    tensors[attn + "qkv_proj.weight"] = torch.cat([tensors.pop(attn + f"{p}_proj.weight") for p in "qkv"])
-    tensors[mlp + "gate_up_proj.weight"] = torch.cat([tensors.pop(mlp + f"{p}_proj.weight") for p in ("gate", "up")])
+    tensors[attn + "qkv_proj.weight"] = torch.cat(
+        [tensors.pop(attn + f"{p}_proj.weight") for p in "qkv"]
+    )
+    tensors[mlp + "gate_up_proj.weight"] = torch.cat(
+        [tensors.pop(mlp + f"{p}_proj.weight") for p in ("gate", "up")]
+    )
     folder = write_foreign(tmp_path / "stacked", tensors, foreign_config(drafter))
     assert_same_weights(export.load_drafter(folder), drafter)
 
@@ -309,7 +397,9 @@ def test_check_drafter_for_target_names_each_mismatch(drafter, tiny_target):
 
     export.check_drafter_for_target(drafter, tiny_target)
     drafter.config.recipe = {"tokenizer_hash": tokenizer_hash(tiny_target.tokenizer)}
-    export.check_drafter_for_target(drafter, tiny_target)  # the hash is computed from the target's tokenizer
+    export.check_drafter_for_target(
+        drafter, tiny_target
+    )  # the hash is computed from the target's tokenizer
     drafter.config.target_hidden_size = 128
     drafter.config.max_position_embeddings = 1024
     drafter.config.recipe = {"tokenizer_hash": "aaa"}
@@ -328,8 +418,12 @@ def test_register_and_resolve_models_uri(drafter, tiny_target, make_cfg, tmp_pat
 
     from eagle3.tracking import stage_run
 
-    cfg = make_cfg("target=tiny-llama", f"paths.artifacts={tmp_path}/artifacts", *shared_mlflow,
-                   "export.registry_name=registry-test")
+    cfg = make_cfg(
+        "target=tiny-llama",
+        f"paths.artifacts={tmp_path}/artifacts",
+        *shared_mlflow,
+        "export.registry_name=registry-test",
+    )
     out_dir = tmp_path / "export"
     folders = export.export_drafter(cfg, drafter, RECIPE, out_dir)
     assert sorted(folders) == ["sglang", "vllm"]
@@ -337,10 +431,18 @@ def test_register_and_resolve_models_uri(drafter, tiny_target, make_cfg, tmp_pat
         version = export.register_export(cfg, out_dir, RECIPE, run)
     assert export.registry_name(cfg) == "registry-test" and version == "1"
     tags = MlflowClient(cfg.tracking.uri).get_model_version("registry-test", "1").tags
-    assert tags["tau_hat"] == "2.5" and tags["recipe.ttt_length"] == "7" and tags["recipe.step_decay"] == "0.8"
+    assert (
+        tags["tau_hat"] == "2.5"
+        and tags["recipe.ttt_length"] == "7"
+        and tags["recipe.step_decay"] == "0.8"
+    )
 
-    uri_cfg = make_cfg("target=tiny-llama", f"paths.artifacts={tmp_path}/artifacts", *shared_mlflow,
-                       "drafter.path=models:/registry-test/1")
+    uri_cfg = make_cfg(
+        "target=tiny-llama",
+        f"paths.artifacts={tmp_path}/artifacts",
+        *shared_mlflow,
+        "drafter.path=models:/registry-test/1",
+    )
     for engine in ("sglang", "vllm"):
         folder = export.resolve_drafter_path(uri_cfg, engine)
         assert folder.name == engine and folder.is_relative_to(tmp_path / "artifacts" / "registry")
@@ -350,27 +452,41 @@ def test_register_and_resolve_models_uri(drafter, tiny_target, make_cfg, tmp_pat
     stamp = (cached / "drafter" / "sglang" / "model.safetensors").stat().st_mtime_ns
     export.resolve_drafter_path(uri_cfg)  # a second resolve reuses the download
     assert (cached / "drafter" / "sglang" / "model.safetensors").stat().st_mtime_ns == stamp
-    loaded = export.attach_target_embedding(export.load_drafter(export.resolve_drafter_path(uri_cfg)), tiny_target)
+    loaded = export.attach_target_embedding(
+        export.load_drafter(export.resolve_drafter_path(uri_cfg)), tiny_target
+    )
     assert_same_weights(loaded, drafter)
     latest = export.load_drafter("models:/registry-test/latest", tracking_uri=cfg.tracking.uri)
     assert loaded.config.aux_layer_ids == latest.config.aux_layer_ids == [1, 2, 3]
     with pytest.raises(Eagle3Error, match="not in the model registry"):
-        export.resolve_drafter_path(make_cfg("target=tiny-llama", *shared_mlflow, "drafter.path=models:/registry-test/7"))
+        export.resolve_drafter_path(
+            make_cfg("target=tiny-llama", *shared_mlflow, "drafter.path=models:/registry-test/7")
+        )
 
 
 def test_resolve_drafter_path_errors_say_what_to_run(make_cfg, tmp_path):
     with pytest.raises(Eagle3Error, match="does not exist"):
         export.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/nowhere"))
-    with pytest.raises(Eagle3Error, match=r"python -m eagle3.pipeline.*python -m eagle3.train.*python -m eagle3.export"):
-        export.resolve_drafter_path(make_cfg("target=tiny-llama", f"paths.artifacts={tmp_path}/empty"))
+    with pytest.raises(
+        Eagle3Error,
+        match=r"python -m eagle3.pipeline.*python -m eagle3.train.*python -m eagle3.export",
+    ):
+        export.resolve_drafter_path(
+            make_cfg("target=tiny-llama", f"paths.artifacts={tmp_path}/empty")
+        )
 
 
 def test_resolve_drafter_path_accepts_a_folder_or_an_export(drafter, make_cfg, tmp_path):
     cfg = make_cfg("target=tiny-llama")
     export.export_drafter(cfg, drafter, RECIPE, tmp_path / "exp")
-    assert export.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/exp"), "vllm") == tmp_path / "exp" / "vllm"
-    assert export.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/exp/sglang"), "vllm") == \
-        tmp_path / "exp" / "sglang"
+    assert (
+        export.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/exp"), "vllm")
+        == tmp_path / "exp" / "vllm"
+    )
+    assert (
+        export.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/exp/sglang"), "vllm")
+        == tmp_path / "exp" / "sglang"
+    )
 
 
 # ---------------------------------------------------------------- SmolLM2 and vLLM's own parser
@@ -384,8 +500,14 @@ def test_smollm2_drafter_export_shapes_and_round_trip(smollm2, make_cfg, tmp_pat
     config = json.loads((folder / "config.json").read_text())
     tensors = load_file(str(folder / "model.safetensors"))
     assert smollm2.aux_layer_ids == [2, 15, 27] and "eagle_config" not in config
-    assert tensors["fc.weight"].shape == (576, 3 * 576) and tensors["fc.weight"].dtype == torch.bfloat16
-    assert tensors["midlayer.self_attn.k_proj.weight"].shape == (3 * 64, 2 * 576)  # 3 kv heads of 64
+    assert (
+        tensors["fc.weight"].shape == (576, 3 * 576)
+        and tensors["fc.weight"].dtype == torch.bfloat16
+    )
+    assert tensors["midlayer.self_attn.k_proj.weight"].shape == (
+        3 * 64,
+        2 * 576,
+    )  # 3 kv heads of 64
     assert tensors["lm_head.weight"].shape == (8192, 576) and tensors["t2d"].shape == (49152,)
     assert config["max_position_embeddings"] >= smollm2.config.max_position_embeddings
     loaded = export.attach_target_embedding(export.load_drafter(folder), smollm2)
@@ -401,17 +523,27 @@ def test_vllm_parses_our_speculators_config(drafter, tmp_path):
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} missing: run `make vllm`")
     folder = export.export_speculators(drafter, tmp_path / "spec", RECIPE, speculative_tokens=4)
-    script = ("import json,sys; from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig as S;"
-              "raw=json.load(open(sys.argv[1]+'/config.json')); c=S.extract_transformers_pre_trained_config(raw);"
-              "v=S.extract_vllm_speculative_config(raw);"
-              "print(json.dumps({k:c.get(k) for k in ('architectures','norm_before_residual',"
-              "'eagle_aux_hidden_state_layer_ids','draft_vocab_size','target_hidden_size')}|v))")
-    out = subprocess.run([str(VLLM_PYTHON), "-c", script, str(folder)], capture_output=True, text=True, timeout=300)
+    script = (
+        "import json,sys; from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig as S;"
+        "raw=json.load(open(sys.argv[1]+'/config.json')); c=S.extract_transformers_pre_trained_config(raw);"
+        "v=S.extract_vllm_speculative_config(raw);"
+        "print(json.dumps({k:c.get(k) for k in ('architectures','norm_before_residual',"
+        "'eagle_aux_hidden_state_layer_ids','draft_vocab_size','target_hidden_size')}|v))"
+    )
+    out = subprocess.run(
+        [str(VLLM_PYTHON), "-c", script, str(folder)], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     parsed = json.loads(out.stdout.strip().splitlines()[-1])
-    assert parsed == {"architectures": ["Eagle3LlamaForCausalLM"], "norm_before_residual": False,
-                      "eagle_aux_hidden_state_layer_ids": [1, 2, 3], "draft_vocab_size": 8192,
-                      "target_hidden_size": 64, "method": "eagle3", "num_speculative_tokens": 4}
+    assert parsed == {
+        "architectures": ["Eagle3LlamaForCausalLM"],
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+        "draft_vocab_size": 8192,
+        "target_hidden_size": 64,
+        "method": "eagle3",
+        "num_speculative_tokens": 4,
+    }
 
 
 # ---------------------------------------------------------------- the export app
@@ -431,12 +563,18 @@ def fake_training_output(cfg, drafter, tau: float):
 
 
 def export_cfg(make_cfg, tmp_path):
-    overrides = ["target=tiny-llama", "train.hidden_states=online", f"paths.artifacts={tmp_path}/artifacts",
-                 "export.speculators=true"]
+    overrides = [
+        "target=tiny-llama",
+        "train.hidden_states=online",
+        f"paths.artifacts={tmp_path}/artifacts",
+        "export.speculators=true",
+    ]
     return make_cfg(*overrides), overrides
 
 
-def test_export_run_exports_registers_and_is_idempotent(drafter, tiny_target, make_cfg, tmp_path, shared_mlflow):
+def test_export_run_exports_registers_and_is_idempotent(
+    drafter, tiny_target, make_cfg, tmp_path, shared_mlflow
+):
     from mlflow.tracking import MlflowClient
 
     cfg = make_cfg(*export_cfg(make_cfg, tmp_path)[1], *shared_mlflow)
@@ -444,12 +582,19 @@ def test_export_run_exports_registers_and_is_idempotent(drafter, tiny_target, ma
         export.run(cfg)
     trained = fake_training_output(cfg, drafter, tau=3.25)
     out = export.run(cfg)
-    assert out.complete and out.upstream == {"train": trained.hash} and out == export.export_output(cfg)
+    assert (
+        out.complete
+        and out.upstream == {"train": trained.hash}
+        and out == export.export_output(cfg)
+    )
     manifest = out.manifest()
     assert manifest["counts"]["folders"] == ["sglang", "speculators", "vllm"]
     assert manifest["registered"] == "models:/eagle3-tiny-llama/1"
     assert manifest["recipe"]["tau_hat"] == 3.25 and manifest["recipe"]["ttt_length"] == 7
-    assert manifest["recipe"]["train_hash"] == trained.hash and manifest["recipe"]["data_hash"] == trained.upstream["data"]
+    assert (
+        manifest["recipe"]["train_hash"] == trained.hash
+        and manifest["recipe"]["data_hash"] == trained.upstream["data"]
+    )
 
     assert export.resolve_drafter_path(cfg) == out.path / "sglang"
     assert export.resolve_drafter_path(cfg, "vllm") == out.path / "vllm"
@@ -460,28 +605,45 @@ def test_export_run_exports_registers_and_is_idempotent(drafter, tiny_target, ma
     assert tags["tau_hat"] == "3.25" and tags["recipe.train_hash"] == trained.hash
 
     assert export.run(cfg).hash == out.hash  # complete: a no-op, no second version
-    assert len(MlflowClient(cfg.tracking.uri).search_model_versions("name='eagle3-tiny-llama'")) == 1
+    assert (
+        len(MlflowClient(cfg.tracking.uri).search_model_versions("name='eagle3-tiny-llama'")) == 1
+    )
 
 
 @pytest.mark.slow
 def test_export_app_command_line(drafter, make_cfg, tmp_path):
     """`python -m eagle3.export`: one-line error without a trained drafter, then export + register."""
     cfg, overrides = export_cfg(make_cfg, tmp_path)
-    command = [sys.executable, "-m", "eagle3.export", f"paths.root={cfg.paths.root}", *overrides,
-               f"tracking.uri={cfg.tracking.uri}", f"tracking.artifact_location={cfg.tracking.artifact_location}"]
+    command = [
+        sys.executable,
+        "-m",
+        "eagle3.export",
+        f"paths.root={cfg.paths.root}",
+        *overrides,
+        f"tracking.uri={cfg.tracking.uri}",
+        f"tracking.artifact_location={cfg.tracking.artifact_location}",
+    ]
     missing = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert missing.returncode == 1 and "run `python -m eagle3.train` first" in missing.stderr.strip().splitlines()[-1]
+    assert (
+        missing.returncode == 1
+        and "run `python -m eagle3.train` first" in missing.stderr.strip().splitlines()[-1]
+    )
     fake_training_output(cfg, drafter, tau=3.25)
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     out = export.export_output(cfg)
-    assert f"exported drafter: {out.path}" in done.stdout and "registered: models:/eagle3-tiny-llama/1" in done.stdout
+    assert (
+        f"exported drafter: {out.path}" in done.stdout
+        and "registered: models:/eagle3-tiny-llama/1" in done.stdout
+    )
 
 
 def test_registry_name_follows_the_target(make_cfg):
     assert export.registry_name(make_cfg("target=tiny-llama")) == "eagle3-tiny-llama"
-    assert export.registry_name(make_cfg("target=hf", "target.path=meta-llama/Llama-3.1-8B-Instruct")) == \
-        "eagle3-Llama-3.1-8B-Instruct"
+    assert (
+        export.registry_name(make_cfg("target=hf", "target.path=meta-llama/Llama-3.1-8B-Instruct"))
+        == "eagle3-Llama-3.1-8B-Instruct"
+    )
     assert export.registry_name(make_cfg("export.registry_name=mine")) == "mine"
 
 
@@ -528,10 +690,19 @@ def test_engines_own_code_captures_our_aux_layers(drafter, tmp_path, aux_ids, nu
         if not python.exists():
             pytest.fail(f"{python} missing: run `make setup`")
     drafter.config.aux_layer_ids, drafter.config.target_num_layers = aux_ids, num_layers
-    for engine, python, script in (("sglang", SGLANG_PYTHON, SGLANG_CAPTURE), ("vllm", VLLM_PYTHON, VLLM_CAPTURE)):
+    for engine, python, script in (
+        ("sglang", SGLANG_PYTHON, SGLANG_CAPTURE),
+        ("vllm", VLLM_PYTHON, VLLM_CAPTURE),
+    ):
         folder = export.export_sglang(drafter, tmp_path / engine, RECIPE, engine=engine)
-        out = subprocess.run([str(python), "-c", script, str(folder), str(num_layers)],
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [str(python), "-c", script, str(folder), str(num_layers)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
-        captured = [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("[")]
+        captured = [
+            json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("[")
+        ]
         assert captured == [aux_ids] * (2 if engine == "vllm" else 1), engine

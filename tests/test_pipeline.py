@@ -4,8 +4,13 @@ import sys
 
 
 def run_pipeline(root, *overrides):
-    return subprocess.run([sys.executable, "-m", "eagle3.pipeline", *overrides], capture_output=True, text=True,
-                          env={**os.environ, "EAGLE3_ROOT": str(root)}, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "eagle3.pipeline", *overrides],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "EAGLE3_ROOT": str(root)},
+        timeout=600,
+    )
 
 
 def test_kimi_dry_run_prints_a_valid_plan(test_root):
@@ -16,16 +21,30 @@ def test_kimi_dry_run_prints_a_valid_plan(test_root):
     for stage in ("data", "extract", "train", "export", "bench"):
         assert f"] {stage}:" in out
     assert "--tp-size 8" in out and "--speculative-algorithm EAGLE3" in out
-    assert "--speculative-num-steps 15 --speculative-eagle-topk 1 --speculative-num-draft-tokens 16" in out
-    assert "--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 10" in out
+    assert (
+        "--speculative-num-steps 15 --speculative-eagle-topk 1 --speculative-num-draft-tokens 16"
+        in out
+    )
+    assert (
+        "--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 10"
+        in out
+    )
     assert "serve the target first" in out  # regeneration through the SGLang endpoint
-    assert out.rstrip().endswith("plan valid: every bench job's spec and engine command passed validation")
-    assert not (test_root / "multirun").exists() or not any((test_root / "multirun").glob("pipeline-*/0"))
+    assert out.rstrip().endswith(
+        "plan valid: every bench job's spec and engine command passed validation"
+    )
+    assert not (test_root / "multirun").exists() or not any(
+        (test_root / "multirun").glob("pipeline-*/0")
+    )
 
 
 def test_dry_run_rejects_an_impossible_spec_naming_the_rule(test_root):
-    proc = run_pipeline(test_root, "experiment=kimi-k2.5", "pipeline.dry_run=true",
-                        "pipeline.bench_sweep=['spec.depth=16','spec.steps=3']")
+    proc = run_pipeline(
+        test_root,
+        "experiment=kimi-k2.5",
+        "pipeline.dry_run=true",
+        "pipeline.bench_sweep=['spec.depth=16','spec.steps=3']",
+    )
     assert proc.returncode == 1
     assert "a chain drafts depth-1 = 15 steps" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -34,10 +53,16 @@ def test_every_experiment_composes_and_its_bench_jobs_resolve(make_cfg):
     """Each experiments/*.yaml composes, and every job of its bench sweep (as Hydra will split it) gives a
     spec that passes the spec rules."""
     from pathlib import Path
+
     from eagle3.pipeline import bench_jobs
     from eagle3.spec import resolve_spec
-    names = sorted(path.stem for path in (Path(__file__).resolve().parents[1] / "experiments").glob("*.yaml"))
-    assert {"quickstart", "smollm2-h200", "smollm2-h200-turns3", "smollm2-h200-turns3-v32k"} <= set(names)
+
+    names = sorted(
+        path.stem for path in (Path(__file__).resolve().parents[1] / "experiments").glob("*.yaml")
+    )
+    assert {"quickstart", "smollm2-h200", "smollm2-h200-turns3", "smollm2-h200-turns3-v32k"} <= set(
+        names
+    )
     for name in names:
         jobs = bench_jobs(make_cfg(f"experiment={name}"))
         assert jobs, name
@@ -45,4 +70,6 @@ def test_every_experiment_composes_and_its_bench_jobs_resolve(make_cfg):
             resolve_spec(make_cfg(f"experiment={name}", *job).spec)
     v32k = make_cfg("experiment=smollm2-h200-turns3-v32k")
     assert v32k.drafter.draft_vocab_size == 32768 and v32k.data.regen.max_new_tokens == 192
-    assert len(bench_jobs(make_cfg("experiment=smollm2-h200"))) == 9  # 3 suites x d32s3k8, d32s4k8, d64s5k8
+    assert (
+        len(bench_jobs(make_cfg("experiment=smollm2-h200"))) == 9
+    )  # 3 suites x d32s3k8, d32s4k8, d64s5k8

@@ -14,9 +14,20 @@ import pytest
 import yaml
 
 from eagle3.common import Eagle3Error
-from eagle3.serve import (EngineFailed, EngineProcess, Launch, acceptance_from_counters, check_spec_for_engine,
-                          compose_launch, counter_delta, free_port, parse_vllm_metrics, sglang_argv,
-                          sglang_cuda_graph_flag, sglang_parse_many)
+from eagle3.serve import (
+    EngineFailed,
+    EngineProcess,
+    Launch,
+    acceptance_from_counters,
+    check_spec_for_engine,
+    compose_launch,
+    counter_delta,
+    free_port,
+    parse_vllm_metrics,
+    sglang_argv,
+    sglang_cuda_graph_flag,
+    sglang_parse_many,
+)
 from eagle3.spec import OFF, resolve_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,11 +51,18 @@ def test_vllm_command(make_cfg):
     cfg = make_cfg("serve=vllm", "spec=d16")
     launch = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321)
     argv = launch.argv
-    assert argv[:3] == [str(REPO / ".venv-vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[:3] == [
+        str(REPO / ".venv-vllm/bin/python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+    ]
     assert argv[argv.index("--model") + 1] == TARGET and argv[argv.index("--port") + 1] == "4321"
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--enforce-eager" in argv
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
-        "method": "eagle3", "model": DRAFTER, "num_speculative_tokens": 15}
+        "method": "eagle3",
+        "model": DRAFTER,
+        "num_speculative_tokens": 15,
+    }
     assert launch.env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
     off = compose_launch(cfg, OFF, None, TARGET, port=4321)
     assert "--speculative-config" not in off.argv
@@ -73,16 +91,31 @@ vllm:generation_tokens_total{engine="0",model_name="m"} 55.0
 
 def test_parse_vllm_metrics_and_acceptance():
     after = parse_vllm_metrics(VLLM_METRICS)
-    assert after == {"num_drafts": 20.0, "num_draft_tokens": 60.0, "num_accepted_tokens": 30.0,
-                     "accepted_per_pos": [15.0, 10.0, 5.0]}
-    before = {"num_drafts": 10.0, "num_draft_tokens": 30.0, "num_accepted_tokens": 10.0, "accepted_per_pos": [8.0]}
+    assert after == {
+        "num_drafts": 20.0,
+        "num_draft_tokens": 60.0,
+        "num_accepted_tokens": 30.0,
+        "accepted_per_pos": [15.0, 10.0, 5.0],
+    }
+    before = {
+        "num_drafts": 10.0,
+        "num_draft_tokens": 30.0,
+        "num_accepted_tokens": 10.0,
+        "accepted_per_pos": [8.0],
+    }
     delta = counter_delta(before, after)
-    assert delta == {"num_drafts": 10.0, "num_draft_tokens": 30.0, "num_accepted_tokens": 20.0,
-                     "accepted_per_pos": [7.0, 10.0, 5.0]}
+    assert delta == {
+        "num_drafts": 10.0,
+        "num_draft_tokens": 30.0,
+        "num_accepted_tokens": 20.0,
+        "accepted_per_pos": [7.0, 10.0, 5.0],
+    }
     acc = acceptance_from_counters(delta)
     assert acc["accept_length"] == 3.0 and acc["accept_per_pos"] == [0.7, 1.0, 0.5]
     assert acc["draft_acceptance_rate"] == pytest.approx(20 / 30)
-    assert acceptance_from_counters(counter_delta(after, after)) == {}  # no drafts: no acceptance claimed
+    assert (
+        acceptance_from_counters(counter_delta(after, after)) == {}
+    )  # no drafts: no acceptance claimed
 
 
 # ---------------------------------------------------------------- SGLang
@@ -99,18 +132,32 @@ def test_sglang_argv_accepted_by_sglangs_own_parser(make_cfg):
     SGLang 0.5.23 in .venv-sglang, built by `make sglang`) and come back with our spec."""
     assert SGLANG_PYTHON.exists(), "run `make sglang` (tools/setup_sglang.sh) to build .venv-sglang"
     cfg = make_cfg("serve=sglang", f"serve.python={SGLANG_PYTHON}")
-    specs = [resolve_spec(make_cfg(f"spec={preset}").spec) for preset in spec_presets() if preset != "off"]
+    specs = [
+        resolve_spec(make_cfg(f"spec={preset}").spec)
+        for preset in spec_presets()
+        if preset != "off"
+    ]
     stale = make_cfg("serve=sglang", f"serve.python={SGLANG_PYTHON}", "serve.version=0.5.19")
     argvs = [sglang_argv(cfg, spec, DRAFTER, TARGET, 30000) for spec in specs]
-    argvs += [sglang_argv(cfg, OFF, None, TARGET, 30000), sglang_argv(stale, OFF, None, TARGET, 30000)]
+    argvs += [
+        sglang_argv(cfg, OFF, None, TARGET, 30000),
+        sglang_argv(stale, OFF, None, TARGET, 30000),
+    ]
     *spec_results, off, refused = sglang_parse_many(str(SGLANG_PYTHON), argvs)
     for spec, result in zip(specs, spec_results):
         parsed = result["parsed"]
-        assert (parsed["speculative_algorithm"], parsed["speculative_num_steps"], parsed["speculative_eagle_topk"],
-                parsed["speculative_num_draft_tokens"]) == ("EAGLE3", spec.steps, spec.topk, spec.depth)
+        assert (
+            parsed["speculative_algorithm"],
+            parsed["speculative_num_steps"],
+            parsed["speculative_eagle_topk"],
+            parsed["speculative_num_draft_tokens"],
+        ) == ("EAGLE3", spec.steps, spec.topk, spec.depth)
         assert parsed["speculative_draft_model_path"] == DRAFTER and parsed["model_path"] == TARGET
         # SGLang forces draft tokens = steps + 1 for chains: our chains already satisfy it
-        assert spec.topk > 1 or parsed["speculative_num_draft_tokens"] == parsed["speculative_num_steps"] + 1
+        assert (
+            spec.topk > 1
+            or parsed["speculative_num_draft_tokens"] == parsed["speculative_num_steps"] + 1
+        )
     assert off["parsed"]["speculative_algorithm"] is None and off["parsed"]["tp_size"] == 1
     # the parser really validates: the pre-0.5.20 flag is refused by 0.5.23
     assert "cuda-graph-max-bs" in refused["error"]
@@ -122,13 +169,17 @@ def spec_presets() -> list[str]:
 
 def test_spec_presets_say_their_sglang_flags(make_cfg):
     """Every conf/spec preset's comment names the SGLang flags of the spec it resolves to."""
-    assert {"off", "default", "d4", "d6s3k2", "d8s4k2", "d12s5k3", "d16", "d10s5"} <= set(spec_presets())
+    assert {"off", "default", "d4", "d6s3k2", "d8s4k2", "d12s5k3", "d16", "d10s5"} <= set(
+        spec_presets()
+    )
     for preset in spec_presets():
         spec = resolve_spec(make_cfg(f"spec={preset}").spec)
         lines = (REPO / "conf" / "spec" / f"{preset}.yaml").read_text().splitlines()
         comment = " ".join(line.lstrip("# ") for line in lines if line.startswith("#"))
-        flags = (f"--speculative-num-draft-tokens {spec.depth} --speculative-num-steps {spec.steps} "
-                 f"--speculative-eagle-topk {spec.topk}")
+        flags = (
+            f"--speculative-num-draft-tokens {spec.depth} --speculative-num-steps {spec.steps} "
+            f"--speculative-eagle-topk {spec.topk}"
+        )
         assert (flags in comment) == spec.enabled, preset
 
 
@@ -155,8 +206,13 @@ def test_local_launch_passes_the_exact_config(make_cfg, tmp_path):
     assert job["serve"]["port"] == 5555 and job["drafter"]["path"] == DRAFTER
     argv = [a.replace("{folder}", str(tmp_path)) for a in launch.argv]
     assert argv[1:3] == ["-m", "eagle3.engine.server"]
-    out = subprocess.run([sys.executable, "-m", "eagle3.info", *argv[3:], "--cfg", "job"], capture_output=True,
-                         text=True, timeout=120, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "eagle3.info", *argv[3:], "--cfg", "job"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     assert yaml.safe_load(out.stdout) == job
 
@@ -189,13 +245,20 @@ def test_engine_start_healthy_stop_kills_the_whole_group(tmp_path):
         child = int(child_pid_file.read_text())
         assert pid_alive(child) and engine.alive()
     assert not engine.alive() and not pid_alive(child)  # the server and its background child
-    assert "GET / HTTP" in (tmp_path / "engine.log").read_text()  # output captured to the job folder
+    assert (
+        "GET / HTTP" in (tmp_path / "engine.log").read_text()
+    )  # output captured to the job folder
     assert json.loads((tmp_path / "command.json").read_text())["argv"][0] == "bash"
 
 
 def test_engine_that_exits_fails_with_its_log(tmp_path):
-    launch = Launch("vllm", [sys.executable, "-c", "print('boom: bad flag'); raise SystemExit(3)"], {},
-                    "127.0.0.1", free_port("127.0.0.1"))
+    launch = Launch(
+        "vllm",
+        [sys.executable, "-c", "print('boom: bad flag'); raise SystemExit(3)"],
+        {},
+        "127.0.0.1",
+        free_port("127.0.0.1"),
+    )
     engine = EngineProcess(launch, tmp_path).start()
     with pytest.raises(EngineFailed, match="exited with code 3") as err:
         engine.wait_healthy(60)
@@ -229,8 +292,24 @@ def test_killed_server_is_detected(tmp_path):
 
 
 def test_serve_app_refuses_a_tree_for_vllm_in_one_line(test_root, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "eagle3.serve", "serve=vllm", "spec=d10s5", f"paths.root={test_root}",
-                          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eagle3.serve",
+            "serve=vllm",
+            "spec=d10s5",
+            f"paths.root={test_root}",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 1
-    assert out.stderr.strip().splitlines()[-1].startswith("eagle3 error: spec d10s5k4 (topk=4) is a tree")
+    assert (
+        out.stderr.strip()
+        .splitlines()[-1]
+        .startswith("eagle3 error: spec d10s5k4 (topk=4) is a tree")
+    )
     assert not (tmp_path / "engine.log").exists()  # nothing was launched

@@ -14,18 +14,28 @@ import time
 import httpx
 import pytest
 import torch
+from engine_helpers import reference_greedy
 from fastapi.testclient import TestClient
 
 from eagle3.common import Eagle3Error
 from eagle3.engine.server import Message, build_service, create_app, streamable
 from eagle3.serve import free_port
-from engine_helpers import reference_greedy
 
 
 def server_cfg(test_root, *overrides):
     from eagle3.common import compose
-    return compose([f"paths.root={test_root}", "target=tiny-llama", "spec.depth=4",
-                    "serve.drafter_fallback=untrained", "engine.max_context=64", "engine.cpu_threads=1", *overrides])
+
+    return compose(
+        [
+            f"paths.root={test_root}",
+            "target=tiny-llama",
+            "spec.depth=4",
+            "serve.drafter_fallback=untrained",
+            "engine.max_context=64",
+            "engine.cpu_threads=1",
+            *overrides,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +52,13 @@ def test_generate_is_greedy_and_counted(server):
     prompt = service.encode_text("Hello there")
     expected = reference_greedy(service.decoder.target.model, prompt, 12)
     before = client.get("/stats").json()
-    reply = client.post("/generate", json={"input_ids": prompt, "sampling_params": {
-        "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}).json()
+    reply = client.post(
+        "/generate",
+        json={
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+        },
+    ).json()
     assert reply["output_ids"] == expected and reply["text"] == service.decode(expected)
     meta = reply["meta_info"]
     assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == 12
@@ -53,7 +68,9 @@ def test_generate_is_greedy_and_counted(server):
     assert after["completion_tokens"] - before["completion_tokens"] == 12
     assert after["num_drafts"] - before["num_drafts"] == meta["spec_verify_ct"]
     assert after["num_draft_tokens"] - before["num_draft_tokens"] == 3 * meta["spec_verify_ct"]
-    assert after["num_accepted_tokens"] - before["num_accepted_tokens"] == sum(meta["accepted_per_step"])
+    assert after["num_accepted_tokens"] - before["num_accepted_tokens"] == sum(
+        meta["accepted_per_step"]
+    )
     assert after["drafter"] == "untrained" and after["spec"] == "d4"
 
 
@@ -75,10 +92,16 @@ def test_openai_routes_take_ignore_eos(server, route):
     tokenizer's EOS (a simulated EOS): without ignore_eos the reply stops there, with it it runs on."""
     client, service = server
     body = {"max_tokens": 6, "temperature": 0}
-    body.update({"prompt": "Hello there"} if route == "/v1/completions" else
-                {"messages": [{"role": "user", "content": "Hello there"}]})
-    prompt = service.encode_text("Hello there") if route == "/v1/completions" else service.encode_chat(
-        [Message(role="user", content="Hello there")])
+    body.update(
+        {"prompt": "Hello there"}
+        if route == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "Hello there"}]}
+    )
+    prompt = (
+        service.encode_text("Hello there")
+        if route == "/v1/completions"
+        else service.encode_chat([Message(role="user", content="Hello there")])
+    )
     first = reference_greedy(service.decoder.target.model, prompt, 1)[0]
     eos, service.tokenizer.eos_token_id = service.tokenizer.eos_token_id, first
     try:
@@ -87,37 +110,70 @@ def test_openai_routes_take_ignore_eos(server, route):
     finally:
         service.tokenizer.eos_token_id = eos
     assert service.tokenizer.eos_token_id == eos
-    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 1
-    assert running["choices"][0]["finish_reason"] == "length" and running["usage"]["completion_tokens"] == 6
+    assert (
+        stopped["choices"][0]["finish_reason"] == "stop"
+        and stopped["usage"]["completion_tokens"] == 1
+    )
+    assert (
+        running["choices"][0]["finish_reason"] == "length"
+        and running["usage"]["completion_tokens"] == 6
+    )
 
 
 def test_text_prompt_and_stop_string(server):
     client, service = server
-    full = client.post("/generate", json={"text": "Hello there", "sampling_params": {
-        "max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}).json()["text"]
-    stop = full[len(full) // 2:len(full) // 2 + 3]
-    cut = client.post("/generate", json={"text": "Hello there", "sampling_params": {
-        "max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "stop": [stop]}}).json()
-    assert cut["text"] == full[:full.find(stop)] and cut["meta_info"]["finish_reason"]["type"] == "stop"
+    full = client.post(
+        "/generate",
+        json={
+            "text": "Hello there",
+            "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True},
+        },
+    ).json()["text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    cut = client.post(
+        "/generate",
+        json={
+            "text": "Hello there",
+            "sampling_params": {
+                "max_new_tokens": 10,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stop": [stop],
+            },
+        },
+    ).json()
+    assert (
+        cut["text"] == full[: full.find(stop)]
+        and cut["meta_info"]["finish_reason"]["type"] == "stop"
+    )
 
 
 def test_openai_completions_and_chat(server):
     client, service = server
     prompt = service.encode_text("The capital of France is")
     expected = service.decode(reference_greedy(service.decoder.target.model, prompt, 8))
-    body = client.post("/v1/completions", json={"model": "x", "prompt": prompt, "max_tokens": 8,
-                                                "temperature": 0}).json()
+    body = client.post(
+        "/v1/completions", json={"model": "x", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    ).json()
     assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] <= 8
     assert expected.startswith(body["choices"][0]["text"])
-    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                     "max_tokens": 6, "temperature": 0}).json()
-    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
-    assert chat["usage"]["prompt_tokens"] == len(service.encode_chat([Message(role="user", content="Hi")]))
+    chat = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0},
+    ).json()
+    assert (
+        chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+    )
+    assert chat["usage"]["prompt_tokens"] == len(
+        service.encode_chat([Message(role="user", content="Hi")])
+    )
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny-llama"
 
 
 def sse(response) -> list:
-    return [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    return [
+        line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")
+    ]
 
 
 def test_streaming_matches_non_streaming(server):
@@ -129,11 +185,28 @@ def test_streaming_matches_non_streaming(server):
     chunks = [json.loads(e) for e in events[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
-    chat = sse(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                         "max_tokens": 5, "temperature": 0, "stream": True}))
+    chat = sse(
+        client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 5,
+                "temperature": 0,
+                "stream": True,
+            },
+        )
+    )
     assert chat[-1] == "[DONE]" and json.loads(chat[0])["object"] == "chat.completion.chunk"
-    native = sse(client.post("/generate", json={"text": "Hi", "stream": True, "sampling_params": {
-        "max_new_tokens": 5, "temperature": 0}}))
+    native = sse(
+        client.post(
+            "/generate",
+            json={
+                "text": "Hi",
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+            },
+        )
+    )
     assert "meta_info" in json.loads(native[-1])
 
 
@@ -142,14 +215,16 @@ def brute_force_streamable(text: str, stops: list[str], alphabet: str) -> str:
     text that the final (cut) text starts with whatever characters come next."""
     starts = [i for i in range(len(text)) for s in stops if text.startswith(s, i)]
     if starts:
-        return text[:min(starts)]
+        return text[: min(starts)]
     longest = max(map(len, stops))
-    futures = ["".join(c) for n in range(longest + 1) for c in itertools.product(alphabet, repeat=n)]
+    futures = [
+        "".join(c) for n in range(longest + 1) for c in itertools.product(alphabet, repeat=n)
+    ]
     finals = []
     for future in futures:
         whole = text + future
         cut = [i for i in range(len(whole)) for s in stops if whole.startswith(s, i)]
-        finals.append(whole[:min(cut)] if cut else whole)
+        finals.append(whole[: min(cut)] if cut else whole)
     return os.path.commonprefix(finals)
 
 
@@ -161,7 +236,10 @@ def test_streamable_holds_back_exactly_what_a_stop_string_may_remove():
         safe, hit = streamable(text, stops)
         assert safe == brute_force_streamable(text, stops, alphabet), (text, stops)
         assert hit == any(s in text for s in stops)
-    assert streamable("ab\ufffd", []) == ("ab", False)  # an incomplete character waits for its bytes
+    assert streamable("ab\ufffd", []) == (
+        "ab",
+        False,
+    )  # an incomplete character waits for its bytes
 
 
 def test_streamed_chunks_equal_the_response_with_a_stop_across_tokens(server):
@@ -169,15 +247,24 @@ def test_streamed_chunks_equal_the_response_with_a_stop_across_tokens(server):
     never carry the start of the stop string, so they join to the non-streamed text."""
     client, service = server
     params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
-    full = client.post("/generate", json={"text": "Once upon a time", "sampling_params": params}).json()
-    bounds = [len(service.decode(full["output_ids"][:k])) for k in range(1, len(full["output_ids"]))]
+    full = client.post(
+        "/generate", json={"text": "Once upon a time", "sampling_params": params}
+    ).json()
+    bounds = [
+        len(service.decode(full["output_ids"][:k])) for k in range(1, len(full["output_ids"]))
+    ]
     middle = bounds[len(bounds) // 2]
-    stop = full["text"][middle - 2:middle + 2]
+    stop = full["text"][middle - 2 : middle + 2]
     first = full["text"].find(stop)
-    assert any(first < b < first + len(stop) for b in bounds)  # the stop string spans a token boundary
+    assert any(
+        first < b < first + len(stop) for b in bounds
+    )  # the stop string spans a token boundary
     native = {"text": "Once upon a time", "sampling_params": {**params, "stop": stop}}
     whole = client.post("/generate", json=native).json()["text"]
-    streamed = [json.loads(e)["text"] for e in sse(client.post("/generate", json={**native, "stream": True}))]
+    streamed = [
+        json.loads(e)["text"]
+        for e in sse(client.post("/generate", json={**native, "stream": True}))
+    ]
     assert "".join(streamed) == whole == full["text"][:first]
     openai = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0, "stop": [stop]}
     whole = client.post("/v1/completions", json=openai).json()["choices"][0]["text"]
@@ -185,13 +272,36 @@ def test_streamed_chunks_equal_the_response_with_a_stop_across_tokens(server):
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events) == whole
 
 
-SEEDED = [("/generate", lambda seed: {"text": "Once upon a time", "sampling_params": {
-              "max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True, **seed}}, lambda r: r["text"]),
-          ("/v1/completions", lambda seed: {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0,
-                                            **seed}, lambda r: r["choices"][0]["text"]),
-          ("/v1/chat/completions", lambda seed: {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12,
-                                                 "temperature": 1.0, **seed},
-           lambda r: r["choices"][0]["message"]["content"])]
+SEEDED = [
+    (
+        "/generate",
+        lambda seed: {
+            "text": "Once upon a time",
+            "sampling_params": {
+                "max_new_tokens": 12,
+                "temperature": 1.0,
+                "ignore_eos": True,
+                **seed,
+            },
+        },
+        lambda r: r["text"],
+    ),
+    (
+        "/v1/completions",
+        lambda seed: {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, **seed},
+        lambda r: r["choices"][0]["text"],
+    ),
+    (
+        "/v1/chat/completions",
+        lambda seed: {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 12,
+            "temperature": 1.0,
+            **seed,
+        },
+        lambda r: r["choices"][0]["message"]["content"],
+    ),
+]
 
 
 def sampled(client, route: str, body, text, **seed) -> str:
@@ -206,7 +316,9 @@ def test_seed_makes_sampling_reproducible(server, route, body, text):
     first = sampled(client, route, body, text, seed=7)
     assert sampled(client, route, body, text, seed=7) == first
     assert sampled(client, route, body, text, seed=8) != first
-    assert sampled(client, route, body, text) != sampled(client, route, body, text)  # unseeded: running generator
+    assert sampled(client, route, body, text) != sampled(
+        client, route, body, text
+    )  # unseeded: running generator
 
 
 def test_seed_reproduces_across_restarts(server, test_root):
@@ -216,26 +328,43 @@ def test_seed_reproduces_across_restarts(server, test_root):
         assert [sampled(restarted, *case, seed=11) for case in SEEDED] == expected
 
 
-@pytest.mark.parametrize("seed", [-1, 1.5, "7", True, 2 ** 64])
-@pytest.mark.parametrize("route, body, field", [
-    ("/generate", lambda seed: {"text": "hi", "sampling_params": {"seed": seed}}, "sampling_params.seed"),
-    ("/v1/completions", lambda seed: {"prompt": "hi", "seed": seed}, "seed"),
-    ("/v1/chat/completions", lambda seed: {"messages": [{"role": "user", "content": "hi"}], "seed": seed}, "seed"),
-])
+@pytest.mark.parametrize("seed", [-1, 1.5, "7", True, 2**64])
+@pytest.mark.parametrize(
+    "route, body, field",
+    [
+        (
+            "/generate",
+            lambda seed: {"text": "hi", "sampling_params": {"seed": seed}},
+            "sampling_params.seed",
+        ),
+        ("/v1/completions", lambda seed: {"prompt": "hi", "seed": seed}, "seed"),
+        (
+            "/v1/chat/completions",
+            lambda seed: {"messages": [{"role": "user", "content": "hi"}], "seed": seed},
+            "seed",
+        ),
+    ],
+)
 def test_bad_seed_is_400_naming_the_field(server, route, body, field, seed):
     client, _ = server
     reply = client.post(route, json=body(seed))
     assert reply.status_code == 400 and f"{field}: " in reply.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("payload, field", [
-    ({"sampling_params": {"max_new_tokens": 4}}, "exactly one of text or input_ids"),
-    ({"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
-    ({"text": "hi", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
-    ({"text": "hi", "sampling_params": {"top_p": 2}}, "sampling_params.top_p"),
-    ({"input_ids": "abc"}, "input_ids"),
-    ({"input_ids": list(range(1, 80))}, "context holds 64"),
-])
+@pytest.mark.parametrize(
+    "payload, field",
+    [
+        ({"sampling_params": {"max_new_tokens": 4}}, "exactly one of text or input_ids"),
+        (
+            {"text": "hi", "sampling_params": {"max_new_tokens": 0}},
+            "sampling_params.max_new_tokens",
+        ),
+        ({"text": "hi", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+        ({"text": "hi", "sampling_params": {"top_p": 2}}, "sampling_params.top_p"),
+        ({"input_ids": "abc"}, "input_ids"),
+        ({"input_ids": list(range(1, 80))}, "context holds 64"),
+    ],
+)
 def test_bad_requests_are_400_naming_the_field(server, payload, field):
     client, _ = server
     reply = client.post("/generate", json=payload)
@@ -245,7 +374,9 @@ def test_bad_requests_are_400_naming_the_field(server, payload, field):
 
 def test_malformed_json_and_chat_fields(server):
     client, _ = server
-    reply = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
+    reply = client.post(
+        "/generate", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert reply.status_code == 400 and "invalid request" in reply.json()["error"]["message"]
     reply = client.post("/v1/chat/completions", json={"messages": []})
     assert reply.status_code == 400 and "messages" in reply.json()["error"]["message"]
@@ -257,10 +388,24 @@ def test_malformed_json_and_chat_fields(server):
 def test_server_process_round_trip(test_root):
     """`python -m eagle3.engine.server` as the bench starts it: a real process on 127.0.0.1."""
     port = free_port("127.0.0.1")
-    proc = subprocess.Popen([sys.executable, "-m", "eagle3.engine.server", f"paths.root={test_root}",
-                             "target=tiny-llama", "spec=d10s5", "serve.drafter_fallback=untrained",
-                             f"serve.port={port}", "engine.cpu_threads=1", "hydra.run.dir=" + str(test_root / "hydra"),
-                             "hydra.output_subdir=null"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "eagle3.engine.server",
+            f"paths.root={test_root}",
+            "target=tiny-llama",
+            "spec=d10s5",
+            "serve.drafter_fallback=untrained",
+            f"serve.port={port}",
+            "engine.cpu_threads=1",
+            "hydra.run.dir=" + str(test_root / "hydra"),
+            "hydra.output_subdir=null",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
@@ -271,12 +416,21 @@ def test_server_process_round_trip(test_root):
             except httpx.HTTPError:
                 time.sleep(0.5)
             assert proc.poll() is None, proc.stdout.read()
-        reply = httpx.post(url + "/generate", json={"text": "Hello", "sampling_params": {
-            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}, timeout=60).json()
+        reply = httpx.post(
+            url + "/generate",
+            json={
+                "text": "Hello",
+                "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+            },
+            timeout=60,
+        ).json()
         assert reply["meta_info"]["completion_tokens"] == 6
         stats = httpx.get(url + "/stats").json()
-        assert stats["requests"] == 1 and stats["spec"] == "d10s5k4" and stats["num_draft_tokens"] == \
-            9 * reply["meta_info"]["spec_verify_ct"]
+        assert (
+            stats["requests"] == 1
+            and stats["spec"] == "d10s5k4"
+            and stats["num_draft_tokens"] == 9 * reply["meta_info"]["spec_verify_ct"]
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -284,6 +438,9 @@ def test_server_process_round_trip(test_root):
 
 def test_missing_drafter_is_refused(test_root):
     from eagle3.common import Eagle3Error, compose
-    cfg = compose([f"paths.root={test_root}", "target=tiny-llama", "drafter.path=/nonexistent/drafter"])
+
+    cfg = compose(
+        [f"paths.root={test_root}", "target=tiny-llama", "drafter.path=/nonexistent/drafter"]
+    )
     with pytest.raises(Eagle3Error, match="does not exist"):
         build_service(cfg)

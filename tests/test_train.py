@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import lightning as L
@@ -18,16 +17,38 @@ import torch
 
 from eagle3.common import Eagle3Error, compose
 from eagle3.target import load_target
+from eagle3.train import (
+    CHECKPOINTS,
+    BucketBatchSampler,
+    DrafterData,
+    choose_strategy,
+    collate,
+    compile_loss,
+    evaluation_for,
+    fit,
+    load_trained_drafter,
+    train_output,
+    warmup_cosine,
+)
 from eagle3.ttt import tau_hat
-from eagle3.train import (CHECKPOINTS, BucketBatchSampler, DrafterData, choose_strategy, collate, compile_loss,
-                          evaluation_for, fit, load_trained_drafter, train_output, warmup_cosine)
 
 TESTS = Path(__file__).parent
 DRAFT_VOCAB = 128
-BASE = ["target=tiny-llama", f"drafter.draft_vocab_size={DRAFT_VOCAB}", "train.hidden_states=online",
-        "train.ttt_length=3", "train.max_length=32", "train.batch_size=4", "train.bucket_batches=2",
-        "train.lr=3e-3", "train.warmup_ratio=0.1", "train.checkpoint_every_n_steps=2",
-        "trainer.accelerator=cpu", "trainer.progress_bar=false", "tracking.enabled=false"]
+BASE = [
+    "target=tiny-llama",
+    f"drafter.draft_vocab_size={DRAFT_VOCAB}",
+    "train.hidden_states=online",
+    "train.ttt_length=3",
+    "train.max_length=32",
+    "train.batch_size=4",
+    "train.bucket_batches=2",
+    "train.lr=3e-3",
+    "train.warmup_ratio=0.1",
+    "train.checkpoint_every_n_steps=2",
+    "trainer.accelerator=cpu",
+    "trainer.progress_bar=false",
+    "tracking.enabled=false",
+]
 
 
 def synthetic_data(target, n_train: int = 24, n_val: int = 8, seed: int = 0):
@@ -45,7 +66,9 @@ def synthetic_data(target, n_train: int = 24, n_val: int = 8, seed: int = 0):
 
     items = [item(i) for i in range(n_train + n_val)]
     with torch.no_grad():
-        predicted = torch.cat([target.model(item["input_ids"][None]).logits[0].argmax(-1) for item in items])
+        predicted = torch.cat(
+            [target.model(item["input_ids"][None]).logits[0].argmax(-1) for item in items]
+        )
     top = predicted.bincount(minlength=target.vocab_size).topk(DRAFT_VOCAB).indices.sort().values
     d2t = top - torch.arange(DRAFT_VOCAB)
     t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
@@ -101,10 +124,16 @@ def test_loss_decreases_and_tau_rises(make_cfg, target, tmp_path, caplog):
     assert [m.split()[2] for m in progress] == ["5/24", "10/24", "15/24", "20/24"]
     assert all(float(m.split("samples/s")[0].split()[-1]) > 0 for m in progress)
     assert all(0 <= float(m.split("% between steps")[0].split("(")[-1]) < 100 for m in progress)
-    validations = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train: validation")]
+    validations = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("train: validation")
+    ]
     # one per epoch (6 steps each), none for the sanity check
-    assert [m.split(":")[1] for m in validations] == [f" validation after epoch {e} (step {6 * e + 6})" for e in range(4)]
-    assert float(validations[-1].split("tau_hat ")[1].split(",")[0]) == pytest.approx(recorder.val_tau[-1], abs=5e-4)
+    assert [m.split(":")[1] for m in validations] == [
+        f" validation after epoch {e} (step {6 * e + 6})" for e in range(4)
+    ]
+    assert float(validations[-1].split("tau_hat ")[1].split(",")[0]) == pytest.approx(
+        recorder.val_tau[-1], abs=5e-4
+    )
     per_epoch = len(recorder.train_loss) // 4
     first, last = recorder.train_loss[:per_epoch], recorder.train_loss[-per_epoch:]
     assert sum(last) / len(last) < 0.7 * sum(first) / len(first)
@@ -113,14 +142,26 @@ def test_loss_decreases_and_tau_rises(make_cfg, target, tmp_path, caplog):
     # train.val_head_tokens (128) spans these short sequences whole: the head metric scores the same
     # predictions, with the out-of-draft-vocab ones as misses, so it cannot exceed the plain one
     assert 1.0 <= metrics["val/tau_hat_head"] <= metrics["val/tau_hat"] + 1e-9
-    assert all(metrics[f"val/acc_head_{k}"] <= metrics[f"val/acc_{k}"] + 1e-9 for k in range(cfg.train.ttt_length))
+    assert all(
+        metrics[f"val/acc_head_{k}"] <= metrics[f"val/acc_{k}"] + 1e-9
+        for k in range(cfg.train.ttt_length)
+    )
     folder = tmp_path / "run"
-    assert (folder / CHECKPOINTS / "best.ckpt").exists() and (folder / CHECKPOINTS / "last.ckpt").exists()
-    assert sorted(p.name for p in (folder / CHECKPOINTS).glob("epoch*.ckpt")) == [f"epoch{i}.ckpt" for i in range(4)]
+    assert (folder / CHECKPOINTS / "best.ckpt").exists() and (
+        folder / CHECKPOINTS / "last.ckpt"
+    ).exists()
+    assert sorted(p.name for p in (folder / CHECKPOINTS).glob("epoch*.ckpt")) == [
+        f"epoch{i}.ckpt" for i in range(4)
+    ]
     # the exported weights load back into a drafter that reproduces the module's final val metrics
     drafter = load_trained_drafter(folder, target, which="final")
-    assert "embed_tokens.weight" not in torch.load(folder / CHECKPOINTS / "last.ckpt", weights_only=True)["state_dict"]
-    torch.testing.assert_close(drafter.embed_tokens.weight, target.model.get_input_embeddings().weight)
+    assert (
+        "embed_tokens.weight"
+        not in torch.load(folder / CHECKPOINTS / "last.ckpt", weights_only=True)["state_dict"]
+    )
+    torch.testing.assert_close(
+        drafter.embed_tokens.weight, target.model.get_input_embeddings().weight
+    )
 
 
 def test_init_from_starts_where_the_source_ended(make_cfg, target, tmp_path):
@@ -128,42 +169,62 @@ def test_init_from_starts_where_the_source_ended(make_cfg, target, tmp_path):
     at lr 0 the run ends with exactly the source's weights, where a fresh init ends elsewhere; a
     source of another shape or vocab map is refused, naming what differs."""
     from safetensors.torch import load_file
+
     from eagle3.export import export_sglang
+
     source = tmp_path / "source"
     synthetic_fit(make_cfg(*BASE, "train.epochs=1"), source, target=target)
     export_sglang(load_trained_drafter(source, target), tmp_path / "sglang", recipe={})
     trained = load_file(str(source / "best.safetensors"))
     fresh = tmp_path / "fresh"
     synthetic_fit(make_cfg(*BASE, "train.epochs=1", "train.lr=0"), fresh, target=target)
-    assert not torch.equal(load_file(str(fresh / "drafter.safetensors"))["fc.weight"], trained["fc.weight"])
+    assert not torch.equal(
+        load_file(str(fresh / "drafter.safetensors"))["fc.weight"], trained["fc.weight"]
+    )
     for init in (source, tmp_path / "sglang"):
         started = tmp_path / f"from_{init.name}"
-        synthetic_fit(make_cfg(*BASE, "train.epochs=1", "train.lr=0", f"train.init_from={init}"), started,
-                      target=target)
+        synthetic_fit(
+            make_cfg(*BASE, "train.epochs=1", "train.lr=0", f"train.init_from={init}"),
+            started,
+            target=target,
+        )
         weights = load_file(str(started / "drafter.safetensors"))
         assert weights.keys() == trained.keys()
         for key, value in trained.items():
             torch.testing.assert_close(weights[key], value, rtol=0, atol=0, msg=key)
     with pytest.raises(Eagle3Error, match=r"init_from=.*num_hidden_layers 1 \(this run: 2\)"):
-        synthetic_fit(make_cfg(*BASE, "drafter.num_layers=2", f"train.init_from={source}"), tmp_path / "two",
-                      target=target)
+        synthetic_fit(
+            make_cfg(*BASE, "drafter.num_layers=2", f"train.init_from={source}"),
+            tmp_path / "two",
+            target=target,
+        )
     train_set, val_set, d2t, t2d = synthetic_data(target)
     t2d = t2d.roll(1)  # the same size, other tokens
     d2t = t2d.nonzero().flatten() - torch.arange(DRAFT_VOCAB)
     with pytest.raises(Eagle3Error, match="vocab map differs"):
-        fit(make_cfg(*BASE, f"train.init_from={source}"), target, DrafterData(train_set, val_set,
-            make_cfg(*BASE).train, 0, pad_id=0), tmp_path / "other_vocab", d2t, t2d)
+        fit(
+            make_cfg(*BASE, f"train.init_from={source}"),
+            target,
+            DrafterData(train_set, val_set, make_cfg(*BASE).train, 0, pad_id=0),
+            tmp_path / "other_vocab",
+            d2t,
+            t2d,
+        )
 
 
 def test_bucket_sampler_shards_and_resumes():
     lengths = [5, 9, 3, 12, 7, 7, 1, 20, 11, 4, 6]
-    ranks = [BucketBatchSampler(lengths, 2, 2, seed=1, shuffle=True, rank=r, world=2) for r in range(2)]
+    ranks = [
+        BucketBatchSampler(lengths, 2, 2, seed=1, shuffle=True, rank=r, world=2) for r in range(2)
+    ]
     for sampler in ranks:
         sampler.set_epoch(3)
     batches = [list(s) for s in ranks]
     assert len(batches[0]) == len(batches[1]) == len(ranks[0]) == 3
     seen = [i for rank in batches for batch in rank for i in batch]
-    assert sorted(set(seen)) == list(range(len(lengths)))  # every sequence, the 6th batch wraps around
+    assert sorted(set(seen)) == list(
+        range(len(lengths))
+    )  # every sequence, the 6th batch wraps around
     for rank in batches:  # within a bucket of 2 batches, lengths are sorted
         for batch in rank:
             assert len(batch) <= 2
@@ -178,19 +239,28 @@ def test_bucket_sampler_shards_and_resumes():
 def test_compile_loss_setting_and_hash(make_cfg):
     """train.compile_loss: auto follows the device, a bad value names the key, and the setting leaves the
     train hash alone (a speed option: the shipped drafter's recipe keeps its hash)."""
-    assert compile_loss("auto", torch.device("cuda")) and not compile_loss("auto", torch.device("cpu"))
+    assert compile_loss("auto", torch.device("cuda")) and not compile_loss(
+        "auto", torch.device("cpu")
+    )
     assert compile_loss(True, torch.device("cpu")) and not compile_loss(False, torch.device("cuda"))
     with pytest.raises(Eagle3Error, match="train.compile_loss='yes'"):
         compile_loss("yes", torch.device("cpu"))
-    hashes = {train_output(make_cfg(*BASE, f"train.compile_loss={value}")).hash for value in ("auto", "true", "false")}
+    hashes = {
+        train_output(make_cfg(*BASE, f"train.compile_loss={value}")).hash
+        for value in ("auto", "true", "false")
+    }
     assert len(hashes) == 1
 
 
-def test_evaluation_prompts_stop_before_the_first_trained_token_and_take_the_engine_settings(make_cfg):
+def test_evaluation_prompts_stop_before_the_first_trained_token_and_take_the_engine_settings(
+    make_cfg,
+):
     """train.eval_prompts: each held-out row up to its first loss-masked token, decoded at the configured
     spec and engine.tree_temperature (what serving would use)."""
-    rows = [{"input_ids": torch.arange(10), "loss_mask": torch.tensor([0] * 4 + [1] * 6)},
-            {"input_ids": torch.arange(5), "loss_mask": torch.zeros(5, dtype=torch.long)}]
+    rows = [
+        {"input_ids": torch.arange(10), "loss_mask": torch.tensor([0] * 4 + [1] * 6)},
+        {"input_ids": torch.arange(5), "loss_mask": torch.zeros(5, dtype=torch.long)},
+    ]
     cfg = make_cfg(*BASE, "train.eval_prompts=2", "spec=d6s3k2", "engine.tree_temperature=0.5")
     evaluation = evaluation_for(cfg, rows)
     assert evaluation["prompts"] == [[0, 1, 2, 3], [0, 1, 2, 3, 4]]
@@ -198,10 +268,22 @@ def test_evaluation_prompts_stop_before_the_first_trained_token_and_take_the_eng
 
 
 def test_collate_pads_right_and_truncates():
-    items = [{"id": "a", "input_ids": torch.tensor([1, 2, 3]), "loss_mask": torch.tensor([0, 1, 1]),
-              "aux_hidden": torch.ones(3, 6), "last_hidden": torch.ones(3, 2)},
-             {"id": "b", "input_ids": torch.tensor([4, 5, 6, 7, 8]), "loss_mask": torch.tensor([1, 1, 1, 1, 1]),
-              "aux_hidden": torch.ones(5, 6), "last_hidden": torch.ones(5, 2)}]
+    items = [
+        {
+            "id": "a",
+            "input_ids": torch.tensor([1, 2, 3]),
+            "loss_mask": torch.tensor([0, 1, 1]),
+            "aux_hidden": torch.ones(3, 6),
+            "last_hidden": torch.ones(3, 2),
+        },
+        {
+            "id": "b",
+            "input_ids": torch.tensor([4, 5, 6, 7, 8]),
+            "loss_mask": torch.tensor([1, 1, 1, 1, 1]),
+            "aux_hidden": torch.ones(5, 6),
+            "last_hidden": torch.ones(5, 2),
+        },
+    ]
     batch = collate(items, max_length=4, pad_id=0)
     assert batch["input_ids"].tolist() == [[1, 2, 3, 0], [4, 5, 6, 7]]
     assert batch["loss_mask"].tolist() == [[0, 1, 1, 0], [1, 1, 1, 1]]
@@ -212,14 +294,20 @@ def test_collate_pads_right_and_truncates():
 def test_warmup_cosine_schedule():
     factor = warmup_cosine(100, 0.1)
     assert factor(0) == pytest.approx(0.1) and factor(9) == pytest.approx(1.0)
-    assert factor(10) == pytest.approx(1.0) and factor(55) == pytest.approx(0.5) and factor(100) == pytest.approx(0)
+    assert (
+        factor(10) == pytest.approx(1.0)
+        and factor(55) == pytest.approx(0.5)
+        and factor(100) == pytest.approx(0)
+    )
 
 
 def test_multirun_switches_ddp_to_spawn(make_cfg):
     cfg = make_cfg("trainer.devices=2", "trainer.strategy=ddp")
     assert choose_strategy(cfg.trainer, multirun=True) == "ddp_spawn"
     assert choose_strategy(cfg.trainer, multirun=False) == "ddp"
-    assert choose_strategy(make_cfg().trainer, multirun=True) == "auto"  # one device: nothing relaunches
+    assert (
+        choose_strategy(make_cfg().trainer, multirun=True) == "auto"
+    )  # one device: nothing relaunches
 
 
 def test_nan_loss_stops_naming_step_and_keeps_checkpoint(make_cfg, target, tmp_path):
@@ -232,7 +320,9 @@ def test_nan_loss_stops_naming_step_and_keeps_checkpoint(make_cfg, target, tmp_p
                 module.drafter.fc.weight.data.fill_(float("nan"))
 
     cfg = make_cfg(*BASE, "train.epochs=2")
-    with pytest.raises(Eagle3Error, match=r"non-finite training loss .* at step 3, epoch 0, batch 3 \(sample ids"):
+    with pytest.raises(
+        Eagle3Error, match=r"non-finite training loss .* at step 3, epoch 0, batch 3 \(sample ids"
+    ):
         synthetic_fit(cfg, tmp_path / "run", [Poison()], target)
     last = torch.load(tmp_path / "run" / CHECKPOINTS / "last.ckpt", weights_only=False)
     assert last["global_step"] == 2
@@ -264,12 +354,23 @@ synthetic_fit(cfg, __import__("pathlib").Path({folder!r}), callbacks, n_train={n
 """
 
 
-def run_script(tmp_path: Path, folder: Path, overrides: list[str], kill_at: int = -1, n_train: int = 24):
+def run_script(
+    tmp_path: Path, folder: Path, overrides: list[str], kill_at: int = -1, n_train: int = 24
+):
     script = tmp_path / f"train_script_{kill_at}.py"
-    script.write_text(SCRIPT.format(tests=str(TESTS), kill_at=kill_at, folder=str(folder), overrides=overrides,
-                                    n_train=n_train))
+    script.write_text(
+        SCRIPT.format(
+            tests=str(TESTS),
+            kill_at=kill_at,
+            folder=str(folder),
+            overrides=overrides,
+            n_train=n_train,
+        )
+    )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def final_state(folder: Path) -> dict:
@@ -286,10 +387,14 @@ def test_resume_after_kill_is_exact(make_cfg, test_root, target, tmp_path):
     crashed = run_script(tmp_path, killed, overrides, kill_at=5, n_train=12)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
     assert torch.load(killed / CHECKPOINTS / "last.ckpt", weights_only=False)["global_step"] == 4
-    resumed = run_script(tmp_path, killed, overrides, n_train=12)  # finds last.ckpt, resumes mid-epoch
+    resumed = run_script(
+        tmp_path, killed, overrides, n_train=12
+    )  # finds last.ckpt, resumes mid-epoch
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr
-    assert torch.load(killed / "rank0.pt")["ids"] == [i for batch in recorder.ids[4:] for i in batch]
+    assert torch.load(killed / "rank0.pt")["ids"] == [
+        i for batch in recorder.ids[4:] for i in batch
+    ]
     assert sorted(recorder.ids[0]) != sorted(recorder.ids[3])  # epochs are shuffled differently
     a, b = final_state(uninterrupted), final_state(killed)
     assert a["global_step"] == b["global_step"] == 6
@@ -301,18 +406,28 @@ def test_resume_after_kill_is_exact(make_cfg, test_root, target, tmp_path):
                 assert torch.equal(tensor, opt_b["state"][param][name]), (param, name)
     assert a["lr_schedulers"] == b["lr_schedulers"]
     # the resumed run trained exactly on the batches the killed one had not checkpointed
-    assert torch.load(killed / "rank0.pt")["ids"] == [i for batch in recorder.ids[4:] for i in batch]
+    assert torch.load(killed / "rank0.pt")["ids"] == [
+        i for batch in recorder.ids[4:] for i in batch
+    ]
 
 
 def test_ddp_two_processes_gloo(make_cfg, test_root, tmp_path):
-    overrides = [f"paths.root={test_root}", *BASE, "train.epochs=1", "trainer.devices=2", "trainer.strategy=ddp"]
+    overrides = [
+        f"paths.root={test_root}",
+        *BASE,
+        "train.epochs=1",
+        "trainer.devices=2",
+        "trainer.strategy=ddp",
+    ]
     folder = tmp_path / "ddp"
     done = run_script(tmp_path, folder, overrides, n_train=16)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [torch.load(folder / f"rank{r}.pt") for r in range(2)]
     assert ranks[0]["global_step"] == ranks[1]["global_step"] == 2  # 4 batches of 4 over 2 ranks
     seen = [set(rank["ids"]) for rank in ranks]
-    assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 16  # disjoint shards covering the data
+    assert (
+        not seen[0] & seen[1] and len(seen[0] | seen[1]) == 16
+    )  # disjoint shards covering the data
     for key, value in ranks[0]["state"].items():  # gradients were all-reduced: identical weights
         assert torch.equal(value, ranks[1]["state"][key]), key
     assert "gloo" in done.stderr.lower() or "distributed_backend=gloo" in done.stdout.lower()
@@ -322,10 +437,23 @@ FIXTURES = TESTS / "fixtures"
 
 
 def stage_cfg(make_cfg, artifacts: Path, *overrides: str):
-    return make_cfg("target=tiny-llama", "data=file", f"data.source={FIXTURES / 'conversations.jsonl'}",
-                    "data.val_fraction=0.2", "drafter.draft_vocab_size=256", f"paths.artifacts={artifacts}",
-                    "train.ttt_length=2", "train.max_length=64", "train.batch_size=4", "train.epochs=2",
-                    "train.lr=1e-2", "trainer.accelerator=cpu", "trainer.progress_bar=false", "trainer.log_every_n_steps=1", *overrides)
+    return make_cfg(
+        "target=tiny-llama",
+        "data=file",
+        f"data.source={FIXTURES / 'conversations.jsonl'}",
+        "data.val_fraction=0.2",
+        "drafter.draft_vocab_size=256",
+        f"paths.artifacts={artifacts}",
+        "train.ttt_length=2",
+        "train.max_length=64",
+        "train.batch_size=4",
+        "train.epochs=2",
+        "train.lr=1e-2",
+        "trainer.accelerator=cpu",
+        "trainer.progress_bar=false",
+        "trainer.log_every_n_steps=1",
+        *overrides,
+    )
 
 
 def test_end_to_end_offline_with_mlflow_and_guard_rails(make_cfg, test_root, tmp_path):
@@ -345,27 +473,48 @@ def test_end_to_end_offline_with_mlflow_and_guard_rails(make_cfg, test_root, tmp
     shards = extract.run(cfg)
     out = run(cfg)
     manifest = out.manifest()
-    assert manifest["complete"] and manifest["upstream"] == {"data": data.data_output(cfg).hash,
-                                                             "extract": shards.hash}
+    assert manifest["complete"] and manifest["upstream"] == {
+        "data": data.data_output(cfg).hash,
+        "extract": shards.hash,
+    }
     assert out.hash == train_output(cfg).hash and "eval_prompts" not in manifest["config"]["train"]
     counts = manifest["counts"]
     assert counts["tokenizer_hash"] == data.data_output(cfg).manifest()["counts"]["tokenizer_hash"]
     for name in ("drafter.safetensors", "best.safetensors", "drafter_config.json"):
         assert (out.path / name).exists(), name
-    runs = mlflow.search_runs(experiment_names=[cfg.tracking.experiment],
-                              filter_string=f"tags.artifact_hash = '{out.hash}'", output_format="list")
+    runs = mlflow.search_runs(
+        experiment_names=[cfg.tracking.experiment],
+        filter_string=f"tags.artifact_hash = '{out.hash}'",
+        output_format="list",
+    )
     assert len(runs) == 1 and runs[0].data.tags["stage"] == "train"
     metrics = runs[0].data.metrics
-    assert metrics["val/tau_hat"] >= 1.0 and "train/loss" in metrics and metrics["val/tau_measured"] >= 1.0
-    history = mlflow.tracking.MlflowClient(cfg.tracking.uri).get_metric_history(runs[0].info.run_id, "val/tau_hat")
+    assert (
+        metrics["val/tau_hat"] >= 1.0
+        and "train/loss" in metrics
+        and metrics["val/tau_measured"] >= 1.0
+    )
+    history = mlflow.tracking.MlflowClient(cfg.tracking.uri).get_metric_history(
+        runs[0].info.run_id, "val/tau_hat"
+    )
     assert len(history) == 2 and counts["tau_hat"] == pytest.approx(max(m.value for m in history))
     # the last validation's per-TTT-step accuracies, in the manifest too (GPU boxes run without MLflow)
-    assert counts["val_acc"] == pytest.approx([metrics[f"val/acc_{k}"] for k in range(cfg.train.ttt_length)])
+    assert counts["val_acc"] == pytest.approx(
+        [metrics[f"val/acc_{k}"] for k in range(cfg.train.ttt_length)]
+    )
     assert float(tau_hat(counts["val_acc"])) == pytest.approx(history[-1].value)
 
     assert run(cfg).hash == out.hash  # complete: a no-op, no second MLflow run
-    assert len(mlflow.search_runs(experiment_names=[cfg.tracking.experiment], output_format="list",
-                                  filter_string="tags.stage = 'train'")) == 1
+    assert (
+        len(
+            mlflow.search_runs(
+                experiment_names=[cfg.tracking.experiment],
+                output_format="list",
+                filter_string="tags.stage = 'train'",
+            )
+        )
+        == 1
+    )
     target = load_target(cfg, device="cpu")
     drafter = load_trained_drafter(out.path, target)
     best = load_file(str(out.path / "best.safetensors"))
@@ -373,13 +522,16 @@ def test_end_to_end_offline_with_mlflow_and_guard_rails(make_cfg, test_root, tmp
         assert torch.equal(tensor, best[name]), name
 
     # guard rails: each refuses before the first step
-    with pytest.raises(Eagle3Error, match="drafter.hidden_size=32 but the target's hidden size is 64"):
+    with pytest.raises(
+        Eagle3Error, match="drafter.hidden_size=32 but the target's hidden size is 64"
+    ):
         run(stage_cfg(make_cfg, artifacts, "drafter.hidden_size=32"))
     with pytest.raises(Eagle3Error, match="flex needs a GPU"):
         run(stage_cfg(make_cfg, artifacts, "train.attention=flex"))
     # shards whose manifest names other data (as shards of another target would); a copied folder
     foreign = tmp_path / "foreign_shards"
     import shutil
+
     shutil.copytree(shards.path, foreign)
     shard_manifest = json.loads((foreign / "manifest.json").read_text())
     shard_manifest["upstream"]["data"] = "0123456789ab"

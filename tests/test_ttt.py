@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -20,7 +19,9 @@ def make_vocab_map(target_argmax: torch.Tensor, vocab: int, draft_vocab: int, se
     so both in-vocab and masked-out positions occur."""
     generator = torch.Generator().manual_seed(seed)
     wanted = target_argmax.unique()
-    wanted = wanted[torch.randperm(len(wanted), generator=generator)][: max(1, len(wanted) * 2 // 3)]
+    wanted = wanted[torch.randperm(len(wanted), generator=generator)][
+        : max(1, len(wanted) * 2 // 3)
+    ]
     others = torch.randperm(vocab, generator=generator)[: draft_vocab * 2]
     chosen = torch.cat([wanted, others]).unique(sorted=False)
     chosen = torch.tensor(list(dict.fromkeys(chosen.tolist()))[:draft_vocab]).sort().values
@@ -63,11 +64,16 @@ def chain_draft(drafter, ids, aux, t: int, steps: int) -> list[torch.Tensor]:
         cache[layer] = [torch.cat([cache[layer][0], k], 2), torch.cat([cache[layer][1], v], 2)]
         return sdpa(q, *cache[layer], None)
 
-    hidden = drafter(ids[None, 1:t + 2], drafter.project(aux[None, :t + 1]), torch.arange(t + 1)[None], prefill)
+    hidden = drafter(
+        ids[None, 1 : t + 2],
+        drafter.project(aux[None, : t + 1]),
+        torch.arange(t + 1)[None],
+        prefill,
+    )
     hidden = hidden[:, -1:]
     logits = [drafter.logits(hidden)[0, 0]]
     for k in range(1, steps):
-        hidden = drafter(ids[None, t + k + 1:t + k + 2], hidden, torch.tensor([[t + k]]), decode)
+        hidden = drafter(ids[None, t + k + 1 : t + k + 2], hidden, torch.tensor([[t + k]]), decode)
         logits.append(drafter.logits(hidden)[0, 0])
     return logits
 
@@ -117,7 +123,7 @@ def test_metrics_by_brute_force(case):
         assert metrics[f"acc_{k}"] == pytest.approx(correct / count)
         assert metrics[f"loss_{k}"] == pytest.approx(ce_sum / count, rel=1e-5)
         accuracies.append(correct / count)
-        expected_loss += 0.8 ** k * ce_sum / count
+        expected_loss += 0.8**k * ce_sum / count
     expected_tau, survive = 1.0, 1.0
     for acc in accuracies:
         survive *= acc
@@ -146,7 +152,11 @@ def test_head_metrics_by_brute_force(case):
         for b in range(ids.shape[0]):
             for t in range(ids.shape[1]):
                 predicted = t + k + 2
-                if predicted >= ids.shape[1] or not mask[b, predicted] or mask[b, :predicted + 1].sum() > head:
+                if (
+                    predicted >= ids.shape[1]
+                    or not mask[b, predicted]
+                    or mask[b, : predicted + 1].sum() > head
+                ):
                     continue
                 count += 1
                 target_token = int((last[b, t + k + 1] @ lm_head.t()).argmax())
@@ -184,7 +194,11 @@ def test_soft_cross_entropy_matches_log_softmax_form(compiled):
     cross_entropy = compiled_soft_cross_entropy() if compiled else soft_cross_entropy
     generator = torch.Generator().manual_seed(0)
     for length in (9, 5):
-        logits = (3 * torch.randn(2, length + 2, 64, generator=generator)).to(torch.bfloat16).requires_grad_()
+        logits = (
+            (3 * torch.randn(2, length + 2, 64, generator=generator))
+            .to(torch.bfloat16)
+            .requires_grad_()
+        )
         probs = torch.randn(2, length + 3, 64, generator=generator).softmax(-1)[:, 3:]
         weights = torch.rand(2, length, generator=generator)
         reference_logits = logits.detach().clone().requires_grad_()
@@ -222,23 +236,45 @@ def test_smollm2_drafter_shapes_and_a_ttt_step(make_cfg, smollm2):
     hidden, inter, kv, vocab, draft = 576, 1536, 3 * 64, 49152, 8192
     shapes = {name: tuple(p.shape) for name, p in drafter.named_parameters()}
     assert shapes == {
-        "embed_tokens.weight": (vocab, hidden), "fc.weight": (hidden, 3 * hidden),
-        "layers.0.self_attn.q_proj.weight": (hidden, 2 * hidden), "layers.0.self_attn.k_proj.weight": (kv, 2 * hidden),
-        "layers.0.self_attn.v_proj.weight": (kv, 2 * hidden), "layers.0.self_attn.o_proj.weight": (hidden, hidden),
-        "layers.0.mlp.gate_proj.weight": (inter, hidden), "layers.0.mlp.up_proj.weight": (inter, hidden),
-        "layers.0.mlp.down_proj.weight": (hidden, inter), "layers.0.input_layernorm.weight": (hidden,),
-        "layers.0.post_attention_layernorm.weight": (hidden,), "layers.0.hidden_norm.weight": (hidden,),
-        "norm.weight": (hidden,), "lm_head.weight": (draft, hidden)}
+        "embed_tokens.weight": (vocab, hidden),
+        "fc.weight": (hidden, 3 * hidden),
+        "layers.0.self_attn.q_proj.weight": (hidden, 2 * hidden),
+        "layers.0.self_attn.k_proj.weight": (kv, 2 * hidden),
+        "layers.0.self_attn.v_proj.weight": (kv, 2 * hidden),
+        "layers.0.self_attn.o_proj.weight": (hidden, hidden),
+        "layers.0.mlp.gate_proj.weight": (inter, hidden),
+        "layers.0.mlp.up_proj.weight": (inter, hidden),
+        "layers.0.mlp.down_proj.weight": (hidden, inter),
+        "layers.0.input_layernorm.weight": (hidden,),
+        "layers.0.post_attention_layernorm.weight": (hidden,),
+        "layers.0.hidden_norm.weight": (hidden,),
+        "norm.weight": (hidden,),
+        "lm_head.weight": (draft, hidden),
+    }
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    assert trainable == (3 * hidden * hidden + 2 * hidden * hidden + 2 * kv * 2 * hidden + hidden * hidden
-                         + 3 * hidden * inter + 4 * hidden + draft * hidden)  # 9,808,128
+    assert trainable == (
+        3 * hidden * hidden
+        + 2 * hidden * hidden
+        + 2 * kv * 2 * hidden
+        + hidden * hidden
+        + 3 * hidden * inter
+        + 4 * hidden
+        + draft * hidden
+    )  # 9,808,128
     assert smollm2.aux_layer_ids == [2, 15, 27]
-    ids = smollm2.tokenizer("The quick brown fox jumps over the lazy dog. " * 3, return_tensors="pt").input_ids
+    ids = smollm2.tokenizer(
+        "The quick brown fox jumps over the lazy dog. " * 3, return_tensors="pt"
+    ).input_ids
     aux, last = smollm2.capture(ids)
     lm_head = smollm2.model.get_output_embeddings().weight
     d2t, t2d = make_vocab_map((last @ lm_head.t()).argmax(-1), vocab, draft)
     drafter.set_vocab_map(d2t, t2d)
-    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "aux_hidden": aux, "last_hidden": last}
+    batch = {
+        "input_ids": ids,
+        "loss_mask": torch.ones_like(ids),
+        "aux_hidden": aux,
+        "last_hidden": last,
+    }
     loss, metrics = ttt_loss(drafter, batch, lm_head, 7, 0.8)
     assert torch.isfinite(loss) and metrics["count_0"] > 0 and 1.0 <= metrics["tau_hat"] <= 8.0
 

@@ -18,7 +18,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-TRACKED_PACKAGES = ("eagle3", "torch", "transformers", "lightning", "safetensors", "datasets", "mlflow")
+TRACKED_PACKAGES = (
+    "eagle3",
+    "torch",
+    "transformers",
+    "lightning",
+    "safetensors",
+    "datasets",
+    "mlflow",
+)
 
 
 def to_plain(section: Any) -> Any:
@@ -46,8 +54,13 @@ def package_versions() -> dict[str, str]:
 
 def git_commit(cwd: Path | None = None) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd or Path(__file__).parent,
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=cwd or Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
@@ -89,8 +102,14 @@ class StageOutput:
         self._write(manifest)
 
     def _base(self) -> dict:
-        return {"stage": self.stage, "hash": self.hash, "upstream": self.upstream,
-                "config": self.config, "versions": package_versions(), "git_commit": git_commit()}
+        return {
+            "stage": self.stage,
+            "hash": self.hash,
+            "upstream": self.upstream,
+            "config": self.config,
+            "versions": package_versions(),
+            "git_commit": git_commit(),
+        }
 
     def _write(self, manifest: dict) -> None:
         tmp = self.manifest_path.with_suffix(".tmp")
@@ -98,7 +117,9 @@ class StageOutput:
         tmp.replace(self.manifest_path)
 
 
-def stage_output(artifacts_dir: str | Path, stage: str, sections: dict, upstream: dict | None = None) -> StageOutput:
+def stage_output(
+    artifacts_dir: str | Path, stage: str, sections: dict, upstream: dict | None = None
+) -> StageOutput:
     """The output folder of `stage` for these config sections and upstream hashes."""
     upstream = dict(upstream or {})
     config = {name: to_plain(section) for name, section in sections.items()}

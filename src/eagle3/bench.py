@@ -12,9 +12,9 @@ import logging
 import math
 import platform
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 from omegaconf import DictConfig
@@ -22,8 +22,17 @@ from tqdm import tqdm
 
 from eagle3.artifacts import stage_output, to_plain
 from eagle3.common import Eagle3Error, app, log
-from eagle3.serve import (EngineFailed, EngineProcess, acceptance_from_counters, check_spec_for_engine,
-                          counter_delta, drafter_for, read_counters, start_engine, target_path_for)
+from eagle3.serve import (
+    EngineFailed,
+    EngineProcess,
+    acceptance_from_counters,
+    check_spec_for_engine,
+    counter_delta,
+    drafter_for,
+    read_counters,
+    start_engine,
+    target_path_for,
+)
 from eagle3.spec import OFF, Spec, resolve_spec
 from eagle3.suites import load_suite, suite_name
 
@@ -39,7 +48,9 @@ def tokenize_prompts(tokenizer, prompts) -> list[list[int]]:
     """Chat-templated token ids: every engine gets the same ids (no server-side templating)."""
     out = []
     for prompt in prompts:
-        ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            prompt.messages, add_generation_prompt=True, tokenize=True
+        )
         out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
     return out
 
@@ -54,14 +65,28 @@ def sse_events(response: httpx.Response) -> Iterator[dict]:
 
 def generate_payload(ids, bcfg, stream: bool) -> dict:
     """SGLang-native /generate (our local server speaks it too)."""
-    return {"input_ids": ids, "stream": stream,
-            "sampling_params": {"max_new_tokens": bcfg.max_new_tokens, "temperature": bcfg.temperature,
-                                "top_p": bcfg.top_p, "ignore_eos": bcfg.ignore_eos}}
+    return {
+        "input_ids": ids,
+        "stream": stream,
+        "sampling_params": {
+            "max_new_tokens": bcfg.max_new_tokens,
+            "temperature": bcfg.temperature,
+            "top_p": bcfg.top_p,
+            "ignore_eos": bcfg.ignore_eos,
+        },
+    }
 
 
 def openai_payload(ids, bcfg, stream: bool, model: str) -> dict:
-    payload = {"model": model, "prompt": ids, "max_tokens": bcfg.max_new_tokens, "temperature": bcfg.temperature,
-               "top_p": bcfg.top_p, "ignore_eos": bcfg.ignore_eos, "stream": stream}
+    payload = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": bcfg.max_new_tokens,
+        "temperature": bcfg.temperature,
+        "top_p": bcfg.top_p,
+        "ignore_eos": bcfg.ignore_eos,
+        "stream": stream,
+    }
     if stream:
         payload["stream_options"] = {"include_usage": True}
     return payload
@@ -70,8 +95,11 @@ def openai_payload(ids, bcfg, stream: bool, model: str) -> dict:
 def send(client: httpx.Client, api: str, ids: list[int], bcfg, model: str) -> dict:
     """One request; returns its timings, output token count and (generate API) verify steps."""
     stream = bool(bcfg.stream)
-    url, payload = (("/v1/completions", openai_payload(ids, bcfg, stream, model)) if api == "openai"
-                    else ("/generate", generate_payload(ids, bcfg, stream)))
+    url, payload = (
+        ("/v1/completions", openai_payload(ids, bcfg, stream, model))
+        if api == "openai"
+        else ("/generate", generate_payload(ids, bcfg, stream))
+    )
     start = time.perf_counter()
     first = None
     last: dict = {}
@@ -115,13 +143,17 @@ def _counts(body: dict) -> dict:
     return out
 
 
-def run_requests(engine: EngineProcess, requests: list[list[int]], bcfg, timeout_s: float, model: str,
-                 desc: str) -> tuple[list[dict], float]:
+def run_requests(
+    engine: EngineProcess, requests: list[list[int]], bcfg, timeout_s: float, model: str, desc: str
+) -> tuple[list[dict], float]:
     """All requests with bench.batch_size in flight; (records in prompt order, wall seconds)."""
     api = "openai" if engine.launch.engine == "vllm" else "generate"
     limits = httpx.Limits(max_connections=bcfg.batch_size)
-    with httpx.Client(base_url=engine.base_url, timeout=timeout_s, limits=limits) as client, \
-            ThreadPoolExecutor(bcfg.batch_size) as pool, tqdm(total=len(requests), desc=desc, leave=False) as bar:
+    with (
+        httpx.Client(base_url=engine.base_url, timeout=timeout_s, limits=limits) as client,
+        ThreadPoolExecutor(bcfg.batch_size) as pool,
+        tqdm(total=len(requests), desc=desc, leave=False) as bar,
+    ):
         start = time.perf_counter()
         futures = [pool.submit(send, client, api, ids, bcfg, model) for ids in requests]
         records = []
@@ -131,9 +163,13 @@ def run_requests(engine: EngineProcess, requests: list[list[int]], bcfg, timeout
             except (httpx.HTTPError, json.JSONDecodeError, KeyError) as err:
                 for other in futures:
                     other.cancel()
-                engine.check_alive(grace_s=5)  # raises EngineFailed with the log when the server died
-                raise EngineFailed(f"request to {engine.launch.engine} failed: {type(err).__name__}: {err}",
-                                   engine.log_tail()) from err
+                engine.check_alive(
+                    grace_s=5
+                )  # raises EngineFailed with the log when the server died
+                raise EngineFailed(
+                    f"request to {engine.launch.engine} failed: {type(err).__name__}: {err}",
+                    engine.log_tail(),
+                ) from err
             bar.update()
         return records, time.perf_counter() - start
 
@@ -159,10 +195,18 @@ def aggregate(records: list[dict], wall_s: float, acceptance: dict) -> dict:
     itls = [seconds / n for seconds, n in decode if n > 0]
     decode_tok_s = sum(n for _, n in decode) / max(sum(s for s, _ in decode), 1e-9)
     tau = acceptance.get("accept_length", 1.0)
-    metrics = {"tokens_per_s": tokens / wall_s, "output_tokens": tokens, "requests": len(records),
-               "wall_s": wall_s, "decode_tokens_per_s": decode_tok_s, "step_s": tau / decode_tok_s,
-               "request_tokens_per_s_mean": sum(r["tok_per_s"] for r in records) / len(records),
-               **acceptance, "accept_length": tau, "accept_per_pos": acceptance.get("accept_per_pos", [])}
+    metrics = {
+        "tokens_per_s": tokens / wall_s,
+        "output_tokens": tokens,
+        "requests": len(records),
+        "wall_s": wall_s,
+        "decode_tokens_per_s": decode_tok_s,
+        "step_s": tau / decode_tok_s,
+        "request_tokens_per_s_mean": sum(r["tok_per_s"] for r in records) / len(records),
+        **acceptance,
+        "accept_length": tau,
+        "accept_per_pos": acceptance.get("accept_per_pos", []),
+    }
     for q in PERCENTILES:
         metrics[f"ttft_p{q}_ms"] = _ms(percentile(ttfts, q))
         metrics[f"itl_p{q}_ms"] = _ms(percentile(itls, q))
@@ -184,22 +228,28 @@ def acceptance_for(engine: str, delta: dict, records: list[dict], spec: Spec) ->
     steps = sum(r.get("verify_steps", 0) for r in records)
     if steps:
         return {"accept_length": sum(r["output_tokens"] for r in records) / steps}
-    raise EngineFailed(f"{engine} reported no speculative acceptance for spec {spec.label} "
-                       "(no draft counters, no spec_verify_ct): is the drafter loaded?")
+    raise EngineFailed(
+        f"{engine} reported no speculative acceptance for spec {spec.label} "
+        "(no draft counters, no spec_verify_ct): is the drafter loaded?"
+    )
 
 
-def measure(cfg: DictConfig, spec: Spec, drafter_path, target_path, requests: list[list[int]],
-            folder: Path) -> dict:
+def measure(
+    cfg: DictConfig, spec: Spec, drafter_path, target_path, requests: list[list[int]], folder: Path
+) -> dict:
     """Start the engine with `spec`, warm up, run the suite, stop it; the suite's metrics."""
     bcfg, scfg = cfg.bench, cfg.serve
     engine = start_engine(cfg, spec, drafter_path, target_path, folder)
     try:
         model = str(target_path)
         if bcfg.warmup:
-            run_requests(engine, requests[: bcfg.warmup], bcfg, scfg.request_timeout_s, model, "warmup")
+            run_requests(
+                engine, requests[: bcfg.warmup], bcfg, scfg.request_timeout_s, model, "warmup"
+            )
         before = read_counters(scfg.engine, engine.base_url)
-        records, wall_s = run_requests(engine, requests, bcfg, scfg.request_timeout_s, model,
-                                       f"{scfg.engine} {spec.label}")
+        records, wall_s = run_requests(
+            engine, requests, bcfg, scfg.request_timeout_s, model, f"{scfg.engine} {spec.label}"
+        )
         engine.check_alive()
         delta = counter_delta(before, read_counters(scfg.engine, engine.base_url))
     except httpx.HTTPError as err:
@@ -217,12 +267,24 @@ def measure(cfg: DictConfig, spec: Spec, drafter_path, target_path, requests: li
 
 def baseline_output(cfg: DictConfig):
     """Where the spec=off measurement for this (engine, target, suite, batch size, max tokens) lives."""
-    serve = {k: v for k, v in to_plain(cfg.serve).items()
-             if k not in ("host", "port", "start_timeout_s", "stop_timeout_s", "request_timeout_s")}
-    bench = {k: v for k, v in to_plain(cfg.bench).items() if k not in ("suites", "reuse_baseline", "cost_model_depths")}
+    serve = {
+        k: v
+        for k, v in to_plain(cfg.serve).items()
+        if k not in ("host", "port", "start_timeout_s", "stop_timeout_s", "request_timeout_s")
+    }
+    bench = {
+        k: v
+        for k, v in to_plain(cfg.bench).items()
+        if k not in ("suites", "reuse_baseline", "cost_model_depths")
+    }
     suite = to_plain(cfg.bench.suites.get(cfg.bench.suite)) if not cfg.bench.prompts else None
-    sections = {"serve": serve, "target": to_plain(cfg.target), "bench": bench, "suite": suite,
-                "machine": platform.node()}
+    sections = {
+        "serve": serve,
+        "target": to_plain(cfg.target),
+        "bench": bench,
+        "suite": suite,
+        "machine": platform.node(),
+    }
     return stage_output(cfg.paths.artifacts, "bench_baseline", sections)
 
 
@@ -243,10 +305,18 @@ def baseline(cfg: DictConfig, target_path, requests, folder: Path) -> dict:
 
 def job_identity(cfg: DictConfig) -> dict:
     """What a job varied: shown in the summary even when the job failed before measuring."""
-    ident = {"engine": cfg.serve.engine, "target": cfg.target.name, "suite": suite_name(cfg.bench),
-             "batch_size": cfg.bench.batch_size, "max_new_tokens": cfg.bench.max_new_tokens,
-             "spec": "invalid", "depth": cfg.spec.depth, "steps": cfg.spec.get("steps"), "topk": cfg.spec.topk,
-             "spec_enabled": bool(cfg.spec.enabled)}
+    ident = {
+        "engine": cfg.serve.engine,
+        "target": cfg.target.name,
+        "suite": suite_name(cfg.bench),
+        "batch_size": cfg.bench.batch_size,
+        "max_new_tokens": cfg.bench.max_new_tokens,
+        "spec": "invalid",
+        "depth": cfg.spec.depth,
+        "steps": cfg.spec.get("steps"),
+        "topk": cfg.spec.topk,
+        "spec_enabled": bool(cfg.spec.enabled),
+    }
     try:
         spec = resolve_spec(cfg.spec)
         ident.update(spec=spec.label, depth=spec.depth, steps=spec.steps, topk=spec.topk)
@@ -266,10 +336,18 @@ def measure_job(cfg: DictConfig, folder: Path) -> dict:
     prompts = load_suite(cfg.bench)
     requests = tokenize_prompts(AutoTokenizer.from_pretrained(target_path), prompts)
     base = baseline(cfg, target_path, requests, folder)
-    metrics = measure(cfg, spec, drafter_path, target_path, requests, folder / "spec") if spec.enabled else dict(base)
-    metrics.update(baseline_tokens_per_s=base["tokens_per_s"], baseline_step_s=base["step_s"],
-                   baseline_reused=base["baseline_reused"], speedup=metrics["tokens_per_s"] / base["tokens_per_s"],
-                   drafter=str(drafter_path) if drafter_path else None)
+    metrics = (
+        measure(cfg, spec, drafter_path, target_path, requests, folder / "spec")
+        if spec.enabled
+        else dict(base)
+    )
+    metrics.update(
+        baseline_tokens_per_s=base["tokens_per_s"],
+        baseline_step_s=base["step_s"],
+        baseline_reused=base["baseline_reused"],
+        speedup=metrics["tokens_per_s"] / base["tokens_per_s"],
+        drafter=str(drafter_path) if drafter_path else None,
+    )
     return metrics
 
 
@@ -280,13 +358,21 @@ def run_job(cfg: DictConfig, folder: Path, parent_run_id: str | None = None) -> 
     from eagle3.tracking import stage_run
 
     name = f"{result['engine']}-{result['spec']}-bs{result['batch_size']}"
-    with stage_run(cfg, "bench", run_name=name, parent_run_id=parent_run_id,
-                   tags={"engine": result["engine"], "spec": result["spec"]}) as run:
+    with stage_run(
+        cfg,
+        "bench",
+        run_name=name,
+        parent_run_id=parent_run_id,
+        tags={"engine": result["engine"], "spec": result["spec"]},
+    ) as run:
         try:
             result.update(measure_job(cfg, folder), status="ok")
         except (Eagle3Error, OSError, httpx.HTTPError) as err:
-            result.update(status="failed", error=f"{type(err).__name__}: {err}",
-                          log_tail=getattr(err, "log_tail", ""))
+            result.update(
+                status="failed",
+                error=f"{type(err).__name__}: {err}",
+                log_tail=getattr(err, "log_tail", ""),
+            )
             log.error("bench job %s failed: %s", name, err)
         if run is not None:
             result["run_id"] = run.info.run_id
@@ -302,12 +388,20 @@ def log_job(result: dict) -> None:
     mlflow.set_tag("status", result["status"])
     if result["status"] != "ok":
         mlflow.set_tag("error", result["error"][:5000])
-        mlflow.log_text(f"{result['error']}\n\n--- engine log (last {LOG_EXCERPT_LINES} lines) ---\n"
-                        f"{result.get('log_tail', '')}\n", "failure.txt")
+        mlflow.log_text(
+            f"{result['error']}\n\n--- engine log (last {LOG_EXCERPT_LINES} lines) ---\n"
+            f"{result.get('log_tail', '')}\n",
+            "failure.txt",
+        )
         mlflow.end_run(status="FAILED")
         return
-    numbers = {k: float(v) for k, v in result.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("depth", "steps", "topk")}
+    numbers = {
+        k: float(v)
+        for k, v in result.items()
+        if isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and k not in ("depth", "steps", "topk")
+    }
     numbers.update({f"accept_pos_{i}": p for i, p in enumerate(result.get("accept_per_pos", []))})
     mlflow.log_metrics(numbers)
     mlflow.log_dict(result, "bench_result.json")

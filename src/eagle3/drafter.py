@@ -15,19 +15,24 @@ Draft token d maps to target token d + d2t[d]; t2d marks target tokens in the dr
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def drafter_config(target_config, dcfg, aux_layer_ids: list[int]) -> LlamaConfig:
     """A Llama config for the drafter: the target's shapes unless `drafter.*` overrides them."""
+
     def pick(name, target_value):
         value = dcfg.get(name)
         return target_value if value is None else value
@@ -36,31 +41,43 @@ def drafter_config(target_config, dcfg, aux_layer_ids: list[int]) -> LlamaConfig
     hidden = pick("hidden_size", target["hidden_size"])
     heads = pick("num_heads", target["num_attention_heads"])
     config = LlamaConfig(
-        vocab_size=target["vocab_size"], hidden_size=hidden,
+        vocab_size=target["vocab_size"],
+        hidden_size=hidden,
         intermediate_size=pick("intermediate_size", target["intermediate_size"]),
-        num_hidden_layers=dcfg.num_layers, num_attention_heads=heads,
+        num_hidden_layers=dcfg.num_layers,
+        num_attention_heads=heads,
         num_key_value_heads=pick("num_kv_heads", target.get("num_key_value_heads", heads)),
-        head_dim=hidden // heads, hidden_act=target.get("hidden_act", "silu"),
-        max_position_embeddings=pick("max_position_embeddings", target.get("max_position_embeddings", 4096)),
+        head_dim=hidden // heads,
+        hidden_act=target.get("hidden_act", "silu"),
+        max_position_embeddings=pick(
+            "max_position_embeddings", target.get("max_position_embeddings", 4096)
+        ),
         rms_norm_eps=target.get("rms_norm_eps", 1e-6),
-        rope_parameters=target.get("rope_parameters") or {"rope_type": "default",
-                                                          "rope_theta": target.get("rope_theta", 10000.0)},
-        tie_word_embeddings=False, pad_token_id=target.get("pad_token_id"),
-        bos_token_id=target.get("bos_token_id"), eos_token_id=target.get("eos_token_id"))
+        rope_parameters=target.get("rope_parameters")
+        or {"rope_type": "default", "rope_theta": target.get("rope_theta", 10000.0)},
+        tie_word_embeddings=False,
+        pad_token_id=target.get("pad_token_id"),
+        bos_token_id=target.get("bos_token_id"),
+        eos_token_id=target.get("eos_token_id"),
+    )
     config.draft_vocab_size = dcfg.draft_vocab_size
     config.target_hidden_size = target["hidden_size"]
     config.aux_layer_ids = list(aux_layer_ids)
     return config
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
     """Attention with grouped KV heads; mask is bool (True = attend), broadcastable to [B, h, Tq, Tk].
     With a mask the KV heads are repeated rather than passed with enable_gqa: CUDA's memory-efficient
     kernel takes a mask but not grouped heads, so enable_gqa + mask runs the float32 math kernel."""
     groups = q.shape[1] // k.shape[1]
     if mask is not None and groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 class RMSNorm(nn.Module):
@@ -127,7 +144,9 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden, padding_idx=config.pad_token_id)
         self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
         self.fc = nn.Linear(3 * config.target_hidden_size, hidden, bias=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, first=i == 0) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, first=i == 0) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)

@@ -38,8 +38,15 @@ WEIGHTS_FILE = "model.safetensors"
 MODELS_URI = "models:/"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Architecture variants some published drafters use that our module does not implement.
-UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "attention_bias",
-                     "mlp_bias", "tie_word_embeddings")
+UNSUPPORTED_FLAGS = (
+    "norm_before_residual",
+    "norm_before_fc",
+    "fc_norm",
+    "norm_output",
+    "attention_bias",
+    "mlp_bias",
+    "tie_word_embeddings",
+)
 
 
 # ---------------------------------------------------------------- names and shapes
@@ -58,27 +65,41 @@ def later_norm(style: str) -> str:
     return "hidden_norm" if style == "sglang" else "input_layernorm"
 
 
-def expected_shapes(config: LlamaConfig, style: str, include_embedding: bool = False) -> dict[str, tuple]:
+def expected_shapes(
+    config: LlamaConfig, style: str, include_embedding: bool = False
+) -> dict[str, tuple]:
     """Every tensor an engine folder must hold: name -> (shape, dtype or None for any float)."""
-    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    hidden, heads, kv_heads = (
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+    )
     head_dim, inter = config.head_dim, config.intermediate_size
     shapes: dict[str, tuple] = {"fc.weight": ((hidden, 3 * config.target_hidden_size), None)}
     for index, prefix in enumerate(layer_prefixes(config.num_hidden_layers, style)):
         attn_in = 2 * hidden if index == 0 else hidden
-        shapes.update({
-            f"{prefix}.self_attn.q_proj.weight": ((heads * head_dim, attn_in), None),
-            f"{prefix}.self_attn.k_proj.weight": ((kv_heads * head_dim, attn_in), None),
-            f"{prefix}.self_attn.v_proj.weight": ((kv_heads * head_dim, attn_in), None),
-            f"{prefix}.self_attn.o_proj.weight": ((hidden, heads * head_dim), None),
-            f"{prefix}.mlp.gate_proj.weight": ((inter, hidden), None),
-            f"{prefix}.mlp.up_proj.weight": ((inter, hidden), None),
-            f"{prefix}.mlp.down_proj.weight": ((hidden, inter), None),
-            f"{prefix}.post_attention_layernorm.weight": ((hidden,), None),
-        })
+        shapes.update(
+            {
+                f"{prefix}.self_attn.q_proj.weight": ((heads * head_dim, attn_in), None),
+                f"{prefix}.self_attn.k_proj.weight": ((kv_heads * head_dim, attn_in), None),
+                f"{prefix}.self_attn.v_proj.weight": ((kv_heads * head_dim, attn_in), None),
+                f"{prefix}.self_attn.o_proj.weight": ((hidden, heads * head_dim), None),
+                f"{prefix}.mlp.gate_proj.weight": ((inter, hidden), None),
+                f"{prefix}.mlp.up_proj.weight": ((inter, hidden), None),
+                f"{prefix}.mlp.down_proj.weight": ((hidden, inter), None),
+                f"{prefix}.post_attention_layernorm.weight": ((hidden,), None),
+            }
+        )
         norms = ["input_layernorm", "hidden_norm"] if index == 0 else [later_norm(style)]
         shapes.update({f"{prefix}.{norm}.weight": ((hidden,), None) for norm in norms})
-    shapes.update({"norm.weight": ((hidden,), None), "lm_head.weight": ((config.draft_vocab_size, hidden), None),
-                   "d2t": ((config.draft_vocab_size,), torch.int64), "t2d": ((config.vocab_size,), torch.bool)})
+    shapes.update(
+        {
+            "norm.weight": ((hidden,), None),
+            "lm_head.weight": ((config.draft_vocab_size, hidden), None),
+            "d2t": ((config.draft_vocab_size,), torch.int64),
+            "t2d": ((config.vocab_size,), torch.bool),
+        }
+    )
     if include_embedding:
         shapes["embed_tokens.weight"] = ((config.vocab_size, hidden), None)
     return shapes
@@ -86,8 +107,14 @@ def expected_shapes(config: LlamaConfig, style: str, include_embedding: bool = F
 
 def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple], where: str) -> None:
     """Raise one Eagle3Error listing every missing, unexpected, misshaped or mistyped tensor."""
-    problems = [f"missing {name} {list(shape)}" for name, (shape, _) in expected.items() if name not in tensors]
-    problems += [f"unexpected {name} {list(t.shape)}" for name, t in tensors.items() if name not in expected]
+    problems = [
+        f"missing {name} {list(shape)}"
+        for name, (shape, _) in expected.items()
+        if name not in tensors
+    ]
+    problems += [
+        f"unexpected {name} {list(t.shape)}" for name, t in tensors.items() if name not in expected
+    ]
     for name, tensor in tensors.items():
         if name not in expected:
             continue
@@ -99,8 +126,10 @@ def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple], 
         if dtype is None and not tensor.is_floating_point():
             problems.append(f"{name} has dtype {tensor.dtype}, expected a float dtype")
     if problems:
-        raise Eagle3Error(f"{where}: {len(problems)} key/shape problem(s), nothing written/loaded: "
-                          + "; ".join(problems))
+        raise Eagle3Error(
+            f"{where}: {len(problems)} key/shape problem(s), nothing written/loaded: "
+            + "; ".join(problems)
+        )
 
 
 def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
@@ -108,13 +137,23 @@ def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
     target_ids = torch.arange(len(d2t)) + d2t.cpu()
     if target_ids.min() < 0 or target_ids.max() >= len(t2d):
         raise Eagle3Error(f"{where}: d2t maps draft ids outside the target vocab of {len(t2d)}")
-    if len(set(target_ids.tolist())) != len(d2t) or int(t2d.sum()) != len(d2t) or not t2d.cpu()[target_ids].all():
-        raise Eagle3Error(f"{where}: d2t and t2d disagree (was the vocab map set? draft vocab {len(d2t)}, "
-                          f"t2d marks {int(t2d.sum())} tokens)")
+    if (
+        len(set(target_ids.tolist())) != len(d2t)
+        or int(t2d.sum()) != len(d2t)
+        or not t2d.cpu()[target_ids].all()
+    ):
+        raise Eagle3Error(
+            f"{where}: d2t and t2d disagree (was the vocab map set? draft vocab {len(d2t)}, "
+            f"t2d marks {int(t2d.sum())} tokens)"
+        )
 
 
-def engine_tensors(drafter: Eagle3Drafter, style: str, dtype: torch.dtype | None = None,
-                   include_embedding: bool = False) -> dict[str, torch.Tensor]:
+def engine_tensors(
+    drafter: Eagle3Drafter,
+    style: str,
+    dtype: torch.dtype | None = None,
+    include_embedding: bool = False,
+) -> dict[str, torch.Tensor]:
     """The drafter's weights under the engine's names (`layers.0.` -> `midlayer.` for one layer)."""
     state = drafter.state_dict() if include_embedding else drafter.trainable_state_dict()
     prefixes = layer_prefixes(drafter.config.num_hidden_layers, style)
@@ -140,14 +179,25 @@ def llama_fields(config: LlamaConfig, dtype: torch.dtype) -> dict:
     """The Llama fields engines read from a drafter config (rope_theta top-level for transformers 4)."""
     rope = dict(config.rope_parameters or {})
     fields = {
-        "model_type": "llama", "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim, "hidden_act": config.hidden_act,
-        "max_position_embeddings": config.max_position_embeddings, "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_parameters": rope,
-        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-        "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id,
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": config.hidden_act,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "rope_parameters": rope,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if rope.get("rope_type", "default") != "default":
@@ -169,43 +219,66 @@ def hf_aux_ids(engine_ids: list[int], engine: str) -> list[int]:
 def is_default_aux(hf_ids: list[int] | None, target_num_layers: int | None) -> bool:
     if hf_ids is None:
         return True
-    return target_num_layers is not None and list(hf_ids) == default_aux_layer_ids(target_num_layers)
+    return target_num_layers is not None and list(hf_ids) == default_aux_layer_ids(
+        target_num_layers
+    )
 
 
 def recipe_block(drafter: Eagle3Drafter, recipe: dict, engine: str) -> dict:
     config = drafter.config
-    return {"aux_layer_ids_hf": list(config.aux_layer_ids) if config.aux_layer_ids is not None else None,
-            "target_num_layers": getattr(config, "target_num_layers", None),
-            "aux_convention": engine, "recipe": to_plain(recipe)}
+    return {
+        "aux_layer_ids_hf": list(config.aux_layer_ids)
+        if config.aux_layer_ids is not None
+        else None,
+        "target_num_layers": getattr(config, "target_num_layers", None),
+        "aux_convention": engine,
+        "recipe": to_plain(recipe),
+    }
 
 
 def sglang_config(drafter: Eagle3Drafter, recipe: dict, engine: str, dtype: torch.dtype) -> dict:
     config = drafter.config
-    out = {"architectures": [ARCHITECTURE], **llama_fields(config, dtype),
-           "draft_vocab_size": config.draft_vocab_size, "target_hidden_size": config.target_hidden_size}
+    out = {
+        "architectures": [ARCHITECTURE],
+        **llama_fields(config, dtype),
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+    }
     hf_ids = config.aux_layer_ids
     if not is_default_aux(hf_ids, getattr(config, "target_num_layers", None)):
         out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": engine_aux_ids(hf_ids, engine)}
-        if engine == "vllm":  # vLLM's newer GPU runner reads only the top-level key (or eagle_config.layer_ids)
+        if (
+            engine == "vllm"
+        ):  # vLLM's newer GPU runner reads only the top-level key (or eagle_config.layer_ids)
             out["eagle_aux_hidden_state_layer_ids"] = engine_aux_ids(hf_ids, engine)
     out[RECIPE_KEY] = recipe_block(drafter, recipe, engine)
     return out
 
 
-def speculators_config(drafter: Eagle3Drafter, recipe: dict, dtype: torch.dtype, speculative_tokens: int,
-                       verifier: str) -> dict:
+def speculators_config(
+    drafter: Eagle3Drafter, recipe: dict, dtype: torch.dtype, speculative_tokens: int, verifier: str
+) -> dict:
     """vLLM's speculators format: layer config nested, our norm placement spelled out
     (its default is norm_before_residual=true, which is not this architecture)."""
     config = drafter.config
     layer_config = {"architectures": ["LlamaForCausalLM"], **llama_fields(config, dtype)}
-    out = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-           "transformer_layer_config": layer_config, "draft_vocab_size": config.draft_vocab_size,
-           "target_hidden_size": config.target_hidden_size, "norm_before_residual": False,
-           "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
-                                  "proposal_methods": [{"proposal_type": "greedy",
-                                                        "speculative_tokens": speculative_tokens}],
-                                  "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}},
-           "torch_dtype": layer_config["torch_dtype"]}
+    out = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer_config,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "norm_before_residual": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": speculative_tokens}
+            ],
+            "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
+        },
+        "torch_dtype": layer_config["torch_dtype"],
+    }
     hf_ids = config.aux_layer_ids
     if not is_default_aux(hf_ids, getattr(config, "target_num_layers", None)):
         out["eagle_aux_hidden_state_layer_ids"] = engine_aux_ids(hf_ids, "vllm")
@@ -216,7 +289,9 @@ def speculators_config(drafter: Eagle3Drafter, recipe: dict, dtype: torch.dtype,
 # ---------------------------------------------------------------- writing
 
 
-def write_folder(tensors: dict[str, torch.Tensor], config: dict, expected: dict, out_dir: Path) -> Path:
+def write_folder(
+    tensors: dict[str, torch.Tensor], config: dict, expected: dict, out_dir: Path
+) -> Path:
     """Check, then write config.json + model.safetensors into out_dir (atomically replaced)."""
     out_dir = Path(out_dir)
     check_tensors(tensors, expected, f"refusing to write {out_dir}")
@@ -239,27 +314,48 @@ def resolve_export_dtype(name: str | None, drafter: Eagle3Drafter) -> torch.dtyp
     return DTYPES[name]
 
 
-def export_sglang(drafter: Eagle3Drafter, out_dir: str | Path, recipe: dict, engine: str = "sglang",
-                  dtype: str | None = None, include_embedding: bool = False) -> Path:
+def export_sglang(
+    drafter: Eagle3Drafter,
+    out_dir: str | Path,
+    recipe: dict,
+    engine: str = "sglang",
+    dtype: str | None = None,
+    include_embedding: bool = False,
+) -> Path:
     """The SGLang folder; engine="vllm": the same folder with custom aux ids in vLLM's convention
     (and, for several layers, vLLM's norm names)."""
     torch_dtype = resolve_export_dtype(dtype, drafter)
     if engine == "sglang" and drafter.config.num_hidden_layers != 1:
-        log.warning("SGLang releases before multi-layer EAGLE-3 support refuse this %d-layer drafter",
-                    drafter.config.num_hidden_layers)
+        log.warning(
+            "SGLang releases before multi-layer EAGLE-3 support refuse this %d-layer drafter",
+            drafter.config.num_hidden_layers,
+        )
     tensors = engine_tensors(drafter, engine, torch_dtype, include_embedding)
     config = sglang_config(drafter, recipe, engine, torch_dtype)
-    return write_folder(tensors, config, expected_shapes(drafter.config, engine, include_embedding), Path(out_dir))
+    return write_folder(
+        tensors, config, expected_shapes(drafter.config, engine, include_embedding), Path(out_dir)
+    )
 
 
-def export_speculators(drafter: Eagle3Drafter, out_dir: str | Path, recipe: dict, speculative_tokens: int = 3,
-                       dtype: str | None = None, include_embedding: bool = False, verifier: str = "") -> Path:
+def export_speculators(
+    drafter: Eagle3Drafter,
+    out_dir: str | Path,
+    recipe: dict,
+    speculative_tokens: int = 3,
+    dtype: str | None = None,
+    include_embedding: bool = False,
+    verifier: str = "",
+) -> Path:
     """The speculators-format folder (`layers.{i}.*`, speculators config) that vLLM also loads."""
     torch_dtype = resolve_export_dtype(dtype, drafter)
     tensors = engine_tensors(drafter, "speculators", torch_dtype, include_embedding)
     config = speculators_config(drafter, recipe, torch_dtype, speculative_tokens, verifier)
-    return write_folder(tensors, config, expected_shapes(drafter.config, "speculators", include_embedding),
-                        Path(out_dir))
+    return write_folder(
+        tensors,
+        config,
+        expected_shapes(drafter.config, "speculators", include_embedding),
+        Path(out_dir),
+    )
 
 
 # ---------------------------------------------------------------- import
@@ -297,7 +393,9 @@ def split_stacked(name: str, tensor: torch.Tensor, config: LlamaConfig) -> dict[
     return {name: tensor}
 
 
-def normalise_names(tensors: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+def normalise_names(
+    tensors: dict[str, torch.Tensor], config: LlamaConfig
+) -> dict[str, torch.Tensor]:
     """SGLang / SpecForge / EAGLE / speculators names -> ours (`midlayer.` -> `layers.0.`, no `model.`)."""
     out = {}
     for name, tensor in tensors.items():
@@ -317,9 +415,17 @@ def layer_config_dict(raw: dict) -> dict:
     """The Llama fields of a drafter config.json (speculators nests them)."""
     if "speculators_model_type" in raw:
         if raw["speculators_model_type"] != "eagle3":
-            raise Eagle3Error(f"speculators model type {raw['speculators_model_type']!r} is not eagle3")
-        return {**raw.get("transformer_layer_config", {}),
-                **{k: raw[k] for k in ("draft_vocab_size", "target_hidden_size", *UNSUPPORTED_FLAGS) if k in raw}}
+            raise Eagle3Error(
+                f"speculators model type {raw['speculators_model_type']!r} is not eagle3"
+            )
+        return {
+            **raw.get("transformer_layer_config", {}),
+            **{
+                k: raw[k]
+                for k in ("draft_vocab_size", "target_hidden_size", *UNSUPPORTED_FLAGS)
+                if k in raw
+            },
+        }
     return raw
 
 
@@ -329,8 +435,10 @@ def check_supported(fields: dict, folder: Path, speculators: bool) -> None:
         flags["norm_before_residual"] = True  # vLLM's default for speculators folders
     enabled = [flag for flag, value in flags.items() if value]
     if enabled:
-        raise Eagle3Error(f"{folder}: drafter variant with {', '.join(enabled)} is not supported by this "
-                          "EAGLE-3 module (it would load but predict wrongly)")
+        raise Eagle3Error(
+            f"{folder}: drafter variant with {', '.join(enabled)} is not supported by this "
+            "EAGLE-3 module (it would load but predict wrongly)"
+        )
 
 
 def folder_aux_ids(raw: dict, aux_convention: str) -> list[int] | None:
@@ -347,10 +455,27 @@ def folder_aux_ids(raw: dict, aux_convention: str) -> list[int] | None:
 def drafter_config_from(raw: dict, folder: Path, aux_convention: str) -> LlamaConfig:
     fields = layer_config_dict(raw)
     check_supported(fields, folder, "speculators_model_type" in raw)
-    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
-            "rope_theta", "rope_scaling", "rope_parameters", "bos_token_id", "eos_token_id", "pad_token_id")
-    config = LlamaConfig(**{k: fields[k] for k in keep if fields.get(k) is not None}, tie_word_embeddings=False)
+    keep = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    )
+    config = LlamaConfig(
+        **{k: fields[k] for k in keep if fields.get(k) is not None}, tie_word_embeddings=False
+    )
     config.draft_vocab_size = fields.get("draft_vocab_size") or config.vocab_size
     config.target_hidden_size = fields.get("target_hidden_size") or config.hidden_size
     config.aux_layer_ids = folder_aux_ids(raw, aux_convention)
@@ -363,19 +488,28 @@ def drafter_config_from(raw: dict, folder: Path, aux_convention: str) -> LlamaCo
 
 def identity_vocab_map(config: LlamaConfig) -> dict[str, torch.Tensor]:
     """Published drafters over the full vocab ship no map: draft id == target id."""
-    return {"d2t": torch.zeros(config.draft_vocab_size, dtype=torch.long),
-            "t2d": torch.ones(config.vocab_size, dtype=torch.bool)}
+    return {
+        "d2t": torch.zeros(config.draft_vocab_size, dtype=torch.long),
+        "t2d": torch.ones(config.vocab_size, dtype=torch.bool),
+    }
 
 
-def load_drafter(path_or_uri: str | Path, device: str | torch.device | None = None,
-                 aux_convention: str = "sglang", tracking_uri: str | None = None) -> Eagle3Drafter:
+def load_drafter(
+    path_or_uri: str | Path,
+    device: str | torch.device | None = None,
+    aux_convention: str = "sglang",
+    tracking_uri: str | None = None,
+) -> Eagle3Drafter:
     """Load a drafter folder (ours, SGLang, SpecForge, EAGLE, speculators), a whole export (its
     aux_convention subfolder) or a `models:/name/version` URI. aux_convention: how to read an
     explicit eagle_config.eagle_aux_hidden_state_layer_ids in a folder without our recipe
     (SGLang's layer-output ids or vLLM's HF indices). Without embed_tokens in the folder, call
     attach_target_embedding before use."""
-    folder = Path(path_or_uri) if not str(path_or_uri).startswith(MODELS_URI) else \
-        download_registered(str(path_or_uri), tracking_uri)
+    folder = (
+        Path(path_or_uri)
+        if not str(path_or_uri).startswith(MODELS_URI)
+        else download_registered(str(path_or_uri), tracking_uri)
+    )
     folder = engine_folder(folder, aux_convention)
     raw = json.loads((folder / "config.json").read_text())
     config = drafter_config_from(raw, folder, aux_convention)
@@ -383,7 +517,9 @@ def load_drafter(path_or_uri: str | Path, device: str | torch.device | None = No
     if "d2t" not in tensors and config.draft_vocab_size == config.vocab_size:
         tensors.update(identity_vocab_map(config))
     has_embedding = "embed_tokens.weight" in tensors
-    check_tensors(tensors, expected_shapes(config, "ours", has_embedding), f"cannot import {folder}")
+    check_tensors(
+        tensors, expected_shapes(config, "ours", has_embedding), f"cannot import {folder}"
+    )
     check_vocab_map(tensors["d2t"], tensors["t2d"], f"cannot import {folder}")
     drafter = Eagle3Drafter(config).to(tensors["fc.weight"].dtype)
     missing, _ = drafter.load_state_dict(tensors, strict=False)
@@ -405,32 +541,47 @@ def attach_target_embedding(drafter: Eagle3Drafter, target) -> Eagle3Drafter:
     return drafter
 
 
-def check_drafter_for_target(drafter: Eagle3Drafter, target, tokenizer_hash: str | None = None) -> None:
+def check_drafter_for_target(
+    drafter: Eagle3Drafter, target, tokenizer_hash: str | None = None
+) -> None:
     """Raise Eagle3Error when the drafter cannot draft for this target: hidden size, vocab,
     aux layers, or a vocab map built with another tokenizer. Fills in engine-default aux ids."""
     config, problems = drafter.config, []
     if config.target_hidden_size != target.hidden_size:
-        problems.append(f"drafter expects target hidden size {config.target_hidden_size}, target has "
-                        f"{target.hidden_size}")
+        problems.append(
+            f"drafter expects target hidden size {config.target_hidden_size}, target has "
+            f"{target.hidden_size}"
+        )
     if config.vocab_size != target.vocab_size:
         problems.append(f"drafter vocab {config.vocab_size} != target vocab {target.vocab_size}")
     if config.max_position_embeddings < target.config.max_position_embeddings:
-        problems.append(f"drafter max_position_embeddings {config.max_position_embeddings} < the target's "
-                        f"{target.config.max_position_embeddings}")
+        problems.append(
+            f"drafter max_position_embeddings {config.max_position_embeddings} < the target's "
+            f"{target.config.max_position_embeddings}"
+        )
     if config.aux_layer_ids is None:
         config.aux_layer_ids = default_aux_layer_ids(target.num_layers)
     if list(config.aux_layer_ids) != list(target.aux_layer_ids):
-        problems.append(f"drafter was trained on aux layers {list(config.aux_layer_ids)} (HF hidden_states "
-                        f"indices), target captures {list(target.aux_layer_ids)} (set target.aux_layer_ids)")
+        problems.append(
+            f"drafter was trained on aux layers {list(config.aux_layer_ids)} (HF hidden_states "
+            f"indices), target captures {list(target.aux_layer_ids)} (set target.aux_layer_ids)"
+        )
     trained_with = (getattr(config, "recipe", None) or {}).get("tokenizer_hash")
     if trained_with and tokenizer_hash is None:
-        from eagle3.data import tokenizer_hash as hash_of  # upstream stage: computed only when needed
+        from eagle3.data import (
+            tokenizer_hash as hash_of,  # upstream stage: computed only when needed
+        )
+
         tokenizer_hash = hash_of(target.tokenizer)
     if trained_with and tokenizer_hash != trained_with:
-        problems.append(f"vocab map built with tokenizer {trained_with}, target tokenizer is {tokenizer_hash}")
+        problems.append(
+            f"vocab map built with tokenizer {trained_with}, target tokenizer is {tokenizer_hash}"
+        )
     if problems:
-        raise Eagle3Error(f"drafter {getattr(config, 'source', '')} does not fit target {target.path}: "
-                          + "; ".join(problems))
+        raise Eagle3Error(
+            f"drafter {getattr(config, 'source', '')} does not fit target {target.path}: "
+            + "; ".join(problems)
+        )
     config.target_num_layers = target.num_layers
 
 
@@ -462,18 +613,26 @@ def download_registered(uri: str, tracking_uri: str | None = None, dst: Path | N
     client = MlflowClient(tracking_uri=tracking_uri)
     try:
         if version == "latest":
-            version = max((v.version for v in client.search_model_versions(f"name='{name}'")), key=int)
+            version = max(
+                (v.version for v in client.search_model_versions(f"name='{name}'")), key=int
+            )
         source = client.get_model_version(name, version).source
     except (MlflowException, ValueError) as err:
-        raise Eagle3Error(f"{uri} is not in the model registry at {client.tracking_uri} ({err})") from None
+        raise Eagle3Error(
+            f"{uri} is not in the model registry at {client.tracking_uri} ({err})"
+        ) from None
     if dst is None:
-        return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, tracking_uri=tracking_uri))
+        return Path(
+            mlflow.artifacts.download_artifacts(artifact_uri=source, tracking_uri=tracking_uri)
+        )
     if dst.exists():  # downloaded before (versions are immutable)
         return next(dst.iterdir())
     partial = dst.with_name(dst.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(partial), tracking_uri=tracking_uri)
+    mlflow.artifacts.download_artifacts(
+        artifact_uri=source, dst_path=str(partial), tracking_uri=tracking_uri
+    )
     partial.rename(dst)
     return next(dst.iterdir())
 
@@ -481,6 +640,7 @@ def download_registered(uri: str, tracking_uri: str | None = None, dst: Path | N
 def register_export(cfg: DictConfig, folder: Path, recipe: dict, run) -> str:
     """Log the export's engine folders to the stage's MLflow run and register them; returns the version."""
     import mlflow
+
     from eagle3.tracking import client, flatten
 
     for engine_dir in sorted(p for p in folder.iterdir() if (p / "config.json").exists()):
@@ -488,11 +648,14 @@ def register_export(cfg: DictConfig, folder: Path, recipe: dict, run) -> str:
     name = registry_name(cfg)
     registry = client(cfg)
     if not registry.search_registered_models(filter_string=f"name='{name}'"):
-        registry.create_registered_model(name, description=f"EAGLE-3 drafters for target {cfg.target.name}")
+        registry.create_registered_model(
+            name, description=f"EAGLE-3 drafters for target {cfg.target.name}"
+        )
     tags = {f"recipe.{k}": str(v)[:5000] for k, v in flatten(to_plain(recipe)).items()}
     tags["tau_hat"] = str(recipe.get("tau_hat"))
-    version = registry.create_model_version(name, source=mlflow.get_artifact_uri("drafter"),
-                                            run_id=run.info.run_id, tags=tags)
+    version = registry.create_model_version(
+        name, source=mlflow.get_artifact_uri("drafter"), run_id=run.info.run_id, tags=tags
+    )
     log.info("registered %s version %s", name, version.version)
     return str(version.version)
 
@@ -504,13 +667,20 @@ def export_output(cfg: DictConfig) -> StageOutput:
     """Where the current config's export lives (upstream: the training stage's hash)."""
     from eagle3.train import train_output  # imported here: train pulls in Lightning
 
-    sections = {"export": {k: v for k, v in to_plain(cfg.export).items() if k not in ("register", "registry_name")}}
+    sections = {
+        "export": {
+            k: v for k, v in to_plain(cfg.export).items() if k not in ("register", "registry_name")
+        }
+    }
     return stage_output(cfg.paths.artifacts, "export", sections, {"train": train_output(cfg).hash})
 
 
 def vocab_map_hash(drafter: Eagle3Drafter) -> str:
     import hashlib
-    digest = hashlib.sha256(drafter.d2t.cpu().numpy().tobytes() + drafter.t2d.cpu().numpy().tobytes())
+
+    digest = hashlib.sha256(
+        drafter.d2t.cpu().numpy().tobytes() + drafter.t2d.cpu().numpy().tobytes()
+    )
     return digest.hexdigest()[:12]
 
 
@@ -520,21 +690,39 @@ def build_recipe(cfg: DictConfig, drafter: Eagle3Drafter, train_manifest: dict) 
 
     counts = train_manifest.get("counts", {})
     upstream = train_manifest.get("upstream", {})
-    return {"ttt_length": cfg.train.ttt_length, "step_decay": cfg.train.step_decay,
-            "vocab_map_hash": vocab_map_hash(drafter), "data_hash": upstream.get("data", counts.get("data_hash")),
-            "train_hash": train_manifest.get("hash"), "tau_hat": counts.get("tau_hat"),
-            "tokenizer_hash": counts.get("tokenizer_hash"), "target": target_key(cfg.target)}
+    return {
+        "ttt_length": cfg.train.ttt_length,
+        "step_decay": cfg.train.step_decay,
+        "vocab_map_hash": vocab_map_hash(drafter),
+        "data_hash": upstream.get("data", counts.get("data_hash")),
+        "train_hash": train_manifest.get("hash"),
+        "tau_hat": counts.get("tau_hat"),
+        "tokenizer_hash": counts.get("tokenizer_hash"),
+        "target": target_key(cfg.target),
+    }
 
 
-def export_drafter(cfg: DictConfig, drafter: Eagle3Drafter, recipe: dict, out_dir: Path) -> dict[str, Path]:
+def export_drafter(
+    cfg: DictConfig, drafter: Eagle3Drafter, recipe: dict, out_dir: Path
+) -> dict[str, Path]:
     """All configured folders for one drafter: sglang/, vllm/ and (on request) speculators/."""
     ecfg = cfg.export
-    folders = {engine: export_sglang(drafter, out_dir / engine, recipe, engine, ecfg.dtype, ecfg.include_embedding)
-               for engine in ENGINES}
+    folders = {
+        engine: export_sglang(
+            drafter, out_dir / engine, recipe, engine, ecfg.dtype, ecfg.include_embedding
+        )
+        for engine in ENGINES
+    }
     if ecfg.speculators:
         folders["speculators"] = export_speculators(
-            drafter, out_dir / "speculators", recipe, ecfg.speculative_tokens, ecfg.dtype, ecfg.include_embedding,
-            verifier=str(cfg.target.path or cfg.target.name))
+            drafter,
+            out_dir / "speculators",
+            recipe,
+            ecfg.speculative_tokens,
+            ecfg.dtype,
+            ecfg.include_embedding,
+            verifier=str(cfg.target.path or cfg.target.name),
+        )
     return folders
 
 
@@ -550,8 +738,10 @@ def run(cfg: DictConfig) -> StageOutput:
         return out
     trained = train_output(cfg)
     if not trained.complete:
-        raise Eagle3Error(f"no trained drafter for this config at {trained.path}: run `python -m eagle3.train` "
-                          "first (or `python -m eagle3.pipeline`)")
+        raise Eagle3Error(
+            f"no trained drafter for this config at {trained.path}: run `python -m eagle3.train` "
+            "first (or `python -m eagle3.pipeline`)"
+        )
     target = load_target(cfg, device="cpu")
     drafter = load_trained_drafter(trained.path, target).cpu()
     recipe = build_recipe(cfg, drafter, trained.manifest())
@@ -560,9 +750,16 @@ def run(cfg: DictConfig) -> StageOutput:
     out.start()
     with stage_run(cfg, "export", artifact_hash=out.hash) as mlflow_run:
         folders = export_drafter(cfg, drafter, recipe, out.path)
-        version = register_export(cfg, out.path, recipe, mlflow_run) if cfg.export.register and mlflow_run else None
-    out.finish({"folders": sorted(folders), "tau_hat": recipe["tau_hat"]}, recipe=recipe,
-               registered=f"{MODELS_URI}{registry_name(cfg)}/{version}" if version else None)
+        version = (
+            register_export(cfg, out.path, recipe, mlflow_run)
+            if cfg.export.register and mlflow_run
+            else None
+        )
+    out.finish(
+        {"folders": sorted(folders), "tau_hat": recipe["tau_hat"]},
+        recipe=recipe,
+        registered=f"{MODELS_URI}{registry_name(cfg)}/{version}" if version else None,
+    )
     return out
 
 
@@ -572,7 +769,9 @@ def resolve_drafter_path(cfg: DictConfig, engine: str = "sglang") -> Path:
     path = cfg.drafter.get("path")
     if path and str(path).startswith(MODELS_URI):
         name, version = parse_models_uri(str(path))
-        folder = download_registered(str(path), cfg.tracking.uri, Path(cfg.paths.artifacts) / "registry" / name / version)
+        folder = download_registered(
+            str(path), cfg.tracking.uri, Path(cfg.paths.artifacts) / "registry" / name / version
+        )
         return engine_folder(folder, engine)
     if path:
         folder = Path(str(path)).expanduser()
@@ -584,8 +783,10 @@ def resolve_drafter_path(cfg: DictConfig, engine: str = "sglang") -> Path:
     except ImportError:
         out = None
     if out is None or not out.complete:
-        raise Eagle3Error("no exported drafter for this config: run `python -m eagle3.pipeline`, or "
-                          "`python -m eagle3.train` then `python -m eagle3.export` (or set drafter.path=...)")
+        raise Eagle3Error(
+            "no exported drafter for this config: run `python -m eagle3.pipeline`, or "
+            "`python -m eagle3.train` then `python -m eagle3.export` (or set drafter.path=...)"
+        )
     return engine_folder(out.path, engine)
 
 

@@ -39,9 +39,15 @@ def extract_output(cfg: DictConfig) -> StageOutput:
     """The extract stage's folder for this config (located, not run)."""
     section = {k: v for k, v in to_plain(cfg.extract).items() if k not in EXECUTION_ONLY}
     # the precision the target runs in changes the states (target_key leaves it out)
-    compute = str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))).removeprefix("torch.")
-    return stage_output(cfg.paths.artifacts, "extract", {"extract": section, "compute_dtype": compute},
-                        {"data": data.data_output(cfg).hash})
+    compute = str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))).removeprefix(
+        "torch."
+    )
+    return stage_output(
+        cfg.paths.artifacts,
+        "extract",
+        {"extract": section, "compute_dtype": compute},
+        {"data": data.data_output(cfg).hash},
+    )
 
 
 # ---------------------------------------------------------------- capture (shared with online training)
@@ -71,7 +77,7 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 def right_padded(sequences: list[list[int]], pad_id: int) -> torch.Tensor:
     ids = torch.full((len(sequences), max(map(len, sequences))), pad_id, dtype=torch.long)
     for row, seq in enumerate(sequences):
-        ids[row, :len(seq)] = torch.as_tensor(seq)
+        ids[row, : len(seq)] = torch.as_tensor(seq)
     return ids
 
 
@@ -103,16 +109,25 @@ def plan_shards(split: str, rows, shard_tokens: int) -> list[ShardPlan]:
     for i, length in enumerate(lengths + [None]):
         if i == len(lengths) or (i > start and tokens + length > shard_tokens):
             if i > start:
-                plans.append(ShardPlan(split, len(plans), start, rows["input_ids"][start:i],
-                                       rows["loss_mask"][start:i], rows["id"][start:i]))
+                plans.append(
+                    ShardPlan(
+                        split,
+                        len(plans),
+                        start,
+                        rows["input_ids"][start:i],
+                        rows["loss_mask"][start:i],
+                        rows["id"][start:i],
+                    )
+                )
             start, tokens = i, 0
         if length is not None:
             tokens += length
     return plans
 
 
-def extract_shard(target, plan: ShardPlan, batch_tokens: int, dtype: torch.dtype,
-                  progress: tqdm | None = None) -> dict[str, torch.Tensor]:
+def extract_shard(
+    target, plan: ShardPlan, batch_tokens: int, dtype: torch.dtype, progress: tqdm | None = None
+) -> dict[str, torch.Tensor]:
     """The shard's tensors. States are gathered on the target's device and copied to the host once
     per shard, so the accelerator never waits on a per-batch copy."""
     lengths = [len(ids) for ids in plan.input_ids]
@@ -126,18 +141,23 @@ def extract_shard(target, plan: ShardPlan, batch_tokens: int, dtype: torch.dtype
         aux, last = hidden_states(target, ids)
         # flat positions of the real tokens (padding is never stored); index tensors built on the
         # host keep the device free of synchronising boolean masks
-        source = torch.cat([torch.arange(lengths[i]) + row * ids.shape[1] for row, i in enumerate(batch)])
+        source = torch.cat(
+            [torch.arange(lengths[i]) + row * ids.shape[1] for row, i in enumerate(batch)]
+        )
         dest = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in batch])
         source, dest = source.to(device, non_blocking=True), dest.to(device, non_blocking=True)
         aux_all.index_copy_(0, dest, aux.flatten(0, 1).index_select(0, source).to(dtype))
         last_all.index_copy_(0, dest, last.flatten(0, 1).index_select(0, source).to(dtype))
         if progress is not None:
             progress.update(sum(lengths[i] for i in batch))
-    return {"aux_hidden": to_host(aux_all), "last_hidden": to_host(last_all),
-            "input_ids": torch.tensor([t for ids in plan.input_ids for t in ids], dtype=torch.int32),
-            "loss_mask": torch.tensor([m for mask in plan.loss_masks for m in mask], dtype=torch.int8),
-            "offsets": offsets.to(torch.int64),
-            "rows": torch.arange(plan.first_row, plan.first_row + len(lengths), dtype=torch.int64)}
+    return {
+        "aux_hidden": to_host(aux_all),
+        "last_hidden": to_host(last_all),
+        "input_ids": torch.tensor([t for ids in plan.input_ids for t in ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for mask in plan.loss_masks for m in mask], dtype=torch.int8),
+        "offsets": offsets.to(torch.int64),
+        "rows": torch.arange(plan.first_row, plan.first_row + len(lengths), dtype=torch.int64),
+    }
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -157,8 +177,16 @@ def copies_done(device: torch.device):
     return event
 
 
-def extract_shards(target, plans: list[ShardPlan], root: Path, batch_tokens: int, dtype: torch.dtype,
-                   verify: bool, progress: tqdm | None = None, writers: int = 1) -> int:
+def extract_shards(
+    target,
+    plans: list[ShardPlan],
+    root: Path,
+    batch_tokens: int,
+    dtype: torch.dtype,
+    verify: bool,
+    progress: tqdm | None = None,
+    writers: int = 1,
+) -> int:
     """Compute and write `plans`: shards compute while up to `writers` earlier ones are saved
     (disk is the bottleneck on a fast GPU). Returns bytes written."""
     written = 0
@@ -168,8 +196,17 @@ def extract_shards(target, plans: list[ShardPlan], root: Path, batch_tokens: int
             tensors = extract_shard(target, plan, batch_tokens, dtype, progress)
             if len(pending) >= writers:  # bound host memory: at most `writers` shards in flight
                 written += pending.pop(0).result()
-            pending.append(pool.submit(write_shard, tensors, plan, root, target.hidden_size, verify,
-                                       copies_done(target.device)))
+            pending.append(
+                pool.submit(
+                    write_shard,
+                    tensors,
+                    plan,
+                    root,
+                    target.hidden_size,
+                    verify,
+                    copies_done(target.device),
+                )
+            )
         written += sum(f.result() for f in pending)
     return written
 
@@ -202,18 +239,31 @@ def check_shard(path: Path, plan: ShardPlan, hidden: int, full: bool) -> None:
         raise ShardInvalid("loss mask differs from the dataset")
     if full:
         tensors = load_file(str(path))
-        if not (torch.isfinite(tensors["aux_hidden"]).all() and torch.isfinite(tensors["last_hidden"]).all()):
+        if not (
+            torch.isfinite(tensors["aux_hidden"]).all()
+            and torch.isfinite(tensors["last_hidden"]).all()
+        ):
             raise ShardInvalid("non-finite hidden states")
 
 
-def write_shard(tensors: dict[str, torch.Tensor], plan: ShardPlan, root: Path, hidden: int, verify: bool,
-                copied=None) -> int:
+def write_shard(
+    tensors: dict[str, torch.Tensor],
+    plan: ShardPlan,
+    root: Path,
+    hidden: int,
+    verify: bool,
+    copied=None,
+) -> int:
     """Save under a temporary name, verify, rename into place; returns the file's bytes."""
     if copied is not None:
         copied.synchronize()
     final = root / plan.file
     tmp = final.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, "split": plan.split, "ids": json.dumps(plan.ids)})
+    save_file(
+        tensors,
+        str(tmp),
+        metadata={"format": FORMAT, "split": plan.split, "ids": json.dumps(plan.ids)},
+    )
     try:
         check_shard(tmp, plan, hidden, full=verify)
     except ShardInvalid as err:
@@ -234,14 +284,20 @@ class ShardDataset(Dataset):
         self.root = Path(path)
         index_file = self.root / "index.json"
         if not index_file.exists():
-            raise Eagle3Error(f"{self.root} has no index.json: not a finished extract output "
-                              "(run python -m eagle3.extract)")
+            raise Eagle3Error(
+                f"{self.root} has no index.json: not a finished extract output "
+                "(run python -m eagle3.extract)"
+            )
         index = json.loads(index_file.read_text())
         if split not in index["splits"]:
-            raise Eagle3Error(f"split {split!r} not extracted in {self.root} (has {sorted(index['splits'])})")
+            raise Eagle3Error(
+                f"split {split!r} not extracted in {self.root} (has {sorted(index['splits'])})"
+            )
         self.hidden_size = index["hidden_size"]
         self.shards = index["splits"][split]
-        self.samples = [(s, j) for s, shard in enumerate(self.shards) for j in range(shard["samples"])]
+        self.samples = [
+            (s, j) for s, shard in enumerate(self.shards) for j in range(shard["samples"])
+        ]
         self._open: dict[int, tuple[Any, list[int], list[str]]] = {}
 
     def __len__(self) -> int:
@@ -250,19 +306,24 @@ class ShardDataset(Dataset):
     def _shard(self, number: int):
         if number not in self._open:
             handle = safe_open(str(self.root / self.shards[number]["file"]), "pt")
-            self._open[number] = (handle, handle.get_tensor("offsets").tolist(),
-                                  json.loads(handle.metadata()["ids"]))
+            self._open[number] = (
+                handle,
+                handle.get_tensor("offsets").tolist(),
+                json.loads(handle.metadata()["ids"]),
+            )
         return self._open[number]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         shard, j = self.samples[index]
         handle, offsets, ids = self._shard(shard)
         start, end = offsets[j], offsets[j + 1]
-        return {"id": ids[j],
-                "input_ids": handle.get_slice("input_ids")[start:end].long(),
-                "loss_mask": handle.get_slice("loss_mask")[start:end].long(),
-                "aux_hidden": handle.get_slice("aux_hidden")[start:end],
-                "last_hidden": handle.get_slice("last_hidden")[start:end]}
+        return {
+            "id": ids[j],
+            "input_ids": handle.get_slice("input_ids")[start:end].long(),
+            "loss_mask": handle.get_slice("loss_mask")[start:end].long(),
+            "aux_hidden": handle.get_slice("aux_hidden")[start:end],
+            "last_hidden": handle.get_slice("last_hidden")[start:end],
+        }
 
     def __getstate__(self):  # DataLoader workers reopen the files themselves
         return {**self.__dict__, "_open": {}}
@@ -276,23 +337,30 @@ def disk_estimate(tokens: int, hidden: int, dtype: torch.dtype) -> int:
     return tokens * (4 * hidden * dtype.itemsize + 4 + 1)
 
 
-def check_disk(root: Path, todo_tokens: int, total_tokens: int, hidden: int, dtype: torch.dtype, margin: float):
+def check_disk(
+    root: Path, todo_tokens: int, total_tokens: int, hidden: int, dtype: torch.dtype, margin: float
+):
     need = disk_estimate(todo_tokens, hidden, dtype)
     free = shutil.disk_usage(root).free
     per_token = 4 * hidden * dtype.itemsize
-    print(f"extract: {total_tokens:,} tokens x 4 x {hidden} x {dtype.itemsize} B = {per_token / 1e3:.1f} kB/token "
-          f"-> {disk_estimate(total_tokens, hidden, dtype) / 1e9:.2f} GB in all, {need / 1e9:.2f} GB still to write, "
-          f"{free / 1e9:.1f} GB free. For much larger data, train.hidden_states=online computes the states "
-          "inside the training step and writes nothing.")
+    print(
+        f"extract: {total_tokens:,} tokens x 4 x {hidden} x {dtype.itemsize} B = {per_token / 1e3:.1f} kB/token "
+        f"-> {disk_estimate(total_tokens, hidden, dtype) / 1e9:.2f} GB in all, {need / 1e9:.2f} GB still to write, "
+        f"{free / 1e9:.1f} GB free. For much larger data, train.hidden_states=online computes the states "
+        "inside the training step and writes nothing."
+    )
     if need * margin > free:
-        raise Eagle3Error(f"extraction needs {need / 1e9:.1f} GB but {root} has {free / 1e9:.1f} GB free; free space, "
-                          "or use train.hidden_states=online (no shards)")
+        raise Eagle3Error(
+            f"extraction needs {need / 1e9:.1f} GB but {root} has {free / 1e9:.1f} GB free; free space, "
+            "or use train.hidden_states=online (no shards)"
+        )
 
 
 def run(cfg: DictConfig) -> StageOutput:
     """Extract every configured split (a no-op when complete; resumes at shard granularity)."""
     from eagle3.target import load_target
     from eagle3.tracking import stage_run
+
     data_out = data.run(cfg)
     out = extract_output(cfg)
     if out.complete:
@@ -303,11 +371,16 @@ def run(cfg: DictConfig) -> StageOutput:
         target = load_target(cfg)
         check_tokenizer(target, data_out)
         splits = data.load_splits(data_out.path)
-        plans = [p for name in cfg.extract.splits for p in plan_shards(name, splits[name][:], cfg.extract.shard_tokens)]
+        plans = [
+            p
+            for name in cfg.extract.splits
+            for p in plan_shards(name, splits[name][:], cfg.extract.shard_tokens)
+        ]
         stats = extract_all(cfg, target, plans, out.path)
         write_index(out.path, cfg, target, plans)
         if mlflow_run is not None:
             import mlflow
+
             mlflow.log_metrics({k: float(v) for k, v in stats.items()})
         out.finish(stats)
     return out
@@ -316,7 +389,9 @@ def run(cfg: DictConfig) -> StageOutput:
 def check_tokenizer(target, data_out: StageOutput) -> None:
     expected = data_out.manifest().get("counts", {}).get("tokenizer_hash")
     if expected and expected != data.tokenizer_hash(target.tokenizer):
-        raise Eagle3Error(f"the target's tokenizer differs from the one that tokenized {data_out.path}")
+        raise Eagle3Error(
+            f"the target's tokenizer differs from the one that tokenized {data_out.path}"
+        )
 
 
 def extract_all(cfg: DictConfig, target, plans: list[ShardPlan], root: Path) -> dict[str, float]:
@@ -329,17 +404,31 @@ def extract_all(cfg: DictConfig, target, plans: list[ShardPlan], root: Path) -> 
         for stale in (root / split).glob("*.tmp"):  # a write a kill interrupted
             stale.unlink()
     todo = [p for p in plans if not shard_in_place(root, p, target.hidden_size)]
-    check_disk(root, sum(p.tokens for p in todo), sum(p.tokens for p in plans), target.hidden_size, dtype,
-               ecfg.disk_margin)
+    check_disk(
+        root,
+        sum(p.tokens for p in todo),
+        sum(p.tokens for p in plans),
+        target.hidden_size,
+        dtype,
+        ecfg.disk_margin,
+    )
     started = time.time()
     progress = tqdm(total=sum(p.tokens for p in todo), desc="extract", unit=" tok", unit_scale=True)
-    written = extract_shards(target, todo, root, ecfg.batch_tokens, dtype, ecfg.verify, progress, ecfg.writers)
+    written = extract_shards(
+        target, todo, root, ecfg.batch_tokens, dtype, ecfg.verify, progress, ecfg.writers
+    )
     progress.close()
     seconds = time.time() - started
     tokens = sum(p.tokens for p in todo)
-    return {"shards": len(plans), "shards_resumed": len(plans) - len(todo), "tokens": sum(p.tokens for p in plans),
-            "tokens_extracted": tokens, "bytes_written": written, "seconds": round(seconds, 3),
-            "tokens_per_s": round(tokens / seconds, 1) if tokens else 0.0}
+    return {
+        "shards": len(plans),
+        "shards_resumed": len(plans) - len(todo),
+        "tokens": sum(p.tokens for p in plans),
+        "tokens_extracted": tokens,
+        "bytes_written": written,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1) if tokens else 0.0,
+    }
 
 
 def shard_in_place(root: Path, plan: ShardPlan, hidden: int) -> bool:
@@ -360,10 +449,22 @@ def shard_in_place(root: Path, plan: ShardPlan, hidden: int) -> bool:
 def write_index(root: Path, cfg: DictConfig, target, plans: list[ShardPlan]) -> None:
     splits: dict[str, list[dict]] = {name: [] for name in cfg.extract.splits}
     for p in plans:
-        splits[p.split].append({"file": p.file, "first_row": p.first_row, "samples": len(p.ids),
-                                               "tokens": p.tokens, "bytes": (root / p.file).stat().st_size})
-    index = {"format": FORMAT, "hidden_size": target.hidden_size, "aux_layer_ids": list(target.aux_layer_ids),
-             "dtype": cfg.extract.dtype, "splits": splits}
+        splits[p.split].append(
+            {
+                "file": p.file,
+                "first_row": p.first_row,
+                "samples": len(p.ids),
+                "tokens": p.tokens,
+                "bytes": (root / p.file).stat().st_size,
+            }
+        )
+    index = {
+        "format": FORMAT,
+        "hidden_size": target.hidden_size,
+        "aux_layer_ids": list(target.aux_layer_ids),
+        "dtype": cfg.extract.dtype,
+        "splits": splits,
+    }
     tmp = root / "index.json.tmp"
     tmp.write_text(json.dumps(index, indent=1))
     tmp.replace(root / "index.json")

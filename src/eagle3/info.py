@@ -19,21 +19,32 @@ def engines_available(cfg: DictConfig) -> dict[str, str]:
     sglang_python = root / ".venv-sglang" / "bin" / "python"
     return {
         "local": "available",
-        "vllm": f"venv found ({vllm_python})" if vllm_python.exists() else "not installed (make vllm)",
-        "sglang": ("importable" if importlib.util.find_spec("sglang") else
-                   f"parser venv found ({sglang_python})" if sglang_python.exists() else "not installed (make sglang)"),
+        "vllm": f"venv found ({vllm_python})"
+        if vllm_python.exists()
+        else "not installed (make vllm)",
+        "sglang": (
+            "importable"
+            if importlib.util.find_spec("sglang")
+            else f"parser venv found ({sglang_python})"
+            if sglang_python.exists()
+            else "not installed (make sglang)"
+        ),
     }
 
 
 @app
 def main(cfg: DictConfig) -> None:
-    summary = {name: OmegaConf.to_container(cfg[name], resolve=True)
-               for name in ("target", "drafter", "spec", "serve")}
+    summary = {
+        name: OmegaConf.to_container(cfg[name], resolve=True)
+        for name in ("target", "drafter", "spec", "serve")
+    }
     print("config:\n" + OmegaConf.to_yaml(summary))
     target = load_target(cfg)
     print(f"target {cfg.target.name}: {target.path}")
-    print(f"  layers {target.num_layers}, hidden {target.hidden_size}, vocab {target.vocab_size}, "
-          f"aux layer ids {target.aux_layer_ids}, dtype {next(target.model.parameters()).dtype}")
+    print(
+        f"  layers {target.num_layers}, hidden {target.hidden_size}, vocab {target.vocab_size}, "
+        f"aux layer ids {target.aux_layer_ids}, dtype {next(target.model.parameters()).dtype}"
+    )
     print(f"artifacts: {cfg.paths.artifacts}")
     print(f"mlflow: {cfg.tracking.uri}")
     print("engines: " + json.dumps(engines_available(cfg)))

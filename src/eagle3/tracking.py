@@ -6,8 +6,9 @@ mlflow is imported inside the functions: with tracking.enabled=false nothing nee
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -31,7 +32,9 @@ def setup(cfg: DictConfig) -> str:
     else:
         location = cfg.tracking.get("artifact_location")
         # A local store keeps artifacts beside it; a server decides for itself.
-        location = Path(location).resolve().as_uri() if location and not uri.startswith("http") else None
+        location = (
+            Path(location).resolve().as_uri() if location and not uri.startswith("http") else None
+        )
         experiment_id = mlflow.create_experiment(name, artifact_location=location)
     mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
@@ -57,8 +60,14 @@ def log_config(cfg: DictConfig) -> None:
 
 
 @contextlib.contextmanager
-def stage_run(cfg: DictConfig, stage: str, artifact_hash: str | None = None, run_name: str | None = None,
-              parent_run_id: str | None = None, tags: dict | None = None) -> Iterator:
+def stage_run(
+    cfg: DictConfig,
+    stage: str,
+    artifact_hash: str | None = None,
+    run_name: str | None = None,
+    parent_run_id: str | None = None,
+    tags: dict | None = None,
+) -> Iterator:
     """Open the MLflow run of one stage (or one sweep job, nested under parent_run_id)."""
     if not cfg.tracking.enabled:
         yield None

@@ -47,14 +47,19 @@ ATTENTION_PATHS = ("sdpa", "flex")
 
 @dataclass
 class TargetDistribution:
-    probs: torch.Tensor      # [B, T, D] target's softmax over the draft vocab (float32)
-    argmax: torch.Tensor     # [B, T] draft id of the target's argmax
-    in_vocab: torch.Tensor   # [B, T] bool: the target's full-vocab argmax is in the draft vocab
+    probs: torch.Tensor  # [B, T, D] target's softmax over the draft vocab (float32)
+    argmax: torch.Tensor  # [B, T] draft id of the target's argmax
+    in_vocab: torch.Tensor  # [B, T] bool: the target's full-vocab argmax is in the draft vocab
 
 
 @torch.no_grad()
-def target_distribution(last_hidden: torch.Tensor, lm_head_weight: torch.Tensor, d2t: torch.Tensor,
-                        t2d: torch.Tensor, chunk: int = 1024) -> TargetDistribution:
+def target_distribution(
+    last_hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    chunk: int = 1024,
+) -> TargetDistribution:
     """The target's next-token distribution restricted to the draft vocab, position by position
     (in chunks of positions, so the full-vocab logits never exist for the whole batch at once)."""
     draft_to_target = torch.arange(d2t.numel(), device=d2t.device) + d2t
@@ -68,8 +73,11 @@ def target_distribution(last_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
         probs.append(draft_logits.softmax(-1))
         argmax.append(draft_logits.argmax(-1))
     shape = last_hidden.shape[:-1]
-    return TargetDistribution(torch.cat(probs).view(*shape, -1), torch.cat(argmax).view(shape),
-                              torch.cat(in_vocab).view(shape))
+    return TargetDistribution(
+        torch.cat(probs).view(*shape, -1),
+        torch.cat(argmax).view(shape),
+        torch.cat(in_vocab).view(shape),
+    )
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -103,8 +111,9 @@ def flex(q, k, v, length: int, steps: int) -> torch.Tensor:
         step, pos = kv_idx // length, kv_idx % length
         return ((step == 0) & (pos <= q_idx)) | ((step > 0) & (pos == q_idx))
 
-    block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=length, KV_LEN=steps * length,
-                                   device=q.device)
+    block_mask = create_block_mask(
+        mask_mod, B=None, H=None, Q_LEN=length, KV_LEN=steps * length, device=q.device
+    )
     run = flex_attention
     if q.device.type == "cuda":
         # default (automatic) dynamic shapes: the KV length grows every unroll step and T varies
@@ -135,8 +144,14 @@ class UnrollAttention:
         return sdpa(q, keys, values, ttt_mask(self.length, steps, q.device))
 
 
-def unroll(drafter: Eagle3Drafter, input_ids, aux_hidden, ttt_length: int, attention: str = "sdpa",
-           position_ids=None) -> list[torch.Tensor]:
+def unroll(
+    drafter: Eagle3Drafter,
+    input_ids,
+    aux_hidden,
+    ttt_length: int,
+    attention: str = "sdpa",
+    position_ids=None,
+) -> list[torch.Tensor]:
     """Draft logits [B, T, D] of each unroll step (see the module docstring)."""
     batch, length = input_ids.shape
     if position_ids is None:
@@ -158,8 +173,8 @@ def step_targets(target: TargetDistribution, loss_mask: torch.Tensor, k: int):
     the target at t+k+1 (views, not copies), valid where the predicted token t+k+2 is trained and
     the target's argmax there lies in the draft vocab."""
     count = loss_mask.shape[1] - (k + 1)
-    valid = shift_left(loss_mask.bool(), k + 2, fill=False)[:, :count] & target.in_vocab[:, k + 1:]
-    return target.probs[:, k + 1:], target.argmax[:, k + 1:], valid
+    valid = shift_left(loss_mask.bool(), k + 2, fill=False)[:, :count] & target.in_vocab[:, k + 1 :]
+    return target.probs[:, k + 1 :], target.argmax[:, k + 1 :], valid
 
 
 def tau_hat(accuracies: list[float] | torch.Tensor) -> torch.Tensor:
@@ -168,9 +183,16 @@ def tau_hat(accuracies: list[float] | torch.Tensor) -> torch.Tensor:
     return 1 + torch.cumprod(acc, dim=0).sum()
 
 
-def ttt_loss(drafter: Eagle3Drafter, batch: dict, target_lm_head_weight: torch.Tensor, ttt_length: int,
-             step_decay: float, attention: str = "sdpa", head_tokens: int | None = None,
-             compile_loss: bool = False):
+def ttt_loss(
+    drafter: Eagle3Drafter,
+    batch: dict,
+    target_lm_head_weight: torch.Tensor,
+    ttt_length: int,
+    step_decay: float,
+    attention: str = "sdpa",
+    head_tokens: int | None = None,
+    compile_loss: bool = False,
+):
     """(weighted loss, metrics) for one batch of {input_ids, loss_mask, aux_hidden, last_hidden}.
 
     metrics: loss_k, acc_k (floats, per step), correct_k / count_k (counts, for exact
@@ -178,35 +200,59 @@ def ttt_loss(drafter: Eagle3Drafter, batch: dict, target_lm_head_weight: torch.T
     correct_head_k / count_head_k and tau_hat_head (module docstring). compile_loss runs the
     soft cross-entropy torch.compile'd (see soft_cross_entropy)."""
     cross_entropy = compiled_soft_cross_entropy() if compile_loss else soft_cross_entropy
-    target = target_distribution(batch["last_hidden"], target_lm_head_weight, drafter.d2t, drafter.t2d)
-    step_logits = unroll(drafter, batch["input_ids"], batch["aux_hidden"], ttt_length, attention,
-                         batch.get("position_ids"))
+    target = target_distribution(
+        batch["last_hidden"], target_lm_head_weight, drafter.d2t, drafter.t2d
+    )
+    step_logits = unroll(
+        drafter,
+        batch["input_ids"],
+        batch["aux_hidden"],
+        ttt_length,
+        attention,
+        batch.get("position_ids"),
+    )
     trained = batch["loss_mask"].bool()
     head = trained & (trained.long().cumsum(1) <= head_tokens) if head_tokens else None
     total = 0.0
     per_step = []  # (loss_k, correct_k, count_k[, correct_head_k, count_head_k]) on device: one sync per batch
     for k, logits in enumerate(step_logits):
         probs, argmax, valid = step_targets(target, batch["loss_mask"], k)
-        logits = logits[:, :valid.shape[1]]
+        logits = logits[:, : valid.shape[1]]
         count = valid.sum()
         loss_k = (cross_entropy(logits, probs) * valid).sum() / count.clamp(min=1)
         hits = logits.argmax(-1) == argmax
         row = [loss_k.detach().float(), (hits & valid).sum().float(), count.float()]
         if head is not None:  # out-of-vocab positions stay in, as misses
-            scored = shift_left(head, k + 2, fill=False)[:, :valid.shape[1]]
-            row += [(hits & scored & target.in_vocab[:, k + 1:]).sum().float(), scored.sum().float()]
-        total = total + step_decay ** k * loss_k
+            scored = shift_left(head, k + 2, fill=False)[:, : valid.shape[1]]
+            row += [
+                (hits & scored & target.in_vocab[:, k + 1 :]).sum().float(),
+                scored.sum().float(),
+            ]
+        total = total + step_decay**k * loss_k
         per_step.append(torch.stack(row))
     metrics: dict[str, float] = {}
     for k, (loss_k, correct, count, *head_counts) in enumerate(torch.stack(per_step).tolist()):
-        metrics.update({f"loss_{k}": loss_k, f"acc_{k}": correct / max(count, 1),
-                        f"correct_{k}": int(correct), f"count_{k}": int(count)})
+        metrics.update(
+            {
+                f"loss_{k}": loss_k,
+                f"acc_{k}": correct / max(count, 1),
+                f"correct_{k}": int(correct),
+                f"count_{k}": int(count),
+            }
+        )
         if head_counts:
-            metrics.update({f"acc_head_{k}": head_counts[0] / max(head_counts[1], 1),
-                            f"correct_head_{k}": int(head_counts[0]), f"count_head_{k}": int(head_counts[1])})
+            metrics.update(
+                {
+                    f"acc_head_{k}": head_counts[0] / max(head_counts[1], 1),
+                    f"correct_head_{k}": int(head_counts[0]),
+                    f"count_head_{k}": int(head_counts[1]),
+                }
+            )
     metrics["tau_hat"] = tau_hat([metrics[f"acc_{k}"] for k in range(ttt_length)]).item()
     if head is not None:
-        metrics["tau_hat_head"] = tau_hat([metrics[f"acc_head_{k}"] for k in range(ttt_length)]).item()
+        metrics["tau_hat_head"] = tau_hat(
+            [metrics[f"acc_head_{k}"] for k in range(ttt_length)]
+        ).item()
     return total, metrics
 
 

@@ -8,8 +8,8 @@ import contextlib
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 from omegaconf import DictConfig
@@ -17,21 +17,48 @@ from omegaconf import DictConfig
 from eagle3.common import Eagle3Error, app
 from eagle3.serve import EngineProcess, Launch, free_port
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--disable-quic", "--hide-scrollbars"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+    "--hide-scrollbars",
+]
 
 
 def server_command(uri: str, artifact_root: str, host: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--default-artifact-root",
-            artifact_root, "--host", host, "--port", str(port), "--workers", "1"]
+    return [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        uri,
+        "--default-artifact-root",
+        artifact_root,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
 
 
 @contextlib.contextmanager
-def mlflow_server(uri: str, artifact_root: str, log_path: Path, timeout_s: float = 120) -> Iterator[str]:
+def mlflow_server(
+    uri: str, artifact_root: str, log_path: Path, timeout_s: float = 120
+) -> Iterator[str]:
     """An MLflow server on a free loopback port for the duration of the block; yields its base URL.
     Started, health-polled and stopped like any engine (its own process group)."""
     port = free_port("127.0.0.1")
-    launch = Launch("mlflow", server_command(uri, artifact_root, "127.0.0.1", port), {}, "127.0.0.1", port)
+    launch = Launch(
+        "mlflow", server_command(uri, artifact_root, "127.0.0.1", port), {}, "127.0.0.1", port
+    )
     with EngineProcess(launch, log_path.parent, name=log_path.stem) as server:
         server.wait_healthy(timeout_s)
         yield server.base_url
@@ -39,21 +66,26 @@ def mlflow_server(uri: str, artifact_root: str, log_path: Path, timeout_s: float
 
 def search_runs(url: str, experiment_ids: list[str]) -> list[dict]:
     """All runs of these experiments through the REST API."""
-    response = httpx.post(f"{url}/api/2.0/mlflow/runs/search", json={"experiment_ids": experiment_ids,
-                                                                      "max_results": 1000}, timeout=30)
+    response = httpx.post(
+        f"{url}/api/2.0/mlflow/runs/search",
+        json={"experiment_ids": experiment_ids, "max_results": 1000},
+        timeout=30,
+    )
     response.raise_for_status()
     return response.json().get("runs", [])
 
 
 def list_artifacts(url: str, run_id: str, path: str = "") -> list[str]:
-    response = httpx.get(f"{url}/api/2.0/mlflow/artifacts/list", params={"run_id": run_id, "path": path}, timeout=30)
+    response = httpx.get(
+        f"{url}/api/2.0/mlflow/artifacts/list", params={"run_id": run_id, "path": path}, timeout=30
+    )
     response.raise_for_status()
     return [f["path"] for f in response.json().get("files", [])]
 
 
 def compare_url(url: str, experiment_id: str, run_ids: list[str]) -> str:
     runs = ",".join(f'"{r}"' for r in run_ids)
-    return f"{url}/#/compare-runs?runs=[{runs}]&experiments=[\"{experiment_id}\"]"
+    return f'{url}/#/compare-runs?runs=[{runs}]&experiments=["{experiment_id}"]'
 
 
 def screenshot(page_url: str, out: Path, size: str = "1600,1000", budget_ms: int = 15000) -> Path:
@@ -63,8 +95,15 @@ def screenshot(page_url: str, out: Path, size: str = "1600,1000", budget_ms: int
         raise Eagle3Error("chromium not found: install Debian's chromium package (make setup does)")
     out.parent.mkdir(parents=True, exist_ok=True)
     profile = out.parent / ".chromium-profile"
-    cmd = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={size}",
-           f"--virtual-time-budget={budget_ms}", f"--screenshot={out}", page_url]
+    cmd = [
+        chromium,
+        *CHROMIUM_FLAGS,
+        f"--user-data-dir={profile}",
+        f"--window-size={size}",
+        f"--virtual-time-budget={budget_ms}",
+        f"--screenshot={out}",
+        page_url,
+    ]
     subprocess.run(cmd, capture_output=True, timeout=120, check=False)
     shutil.rmtree(profile, ignore_errors=True)
     if not out.exists() or out.stat().st_size == 0:
@@ -76,9 +115,14 @@ def screenshot(page_url: str, out: Path, size: str = "1600,1000", budget_ms: int
 def main(cfg: DictConfig) -> None:
     """Serve the configured MLflow store in the foreground until Ctrl-C."""
     from eagle3 import tracking
+
     tracking.setup(cfg)
-    cmd = server_command(cfg.tracking.uri, str(Path(cfg.tracking.artifact_location).resolve().as_uri()),
-                         cfg.tracking.ui_host, cfg.tracking.ui_port)
+    cmd = server_command(
+        cfg.tracking.uri,
+        str(Path(cfg.tracking.artifact_location).resolve().as_uri()),
+        cfg.tracking.ui_host,
+        cfg.tracking.ui_port,
+    )
     print(f"MLflow UI on http://{cfg.tracking.ui_host}:{cfg.tracking.ui_port} (Ctrl-C stops it)")
     subprocess.run(cmd, check=False)
 

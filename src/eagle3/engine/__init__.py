@@ -4,4 +4,11 @@ acceptance measurement and an HTTP server (`python -m eagle3.engine.server`)."""
 from eagle3.engine.decoder import ContextOverflow, GenerationResult, RequestStats, SpecDecoder
 from eagle3.engine.evaluate import measure_acceptance, summarize
 
-__all__ = ["ContextOverflow", "GenerationResult", "RequestStats", "SpecDecoder", "measure_acceptance", "summarize"]
+__all__ = [
+    "ContextOverflow",
+    "GenerationResult",
+    "RequestStats",
+    "SpecDecoder",
+    "measure_acceptance",
+    "summarize",
+]

@@ -12,8 +12,8 @@ spec=off is the same loop with a root-only tree.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -35,8 +35,10 @@ class RequestStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     verify_steps: int = 0
-    accepted_per_step: list[int] = field(default_factory=list)  # accepted draft tokens per verify step
-    draft_tokens_per_step: int = 0                              # candidates verified per step (depth - 1)
+    accepted_per_step: list[int] = field(
+        default_factory=list
+    )  # accepted draft tokens per verify step
+    draft_tokens_per_step: int = 0  # candidates verified per step (depth - 1)
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -50,16 +52,25 @@ class RequestStats:
     @property
     def accepted_per_position(self) -> list[int]:
         """Steps whose accepted path reached draft position i (0-based), for i < depth - 1."""
-        return [sum(a > i for a in self.accepted_per_step) for i in range(self.draft_tokens_per_step)]
+        return [
+            sum(a > i for a in self.accepted_per_step) for i in range(self.draft_tokens_per_step)
+        ]
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "verify_steps": self.verify_steps, "tau": self.tau,
-                "accepted_tokens": sum(self.accepted_per_step), "accepted_per_step": self.accepted_per_step,
-                "accepted_per_position": self.accepted_per_position,
-                "draft_tokens": self.draft_tokens_per_step * self.verify_steps,
-                "prefill_time_s": self.prefill_time_s, "draft_time_s": self.draft_time_s,
-                "verify_time_s": self.verify_time_s, "total_time_s": self.total_time_s}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "verify_steps": self.verify_steps,
+            "tau": self.tau,
+            "accepted_tokens": sum(self.accepted_per_step),
+            "accepted_per_step": self.accepted_per_step,
+            "accepted_per_position": self.accepted_per_position,
+            "draft_tokens": self.draft_tokens_per_step * self.verify_steps,
+            "prefill_time_s": self.prefill_time_s,
+            "draft_time_s": self.draft_time_s,
+            "verify_time_s": self.verify_time_s,
+            "total_time_s": self.total_time_s,
+        }
 
 
 @dataclass
@@ -72,11 +83,25 @@ class GenerationResult:
 class SpecDecoder:
     """Draft with `drafter` (None only with spec=off), verify with `target`, keep what matches."""
 
-    def __init__(self, target: Target, drafter, spec: Spec, max_context: int | None = None,
-                 cuda_graphs: bool = False, seed: int = 0, fused: bool = True, lean: bool = True,
-                 eager_cudnn: bool = False, compile_layers: bool = False, prefill_graphs: tuple[int, ...] = (),
-                 compile_draft: bool = False, overlap_steps: bool = True, draft_attention: str = "explicit",
-                 compile_prefill: bool = False, tree_temperature: float = 1.0):
+    def __init__(
+        self,
+        target: Target,
+        drafter,
+        spec: Spec,
+        max_context: int | None = None,
+        cuda_graphs: bool = False,
+        seed: int = 0,
+        fused: bool = True,
+        lean: bool = True,
+        eager_cudnn: bool = False,
+        compile_layers: bool = False,
+        prefill_graphs: tuple[int, ...] = (),
+        compile_draft: bool = False,
+        overlap_steps: bool = True,
+        draft_attention: str = "explicit",
+        compile_prefill: bool = False,
+        tree_temperature: float = 1.0,
+    ):
         """fused: greedy steps run as FusedGreedy (static shapes, one host read per step, one CUDA
         graph per phase); False keeps every step on the step-by-step path below (same tokens).
         lean: a plain Llama target and the drafter run engine/llama.py's forwards instead of HF's
@@ -97,18 +122,33 @@ class SpecDecoder:
         if draft_attention not in ("explicit", "sdpa"):
             raise Eagle3Error(f"engine.draft_attention={draft_attention!r}: use explicit or sdpa")
         if not tree_temperature > 0:
-            raise Eagle3Error(f"engine.tree_temperature={tree_temperature!r}: must be > 0 (1 = the drafter's own "
-                              f"log-probabilities)")
+            raise Eagle3Error(
+                f"engine.tree_temperature={tree_temperature!r}: must be > 0 (1 = the drafter's own "
+                f"log-probabilities)"
+            )
         self.tree_temperature = float(tree_temperature)
         self.target, self.spec = target, spec
         self.drafter = drafter if spec.enabled else None
         limit = target.config.max_position_embeddings
         self.max_context = min(max_context or limit, limit)
-        self.target_run = TargetRunner(target, self.max_context, lean=lean, eager_cudnn=eager_cudnn,
-                                       compile_layers=compile_layers)
-        self.drafter_run = (DrafterRunner(self.drafter, self.max_context + spec.steps * spec.topk, lean=lean,
-                                          eager_cudnn=eager_cudnn, explicit_attention=draft_attention == "explicit")
-                            if self.drafter is not None else None)
+        self.target_run = TargetRunner(
+            target,
+            self.max_context,
+            lean=lean,
+            eager_cudnn=eager_cudnn,
+            compile_layers=compile_layers,
+        )
+        self.drafter_run = (
+            DrafterRunner(
+                self.drafter,
+                self.max_context + spec.steps * spec.topk,
+                lean=lean,
+                eager_cudnn=eager_cudnn,
+                explicit_attention=draft_attention == "explicit",
+            )
+            if self.drafter is not None
+            else None
+        )
         self.device = target.device
         self.generator = torch.Generator().manual_seed(seed)
         self.root_host = torch.zeros(1, dtype=torch.long, pin_memory=self.device.type == "cuda")
@@ -122,16 +162,25 @@ class SpecDecoder:
     # ------------------------------------------------------------ public
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 stop_ids=(), on_tokens: Callable[[list[int]], bool] | None = None,
-                 generator: torch.Generator | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop_ids=(),
+        on_tokens: Callable[[list[int]], bool] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> GenerationResult:
         """Decode up to max_new_tokens after the prompt. on_tokens(new) is called after every
         step with the newly committed tokens (within max_new_tokens); returning True stops (stop
         strings, streaming). generator: this request's sampling generator (a per-request seed);
         None draws from the decoder's running one (seeded once, engine.seed)."""
         self.check_prompt(prompt_ids)
-        stats = RequestStats(prompt_tokens=len(prompt_ids),
-                             draft_tokens_per_step=self.spec.depth - 1 if self.spec.enabled else 0)
+        stats = RequestStats(
+            prompt_tokens=len(prompt_ids),
+            draft_tokens_per_step=self.spec.depth - 1 if self.spec.enabled else 0,
+        )
         started = time.perf_counter()
         budget = min(max_new_tokens, self.max_context - len(prompt_ids))
         sampling = Sampling(temperature, top_p, generator or self.generator)
@@ -141,7 +190,12 @@ class SpecDecoder:
         finish = self._finished(out, budget, stop_ids, on_tokens, [root])
         position, pending = len(prompt_ids), None
         while finish is None:
-            if pending is None and not sampling.random and self.fused is not None and self.fused.fits(position):
+            if (
+                pending is None
+                and not sampling.random
+                and self.fused is not None
+                and self.fused.fits(position)
+            ):
                 pending = self.fused.launch(root, position, h_last)
             if pending is not None:
                 ahead = self._launch_ahead(position, len(out), budget)
@@ -163,7 +217,11 @@ class SpecDecoder:
         that one, so the device never waits on the host. Launched only where it fits and the budget
         cannot run out in the step before it; a stop token there leaves it unused (at most one per request)."""
         furthest = position + self.fused.max_commit
-        if self.overlap_steps and self.fused.fits(furthest) and produced + self.fused.max_commit < budget:
+        if (
+            self.overlap_steps
+            and self.fused.fits(furthest)
+            and produced + self.fused.max_commit < budget
+        ):
             return self.fused.launch_next(furthest)
         return None
 
@@ -171,8 +229,10 @@ class SpecDecoder:
         if not prompt_ids:
             raise Eagle3Error("empty prompt: give at least one token")
         if len(prompt_ids) >= self.max_context:
-            raise ContextOverflow(f"prompt has {len(prompt_ids)} tokens but the context holds {self.max_context} "
-                                  f"(prompt + completion); at most {self.max_context - 1} prompt tokens")
+            raise ContextOverflow(
+                f"prompt has {len(prompt_ids)} tokens but the context holds {self.max_context} "
+                f"(prompt + completion); at most {self.max_context - 1} prompt tokens"
+            )
 
     # ------------------------------------------------------------ steps
 
@@ -184,8 +244,9 @@ class SpecDecoder:
         n = ids.numel()
         width = next((w for w in self.prefill_widths if w >= n), n)
         positions = torch.arange(width, device=self.device)
-        logits, aux = self.target_run.forward(_pad(ids, width), positions, positions,
-                                              self.causal_mask(0, width, self.target_run))
+        logits, aux = self.target_run.forward(
+            _pad(ids, width), positions, positions, self.causal_mask(0, width, self.target_run)
+        )
         if sampling.random:
             root = torch.tensor([self.draw(logits[n - 1], sampling)], device=self.device)
         else:
@@ -218,7 +279,9 @@ class SpecDecoder:
             tree = root_only(root_t)
         t1 = time.perf_counter()
         path, bonus, path_aux = self.verify(tree, position, sampling)
-        new = [int(t) for t in tree.tokens[path[1:]].tolist()] + [bonus] if len(path) > 1 else [bonus]
+        new = (
+            [int(t) for t in tree.tokens[path[1:]].tolist()] + [bonus] if len(path) > 1 else [bonus]
+        )
         t2 = time.perf_counter()
         if self.drafter_run is not None:  # (aux of each accepted node, the token after it)
             h_last = self.extend_drafter(torch.tensor(new, device=self.device), path_aux, position)
@@ -233,7 +296,9 @@ class SpecDecoder:
         Returns (path node indices, bonus token, the path's aux states)."""
         q = tree.size
         slots = torch.arange(position, position + q, device=self.device)
-        mask = self.tree_mask(position, ancestor_mask(tree.parents, self.spec.steps), self.target_run)
+        mask = self.tree_mask(
+            position, ancestor_mask(tree.parents, self.spec.steps), self.target_run
+        )
         logits, aux = self.target_run.forward(tree.tokens, position + tree.depths, slots, mask)
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
         if sampling.random:
@@ -251,17 +316,25 @@ class SpecDecoder:
         ids = _pad(next_ids, width)
         states = _pad(aux, width)
         positions = torch.arange(start, start + width, device=self.device)
-        hidden, _ = run.extend(ids, states, positions, positions, self.causal_mask(start, width, run))
-        return hidden[m - 1:m]
+        hidden, _ = run.extend(
+            ids, states, positions, positions, self.causal_mask(start, width, run)
+        )
+        return hidden[m - 1 : m]
 
     # ------------------------------------------------------------ drafting
 
-    def draft(self, root: torch.Tensor, position: int, h_last: torch.Tensor, sampling: Sampling) -> DraftTree:
+    def draft(
+        self, root: torch.Tensor, position: int, h_last: torch.Tensor, sampling: Sampling
+    ) -> DraftTree:
         """EAGLE-2 dynamic tree (a chain when topk=1): see tree.py."""
         k, steps, dev = self.spec.topk, self.spec.steps, self.device
         sample_chain = sampling.random and self.spec.chain
-        tokens, parents, depths, scores = [root], [torch.zeros(1, dtype=torch.long, device=dev)], \
-            [torch.zeros(1, dtype=torch.long, device=dev)], [torch.zeros(1, device=dev)]
+        tokens, parents, depths, scores = (
+            [root],
+            [torch.zeros(1, dtype=torch.long, device=dev)],
+            [torch.zeros(1, dtype=torch.long, device=dev)],
+            [torch.zeros(1, device=dev)],
+        )
         slot_of = torch.full((1 + k + (steps - 1) * k * k,), -1, dtype=torch.long, device=dev)
         q_rows = [torch.zeros(1, self.target.vocab_size, device=dev)] if sample_chain else None
         frontier = torch.zeros(1, dtype=torch.long, device=dev)
@@ -274,7 +347,9 @@ class SpecDecoder:
                 mask = self.draft_mask(frontier, slot_of, torch.cat(parents), position, step, width)
                 ids = torch.cat(tokens)[frontier]
                 pos = torch.full((width,), position + step - 1, device=dev)
-                frontier_hidden, logits = self.drafter_run.step(ids, frontier_hidden, pos, slot_of[frontier], mask)
+                frontier_hidden, logits = self.drafter_run.step(
+                    ids, frontier_hidden, pos, slot_of[frontier], mask
+                )
             else:
                 logits = self.drafter_run.logits(h_last)
             base = torch.cat(scores)[frontier]
@@ -292,19 +367,29 @@ class SpecDecoder:
             count += width
         all_scores, all_parents = torch.cat(scores), torch.cat(parents)
         nodes = keep_best(all_scores, all_parents, self.spec.depth - 1)
-        return subtree(nodes, torch.cat(tokens), all_parents, torch.cat(depths),
-                       torch.cat(q_rows) if q_rows is not None else None)
+        return subtree(
+            nodes,
+            torch.cat(tokens),
+            all_parents,
+            torch.cat(depths),
+            torch.cat(q_rows) if q_rows is not None else None,
+        )
 
     def propose(self, logits, base, sampling: Sampling, sample_chain: bool):
         """Children of each frontier row: (target token ids [w, c], cumulative scores [w, c], q rows or None)."""
         drafter = self.drafter_run.drafter
         if sample_chain:
             q_draft = probabilities(logits, sampling.temperature, sampling.top_p)
-            choice = torch.multinomial(q_draft.cpu(), 1, generator=sampling.generator).to(self.device)
+            choice = torch.multinomial(q_draft.cpu(), 1, generator=sampling.generator).to(
+                self.device
+            )
             score = base[:, None] + q_draft.gather(-1, choice).log()
             q_target = torch.zeros(q_draft.shape[0], self.target.vocab_size, device=self.device)
-            q_target.index_add_(1, drafter.to_target_ids(torch.arange(q_draft.shape[-1], device=self.device)),
-                                q_draft)
+            q_target.index_add_(
+                1,
+                drafter.to_target_ids(torch.arange(q_draft.shape[-1], device=self.device)),
+                q_draft,
+            )
             return drafter.to_target_ids(choice), score, q_target
         log_probs, ids = top_children(logits, self.spec.topk, self.tree_temperature)
         return drafter.to_target_ids(ids), base[:, None] + log_probs, None
@@ -322,13 +407,17 @@ class SpecDecoder:
         q = ancestors.shape[0]
         mask = torch.zeros(q, runner.kv_len(position + q), dtype=torch.bool, device=self.device)
         mask[:, :position] = True
-        mask[:, position:position + q] = ancestors
+        mask[:, position : position + q] = ancestors
         return mask
 
-    def draft_mask(self, frontier, slot_of, parents, position: int, step: int, width: int) -> torch.Tensor:
+    def draft_mask(
+        self, frontier, slot_of, parents, position: int, step: int, width: int
+    ) -> torch.Tensor:
         """Frontier nodes (depth `step`) see the committed prefix and their ancestors' draft slots."""
         used = step * self.spec.topk
-        mask = torch.zeros(width, self.drafter_run.kv_len(position + used), dtype=torch.bool, device=self.device)
+        mask = torch.zeros(
+            width, self.drafter_run.kv_len(position + used), dtype=torch.bool, device=self.device
+        )
         mask[:, :position] = True
         rows, current = torch.arange(width, device=self.device), frontier
         for _ in range(step):
@@ -345,7 +434,9 @@ class SpecDecoder:
     def _finished(self, out, budget, stop_ids, on_tokens, new) -> str | None:
         if any(t in stop_ids for t in new):
             return "stop"
-        if on_tokens is not None and on_tokens(new[:budget - len(out) + len(new)]):  # not past the budget
+        if on_tokens is not None and on_tokens(
+            new[: budget - len(out) + len(new)]
+        ):  # not past the budget
             return "stop"
         return "length" if len(out) >= budget else None
 
@@ -354,7 +445,7 @@ class SpecDecoder:
         out = out[:budget]
         for i, token in enumerate(out):
             if token in stop_ids:
-                return out[:i + 1]
+                return out[: i + 1]
         return out
 
     @torch.no_grad()  # a drafter fresh from training still requires grad; captured kernels write caches in place
@@ -365,21 +456,31 @@ class SpecDecoder:
         pool = torch.cuda.graph_pool_handle()
         lengths = [1, self.spec.depth] if self.spec.enabled else [1]
         self.target_run.capture(lengths, pool, compiled=self.target_run.compile_layers)
-        self.target_run.capture([w for w in prefill_widths if w not in lengths], pool, compiled=self.compile_prefill)
+        self.target_run.capture(
+            [w for w in prefill_widths if w not in lengths], pool, compiled=self.compile_prefill
+        )
         if self.drafter_run is not None:
-            shapes = [("extend", w) for w in [self.spec.depth, *prefill_widths]] + \
-                     [("step", w) for w in {1, self.spec.topk}]
+            shapes = [("extend", w) for w in [self.spec.depth, *prefill_widths]] + [
+                ("step", w) for w in {1, self.spec.topk}
+            ]
             self.drafter_run.capture(shapes, pool)
         self.prefill_widths = prefill_widths
         if self.fused is not None:
             try:
-                self.fused.capture(torch.cuda.graph_pool_handle())  # its own pool: the old graphs replay in between
+                self.fused.capture(
+                    torch.cuda.graph_pool_handle()
+                )  # its own pool: the old graphs replay in between
             except Exception as error:  # noqa: BLE001 -- keep serving on the step-by-step graphs
-                log.warning("fused step graphs failed to capture (%s); using the step-by-step path", error)
+                log.warning(
+                    "fused step graphs failed to capture (%s); using the step-by-step path", error
+                )
                 self.fused = None
         torch.cuda.synchronize()
-        log.info("captured CUDA graphs: target %s, drafter %s", sorted(self.target_run.graphs),
-                 sorted(self.drafter_run.graphs) if self.drafter_run else [])
+        log.info(
+            "captured CUDA graphs: target %s, drafter %s",
+            sorted(self.target_run.graphs),
+            sorted(self.drafter_run.graphs) if self.drafter_run else [],
+        )
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:

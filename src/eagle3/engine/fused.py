@@ -28,6 +28,7 @@ from eagle3.engine.tree import ancestor_mask, keep_best, subtree, top_children
 @dataclass
 class Pending:
     """A launched step: its host copy's slot, its phase marks and the mark after its copy."""
+
     slot: int
     marks: list
     done: object
@@ -38,22 +39,36 @@ class FusedGreedy:
         """compiled: the draft and extend phases (the drafter's layer and the tree bookkeeping, many
         small kernels) go through torch.compile; verify's target layers follow compile_layers."""
         self.decoder, self.spec, self.device = decoder, decoder.spec, decoder.device
-        self.size = self.spec.depth if self.spec.enabled else 1  # verified nodes per step (root included)
+        self.size = (
+            self.spec.depth if self.spec.enabled else 1
+        )  # verified nodes per step (root included)
         self.drafter_run = decoder.drafter_run
         self.root = torch.zeros(1, dtype=torch.long, device=self.device)
         self.position = torch.zeros((), dtype=torch.long, device=self.device)
         # what the host reads (accepted count, committed tokens): one buffer that every width's graphs write
-        self.max_commit = min(self.size, self.spec.steps + 1) if self.spec.enabled else 1  # tokens one step commits
+        self.max_commit = (
+            min(self.size, self.spec.steps + 1) if self.spec.enabled else 1
+        )  # tokens one step commits
         self.packed = torch.zeros(1 + self.max_commit, dtype=torch.long, device=self.device)
         # two host copies: the host reads one step's while the next step (launched before the read) runs
-        self.host = [torch.zeros(1 + self.max_commit, dtype=torch.long, pin_memory=self.device.type == "cuda")
-                     for _ in range(2)]
+        self.host = [
+            torch.zeros(
+                1 + self.max_commit, dtype=torch.long, pin_memory=self.device.type == "cuda"
+            )
+            for _ in range(2)
+        ]
         self.next_slot = 0
         self.hidden = None
         if self.drafter_run is not None:
-            self.hidden = torch.zeros(1, self.drafter_run.drafter.config.hidden_size, dtype=self.drafter_run.dtype,
-                                      device=self.device)
-        self.phases = [self.draft, self.verify] + ([self.extend] if self.drafter_run is not None else [])
+            self.hidden = torch.zeros(
+                1,
+                self.drafter_run.drafter.config.hidden_size,
+                dtype=self.drafter_run.dtype,
+                device=self.device,
+            )
+        self.phases = [self.draft, self.verify] + (
+            [self.extend] if self.drafter_run is not None else []
+        )
         if compiled and self.drafter_run is not None:
             # not dynamic=False: each cache width is a new length of the masks and of the cache slice
             # attention reads; automatic dynamic shapes compile the second width generically, so a
@@ -62,9 +77,17 @@ class FusedGreedy:
         self.graphs: dict[int, list[Graphed]] = {}  # cache width -> one graph per phase
         self.held: dict[int, list] = {}
         # attention reads only the cache slots in use, rounded up to a power of two (a graph each)
-        self.reach = self.size if self.drafter_run is None else max(self.size, self.spec.steps * self.spec.topk)
-        self.widths = sorted({min(2 ** n, decoder.max_context + self.reach)
-                              for n in range(8, max(8, (decoder.max_context + self.reach - 1).bit_length()) + 1)})
+        self.reach = (
+            self.size
+            if self.drafter_run is None
+            else max(self.size, self.spec.steps * self.spec.topk)
+        )
+        self.widths = sorted(
+            {
+                min(2**n, decoder.max_context + self.reach)
+                for n in range(8, max(8, (decoder.max_context + self.reach - 1).bit_length()) + 1)
+            }
+        )
         self.width = self.widths[-1]
 
     def fits(self, position: int) -> bool:
@@ -104,7 +127,7 @@ class FusedGreedy:
         stats.accepted_per_step.append(accepted)
         stats.draft_time_s += draft_s
         stats.verify_time_s += verify_s
-        return packed[1:accepted + 2], self.hidden
+        return packed[1 : accepted + 2], self.hidden
 
     def capture(self, pool) -> None:
         """One CUDA graph per phase and width; each is replayed once so the next phase captures on
@@ -116,8 +139,10 @@ class FusedGreedy:
                 graphs[-1].graph.replay()
             self.graphs[width] = graphs
             # keep this width's phase outputs alive, so no later capture reuses their memory
-            self.held[width] = [getattr(self, name, None) for name in
-                                ("tokens", "parents", "depths", "accepted", "bonus", "new", "path_aux")]
+            self.held[width] = [
+                getattr(self, name, None)
+                for name in ("tokens", "parents", "depths", "accepted", "bonus", "new", "path_aux")
+            ]
         torch.cuda.synchronize()
 
     def span(self, kv) -> int:
@@ -168,10 +193,16 @@ class FusedGreedy:
                 for _ in range(step - 1):
                     lineage.append(every_parent[lineage[-1]])
                 ancestor_slots = slot_of[torch.stack(lineage, dim=1)]  # [width, step]
-                mask = prefix[None] | (columns[None, :, None] == ancestor_slots[:, None, :]).any(dim=-1)
+                mask = prefix[None] | (columns[None, :, None] == ancestor_slots[:, None, :]).any(
+                    dim=-1
+                )
                 ids = torch.cat(tokens)[frontier]
-                rows_position = position + (step - 1) + torch.zeros(width, dtype=torch.long, device=self.device)
-                frontier_hidden, logits = run._forward("step", ids, frontier_hidden, rows_position, slots, mask)
+                rows_position = (
+                    position + (step - 1) + torch.zeros(width, dtype=torch.long, device=self.device)
+                )
+                frontier_hidden, logits = run._forward(
+                    "step", ids, frontier_hidden, rows_position, slots, mask
+                )
             else:
                 logits = run.logits(self.hidden)
             base = torch.cat(scores)[frontier]
@@ -201,7 +232,9 @@ class FusedGreedy:
         for step in range(self.spec.steps):
             if step > 0:
                 slot = (position + (step - 1)).view(1)
-                hidden, logits = run._forward("step", tokens[-1], hidden, slot, slot, (columns <= slot)[None])
+                hidden, logits = run._forward(
+                    "step", tokens[-1], hidden, slot, slot, (columns <= slot)[None]
+                )
             tokens.append(run.drafter.to_target_ids(logits.argmax(dim=-1).view(1)))
         index = torch.arange(self.size, device=self.device)
         self.tokens, self.parents, self.depths = torch.cat(tokens), (index - 1).clamp_min(0), index
@@ -216,18 +249,27 @@ class FusedGreedy:
         relative = columns - position
         in_tree = (relative >= 0) & (relative < q)
         mask = (columns < position)[None] | (ancestors[:, relative.clamp(0, q - 1)] & in_tree[None])
-        logits, aux = run._forward(self.tokens, position + self.depths, position + index, mask,
-                                   compiled=run.compile_layers)
+        logits, aux = run._forward(
+            self.tokens, position + self.depths, position + index, mask, compiled=run.compile_layers
+        )
         argmax = logits.argmax(dim=-1)
         matches = (self.tokens == argmax[self.parents]) | (index == 0)
         accepted = ~(ancestors & ~matches[None, :]).any(dim=-1)
-        depth_first = (self.depths * (q + 1) + (q - index) + 1) * accepted - 1  # deepest first, then earliest
+        depth_first = (
+            self.depths * (q + 1) + (q - index) + 1
+        ) * accepted - 1  # deepest first, then earliest
         best = depth_first.argmax(dim=0, keepdim=True)  # [1]: a 0-d index would be read on the host
         self.accepted, self.bonus = self.depths[best], argmax[best]
-        path_first = torch.argsort((~ancestors[best][0]).long() * q + index)  # path nodes in order, then the rest
-        run.kv.keep(position, position + path_first)  # the rest lands past the commit: masked, then overwritten
+        path_first = torch.argsort(
+            (~ancestors[best][0]).long() * q + index
+        )  # path nodes in order, then the rest
+        run.kv.keep(
+            position, position + path_first
+        )  # the rest lands past the commit: masked, then overwritten
         m = self.max_commit
-        self.new = torch.where(index[:m] == self.accepted, self.bonus, self.tokens[path_first].roll(-1)[:m])
+        self.new = torch.where(
+            index[:m] == self.accepted, self.bonus, self.tokens[path_first].roll(-1)[:m]
+        )
         self.path_aux = aux[path_first[:m]]
         self.packed.copy_(torch.cat([self.accepted, self.new]))
         if self.drafter_run is None:

@@ -18,10 +18,20 @@ from eagle3.drafter import sdpa
 class SlotKV:
     """Per-layer K/V buffers written at explicit slots."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device, batch: int = 1):
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        batch: int = 1,
+    ):
         # one buffer for all layers' K and V, so moving an accepted path is two copies, not 4 per layer
-        self.buffer = torch.zeros((2, num_layers, batch, kv_heads, max_len, head_dim), dtype=dtype, device=device)
+        self.buffer = torch.zeros(
+            (2, num_layers, batch, kv_heads, max_len, head_dim), dtype=dtype, device=device
+        )
         self.keys = [self.buffer[0, layer] for layer in range(num_layers)]
         self.values = [self.buffer[1, layer] for layer in range(num_layers)]
         self.max_len = max_len
@@ -36,12 +46,12 @@ class SlotKV:
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         self.keys[layer].index_copy_(2, self.slots, key.to(self.keys[layer].dtype))
         self.values[layer].index_copy_(2, self.slots, value.to(self.values[layer].dtype))
-        return self.keys[layer][:, :, :self.kv_len], self.values[layer][:, :, :self.kv_len]
+        return self.keys[layer][:, :, : self.kv_len], self.values[layer][:, :, : self.kv_len]
 
     def write_pair(self, layer: int, pair: torch.Tensor):
         """write's keys and values stacked [2, batch, kv_heads, q, dim]: one copy for both."""
         self.buffer[:, layer].index_copy_(3, self.slots, pair.to(self.buffer.dtype))
-        return self.keys[layer][:, :, :self.kv_len], self.values[layer][:, :, :self.kv_len]
+        return self.keys[layer][:, :, : self.kv_len], self.values[layer][:, :, : self.kv_len]
 
     def keep(self, start, sources: torch.Tensor) -> None:
         """Move the entries at slots `sources` to slots start, start+1, ... (accepted tree path);
@@ -56,8 +66,12 @@ class TargetKV(SlotKV):
     is_compileable = False
 
     def __init__(self, config, max_len: int, dtype: torch.dtype, device: torch.device):
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        super().__init__(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_len, dtype, device)
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        super().__init__(
+            config.num_hidden_layers, config.num_key_value_heads, head_dim, max_len, dtype, device
+        )
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return self.write(layer_idx, key_states, value_states)
@@ -70,7 +84,14 @@ class DrafterKV(SlotKV):
     """The drafter's cache; `attend` is the callback Eagle3Drafter.forward takes."""
 
     def __init__(self, config, max_len: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_len, dtype, device)
+        super().__init__(
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            config.head_dim,
+            max_len,
+            dtype,
+            device,
+        )
         self.mask = None  # bool [1, 1, q, kv_len], True = attend
 
     def prepare(self, slots: torch.Tensor, kv_len: int, mask: torch.Tensor | None = None) -> None:

@@ -29,8 +29,8 @@ from eagle3.target import Target
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor      # cat of q/k/v_proj weights (a copy, query heads reordered)
-    o: torch.Tensor        # o_proj's weight, its columns reordered the same way (a copy)
+    qkv: torch.Tensor  # cat of q/k/v_proj weights (a copy, query heads reordered)
+    o: torch.Tensor  # o_proj's weight, its columns reordered the same way (a copy)
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # cat of gate/up_proj weights (a copy)
     down: torch.Tensor
@@ -40,7 +40,13 @@ class LeanBlocks:
     """The pieces both lean forwards share: RMSNorm, the heads' split (rotary) and merge, the mask bias."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, eps: float, dtype: torch.dtype):
-        self.heads, self.kv_heads, self.head_dim, self.eps, self.dtype = heads, kv_heads, head_dim, eps, dtype
+        self.heads, self.kv_heads, self.head_dim, self.eps, self.dtype = (
+            heads,
+            kv_heads,
+            head_dim,
+            eps,
+            dtype,
+        )
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # rms_norm accumulates in float32 and returns x's dtype; the weight multiplies after that
@@ -57,8 +63,8 @@ class LeanBlocks:
         qkv = qkv.view(q_len, heads + 2 * kv_heads, dim)
         cos, sin = cos[:, None], sin[:, None]
         queries = rotate(qkv[:, :heads], cos, sin).view(-1, kv_heads, dim).transpose(0, 1)[None]
-        keys = rotate(qkv[:, heads:heads + kv_heads], cos, sin).transpose(0, 1)[None]
-        return queries, keys, qkv[:, heads + kv_heads:].transpose(0, 1)[None]
+        keys = rotate(qkv[:, heads : heads + kv_heads], cos, sin).transpose(0, 1)[None]
+        return queries, keys, qkv[:, heads + kv_heads :].transpose(0, 1)[None]
 
     def merge_heads(self, out: torch.Tensor) -> torch.Tensor:
         """Attention's [1, kv_heads, q * groups, dim] (split_heads' layout) -> [q, heads * dim] in the
@@ -83,20 +89,36 @@ class LeanLlama(LeanBlocks):
         """A plain Llama: no biases, silu, and rotary frequencies that do not change with the
         positions seen (HF recomputes them in the forward for dynamic and longrope)."""
         config = model.config
-        rope_type = model.model.rotary_emb.rope_type if isinstance(model, LlamaForCausalLM) else None
-        return (config.model_type == "llama" and rope_type is not None and "dynamic" not in rope_type
-                and rope_type != "longrope" and not config.attention_bias and not config.mlp_bias
-                and config.hidden_act == "silu" and getattr(config, "pretraining_tp", 1) == 1)
+        rope_type = (
+            model.model.rotary_emb.rope_type if isinstance(model, LlamaForCausalLM) else None
+        )
+        return (
+            config.model_type == "llama"
+            and rope_type is not None
+            and "dynamic" not in rope_type
+            and rope_type != "longrope"
+            and not config.attention_bias
+            and not config.mlp_bias
+            and config.hidden_act == "silu"
+            and getattr(config, "pretraining_tp", 1) == 1
+        )
 
     @torch.no_grad()
     def __init__(self, target: Target, max_len: int):
         model, config = target.model, target.config
         if max(target.aux_layer_ids) >= config.num_hidden_layers or min(target.aux_layer_ids) < 0:
-            raise Eagle3Error(f"aux_layer_ids {target.aux_layer_ids} out of range for a "
-                              f"{config.num_hidden_layers}-layer target")
+            raise Eagle3Error(
+                f"aux_layer_ids {target.aux_layer_ids} out of range for a "
+                f"{config.num_hidden_layers}-layer target"
+            )
         heads = config.num_attention_heads
-        super().__init__(heads, config.num_key_value_heads, getattr(config, "head_dim", None) or
-                         config.hidden_size // heads, config.rms_norm_eps, model.model.embed_tokens.weight.dtype)
+        super().__init__(
+            heads,
+            config.num_key_value_heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads,
+            config.rms_norm_eps,
+            model.model.embed_tokens.weight.dtype,
+        )
         self.aux_layer_ids = list(target.aux_layer_ids)
         self.embedding = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
@@ -110,7 +132,9 @@ class LeanLlama(LeanBlocks):
         GEMM, rotary -> (the hidden state entering the layer, split_heads' queries, its keys and
         values stacked [2, 1, kv_heads, q, dim] for one cache write)."""
         hidden = hidden + delta
-        queries, keys, values = self.split_heads(F.linear(self.norm(hidden, input_norm), qkv), cos, sin)
+        queries, keys, values = self.split_heads(
+            F.linear(self.norm(hidden, input_norm), qkv), cos, sin
+        )
         return hidden, queries, torch.stack([keys, values])
 
     def leave_layer(self, hidden, out, o, post_norm, gate_up, down):
@@ -125,11 +149,19 @@ class LeanLlama(LeanBlocks):
         silu * up into one (fewer kernels per replayed step). The cache write and attention stay
         outside: the cache is one buffer that all layers view."""
         if self.compiled is None:  # each verify length is one entry of a segment's compile cache
-            self.compiled = tuple(compile_fixed(fn, dynamic=False) for fn in (self.enter_layer, self.leave_layer))
+            self.compiled = tuple(
+                compile_fixed(fn, dynamic=False) for fn in (self.enter_layer, self.leave_layer)
+            )
         return self.compiled
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: SlotKV, mask: torch.Tensor,
-                compiled: bool = False):
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: SlotKV,
+        mask: torch.Tensor,
+        compiled: bool = False,
+    ):
         """ids/positions [q], kv prepared by the caller, mask bool [q, kv_len] (True = attend)
         -> (logits float32 [q, V], aux [q, len(aux_layer_ids) * H]). compiled: the layer's segments
         around attention run torch.compile'd (one compile per query length: fixed shapes only)."""
@@ -137,7 +169,9 @@ class LeanLlama(LeanBlocks):
         bias = self.attention_bias(mask)
         hidden = F.embedding(ids, self.embedding)
         delta = torch.zeros_like(hidden)
-        enter, leave = self.compiled_segments() if compiled else (self.enter_layer, self.leave_layer)
+        enter, leave = (
+            self.compiled_segments() if compiled else (self.enter_layer, self.leave_layer)
+        )
         entering = {}
         for index, layer in enumerate(self.layers):
             hidden, queries, new_kv = enter(hidden, delta, layer.input_norm, layer.qkv, cos, sin)
@@ -157,8 +191,12 @@ class LeanDrafter(LeanBlocks):
     def supports(drafter) -> bool:
         config = drafter.config
         rope_type = drafter.rotary_emb.rope_type
-        return (config.hidden_act == "silu" and not getattr(config, "mlp_bias", False)
-                and "dynamic" not in rope_type and rope_type != "longrope")
+        return (
+            config.hidden_act == "silu"
+            and not getattr(config, "mlp_bias", False)
+            and "dynamic" not in rope_type
+            and rope_type != "longrope"
+        )
 
     @torch.no_grad()
     def __init__(self, drafter, max_len: int, explicit_attention: bool = False):
@@ -167,33 +205,54 @@ class LeanDrafter(LeanBlocks):
         launch gap (H200, SmolLM2's d32s4k8: the draft phase 0.361 -> 0.352 ms a step, h200-2026-12-02)."""
         config = drafter.config
         self.explicit_attention = explicit_attention
-        super().__init__(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                         config.rms_norm_eps, drafter.fc.weight.dtype)
+        super().__init__(
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.rms_norm_eps,
+            drafter.fc.weight.dtype,
+        )
         self.embedding = drafter.embed_tokens.weight
         self.hidden_norm = drafter.layers[0].hidden_norm.weight
         self.final_norm, self.lm_head = drafter.norm.weight, drafter.lm_head.weight
         self.layers = [layer_weights(layer) for layer in drafter.layers]
         self.cos, self.sin = rotary_tables(drafter.rotary_emb, drafter.fc.weight, max_len)
 
-    def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kv: SlotKV,
-                mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv: SlotKV,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
         """ids/positions [q], hidden [q, H], kv prepared by the caller, mask bool [q, kv_len]
         -> the pre-norm hidden state [q, H] (the first layer reads cat(norm(embeds), norm(hidden)))."""
         cos, sin = self.cos[positions], self.sin[positions]
         bias = self.attention_bias(mask)
         embeds = F.embedding(ids, self.embedding).to(hidden.dtype)
         for index, layer in enumerate(self.layers):
-            x = (torch.cat([self.norm(embeds, layer.input_norm), self.norm(hidden, self.hidden_norm)], dim=-1)
-                 if index == 0 else self.norm(hidden, layer.input_norm))
+            x = (
+                torch.cat(
+                    [self.norm(embeds, layer.input_norm), self.norm(hidden, self.hidden_norm)],
+                    dim=-1,
+                )
+                if index == 0
+                else self.norm(hidden, layer.input_norm)
+            )
             hidden = hidden + self.attention(index, layer, x, cos, sin, kv, bias)
-            hidden = hidden + gated_mlp(self.norm(hidden, layer.post_norm), layer.gate_up, layer.down)
+            hidden = hidden + gated_mlp(
+                self.norm(hidden, layer.post_norm), layer.gate_up, layer.down
+            )
         return hidden
 
-    def attention(self, index: int, layer: LayerWeights, x, cos, sin, kv: SlotKV, bias) -> torch.Tensor:
+    def attention(
+        self, index: int, layer: LayerWeights, x, cos, sin, kv: SlotKV, bias
+    ) -> torch.Tensor:
         queries, keys, values = self.split_heads(F.linear(x, layer.qkv), cos, sin)
         keys, values = kv.write(index, keys, values)
         if self.explicit_attention:
-            scores = (queries @ keys.transpose(-1, -2)).float() * self.head_dim ** -0.5 + bias
+            scores = (queries @ keys.transpose(-1, -2)).float() * self.head_dim**-0.5 + bias
             out = torch.softmax(scores, dim=-1).to(values.dtype) @ values
         else:
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias)
@@ -228,11 +287,16 @@ def layer_weights(layer) -> LayerWeights:
     return LayerWeights(
         input_norm=layer.input_layernorm.weight,
         qkv=torch.cat([q_rows, attn.k_proj.weight, attn.v_proj.weight]),
-        o=o_columns.contiguous(), post_norm=layer.post_attention_layernorm.weight,
-        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), down=mlp.down_proj.weight)
+        o=o_columns.contiguous(),
+        post_norm=layer.post_attention_layernorm.weight,
+        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        down=mlp.down_proj.weight,
+    )
 
 
-def rotary_tables(rotary_emb, weight: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    rotary_emb, weight: torch.Tensor, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [max_len, head_dim] in weight's dtype from a model's own rotary embedding (any rope
     type or scaling gives HF's values); sin's first half is negated so rotate() needs no
     rotate_half negation."""

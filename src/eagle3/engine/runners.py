@@ -46,12 +46,20 @@ def eager_attention(cudnn: bool):
     CUDA graph the shapes are fixed, so the captured steps keep torch's default choice."""
     if cudnn:
         return nullcontext()
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    return sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    )
 
 
 class TargetRunner:
-    def __init__(self, target: Target, max_len: int, lean: bool = True, eager_cudnn: bool = False,
-                 compile_layers: bool = False):
+    def __init__(
+        self,
+        target: Target,
+        max_len: int,
+        lean: bool = True,
+        eager_cudnn: bool = False,
+        compile_layers: bool = False,
+    ):
         """lean: run a plain Llama target through LeanLlama (same numbers, fewer kernels);
         other targets, or lean=False, run HF's forward. eager_cudnn: allow cuDNN attention
         outside CUDA graphs (see eager_attention). compile_layers: the verify graphs run LeanLlama's
@@ -83,30 +91,46 @@ class TargetRunner:
         additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
         additive = additive.masked_fill(~mask, torch.finfo(self.dtype).min)[None, None]
         with aux_capture(self.model, self.target.aux_layer_ids) as captured:
-            out = self.model.model(input_ids=ids[None], attention_mask=additive, position_ids=positions[None],
-                                   past_key_values=self.kv, use_cache=True)
+            out = self.model.model(
+                input_ids=ids[None],
+                attention_mask=additive,
+                position_ids=positions[None],
+                past_key_values=self.kv,
+                use_cache=True,
+            )
         return self.model.lm_head(out.last_hidden_state[0]).float(), captured[-1][0]
 
     def capture(self, lengths: list[int], pool, compiled: bool = False) -> None:
         for q in sorted(set(lengths)):
-            example = [torch.zeros(q, dtype=torch.long, device=self.device),
-                       torch.zeros(q, dtype=torch.long, device=self.device),
-                       torch.arange(q, device=self.device),
-                       torch.ones(q, self.kv.max_len, dtype=torch.bool, device=self.device)]
+            example = [
+                torch.zeros(q, dtype=torch.long, device=self.device),
+                torch.zeros(q, dtype=torch.long, device=self.device),
+                torch.arange(q, device=self.device),
+                torch.ones(q, self.kv.max_len, dtype=torch.bool, device=self.device),
+            ]
             self.graphs[q] = Graphed(lambda *a: self._forward(*a, compiled=compiled), example, pool)
 
 
 class DrafterRunner:
-    def __init__(self, drafter, max_len: int, lean: bool = True, eager_cudnn: bool = False,
-                 explicit_attention: bool = False):
+    def __init__(
+        self,
+        drafter,
+        max_len: int,
+        lean: bool = True,
+        eager_cudnn: bool = False,
+        explicit_attention: bool = False,
+    ):
         """lean: the drafter's step through LeanDrafter (same numbers, fewer kernels);
         eager_cudnn as TargetRunner's; explicit_attention: LeanDrafter's softmax(QK^T)V."""
         self.drafter = drafter
         self.dtype = drafter.fc.weight.dtype
         self.device = drafter.fc.weight.device
         self.kv = DrafterKV(drafter.config, max_len, self.dtype, self.device)
-        self.lean = (LeanDrafter(drafter, max_len, explicit_attention)
-                     if lean and LeanDrafter.supports(drafter) else None)
+        self.lean = (
+            LeanDrafter(drafter, max_len, explicit_attention)
+            if lean and LeanDrafter.supports(drafter)
+            else None
+        )
         self.eager_cudnn = eager_cudnn
         self.graphs: dict[int, Graphed] = {}
 
@@ -147,9 +171,11 @@ class DrafterRunner:
         config = self.drafter.config
         for kind, q in sorted(set(shapes)):
             width = 3 * config.target_hidden_size if kind == "extend" else config.hidden_size
-            example = [torch.zeros(q, dtype=torch.long, device=self.device),
-                       torch.zeros(q, width, dtype=self.dtype, device=self.device),
-                       torch.zeros(q, dtype=torch.long, device=self.device),
-                       torch.arange(q, device=self.device),
-                       torch.ones(q, self.kv.max_len, dtype=torch.bool, device=self.device)]
+            example = [
+                torch.zeros(q, dtype=torch.long, device=self.device),
+                torch.zeros(q, width, dtype=self.dtype, device=self.device),
+                torch.zeros(q, dtype=torch.long, device=self.device),
+                torch.arange(q, device=self.device),
+                torch.ones(q, self.kv.max_len, dtype=torch.bool, device=self.device),
+            ]
             self.graphs[(kind, q)] = Graphed(lambda *a, k=kind: self._forward(k, *a), example, pool)

@@ -22,6 +22,7 @@ import torch
 @dataclass
 class Sampling:
     """How one request chooses tokens: greedy at temperature 0, else drawn with `generator`."""
+
     temperature: float
     top_p: float
     generator: torch.Generator
@@ -68,8 +69,13 @@ def greedy_path(tokens: list[int], parents: list[int], argmax: list[int]) -> tup
         path.append(match)
 
 
-def sampled_path(tokens: list[int], parents: list[int], target_probs: torch.Tensor,
-                 draft_probs: torch.Tensor | None, generator: torch.Generator) -> tuple[list[int], int]:
+def sampled_path(
+    tokens: list[int],
+    parents: list[int],
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator,
+) -> tuple[list[int], int]:
     """Multi-candidate speculative sampling over the tree. target_probs [N, V]: the target's
     distribution at each node; draft_probs [N, V] (chains) or None (deterministic children)."""
     children = children_of(parents)

@@ -27,7 +27,6 @@ from eagle3.engine.decoder import GenerationResult, SpecDecoder
 from eagle3.spec import resolve_spec
 from eagle3.target import load_target
 
-
 # ---------------------------------------------------------------- request schemas
 
 
@@ -36,7 +35,7 @@ class Strict(BaseModel):
 
 
 # A per-request sampling seed (vLLM's and OpenAI's `seed`): an integer in torch.Generator's range.
-Seed = Annotated[int | None, Field(ge=0, lt=2 ** 64, strict=True)]
+Seed = Annotated[int | None, Field(ge=0, lt=2**64, strict=True)]
 
 
 class SamplingParams(Strict):
@@ -58,6 +57,7 @@ class GenerateRequest(Strict):
 
 class OpenAIRequest(Strict):
     """The fields the OpenAI completions and chat bodies share."""
+
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0)
@@ -65,7 +65,9 @@ class OpenAIRequest(Strict):
     stop: str | list[str] | None = None
     seed: Seed = None
     stream: bool = False
-    ignore_eos: bool = False  # an extension SGLang's and vLLM's OpenAI routes accept too (benchmarks send it)
+    ignore_eos: bool = (
+        False  # an extension SGLang's and vLLM's OpenAI routes accept too (benchmarks send it)
+    )
 
 
 class CompletionRequest(OpenAIRequest):
@@ -99,8 +101,8 @@ class Counters:
     requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    num_drafts: int = 0             # verify steps
-    num_draft_tokens: int = 0       # draft tokens verified
+    num_drafts: int = 0  # verify steps
+    num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0
@@ -125,7 +127,14 @@ class Counters:
 class EngineService:
     """The decoder, its tokenizer and the cumulative counters; generate() serialises requests."""
 
-    def __init__(self, decoder: SpecDecoder, tokenizer, scfg: DictConfig, drafter_source: str, model_name: str):
+    def __init__(
+        self,
+        decoder: SpecDecoder,
+        tokenizer,
+        scfg: DictConfig,
+        drafter_source: str,
+        model_name: str,
+    ):
         self.decoder, self.tokenizer, self.scfg = decoder, tokenizer, scfg
         self.drafter_source, self.model_name = drafter_source, model_name
         self.counters = Counters()
@@ -135,12 +144,25 @@ class EngineService:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
-        return self.tokenizer.apply_chat_template([m.model_dump() for m in messages], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=True)["input_ids"]
+        return self.tokenizer.apply_chat_template(
+            [m.model_dump() for m in messages],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int | None, temperature: float | None, top_p: float,
-                 stop: str | list[str] | None = None, stop_token_ids=(), ignore_eos: bool = False,
-                 on_text=None, seed: int | None = None) -> Reply:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int | None,
+        temperature: float | None,
+        top_p: float,
+        stop: str | list[str] | None = None,
+        stop_token_ids=(),
+        ignore_eos: bool = False,
+        on_text=None,
+        seed: int | None = None,
+    ) -> Reply:
         """Decode under the lock; on_text(delta) streams text as steps commit, never text a stop
         string may still remove. seed: this request's own sampling generator (same seed, same text)."""
         self.decoder.check_prompt(prompt_ids)
@@ -155,37 +177,47 @@ class EngineService:
             produced.extend(new)
             text, hit = streamable(self.decode(produced), stops)
             if on_text is not None and len(text) > len(sent[0]):
-                on_text(text[len(sent[0]):])
+                on_text(text[len(sent[0]) :])
                 sent[0] = text
             return hit
 
         started = time.perf_counter()
         with self.lock:
             result = self.decoder.generate(
-                prompt_ids, max_new_tokens or self.scfg.default_max_tokens,
-                self.scfg.default_temperature if temperature is None else temperature, top_p,
-                stop_ids=stop_ids, on_tokens=on_tokens,
-                generator=torch.Generator().manual_seed(seed) if seed is not None else None)
+                prompt_ids,
+                max_new_tokens or self.scfg.default_max_tokens,
+                self.scfg.default_temperature if temperature is None else temperature,
+                top_p,
+                stop_ids=stop_ids,
+                on_tokens=on_tokens,
+                generator=torch.Generator().manual_seed(seed) if seed is not None else None,
+            )
             self.counters.add(result)
         text, _ = cut_at_stop(self.decode(result.tokens), stops)
         if on_text is not None and len(text) > len(sent[0]):
-            on_text(text[len(sent[0]):])
-        return Reply(result.tokens, text, result.finish_reason, result, time.perf_counter() - started)
+            on_text(text[len(sent[0]) :])
+        return Reply(
+            result.tokens, text, result.finish_reason, result, time.perf_counter() - started
+        )
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def stats(self) -> dict:
         c = self.counters
-        return {**c.__dict__, "tau": c.completion_tokens / c.num_drafts if c.num_drafts else 0.0,
-                "spec": self.decoder.spec.label, "drafter": self.drafter_source,
-                "max_context": self.decoder.max_context}
+        return {
+            **c.__dict__,
+            "tau": c.completion_tokens / c.num_drafts if c.num_drafts else 0.0,
+            "spec": self.decoder.spec.label,
+            "drafter": self.drafter_source,
+            "max_context": self.decoder.max_context,
+        }
 
 
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     """Text before the first stop string (excluded, as SGLang and OpenAI do), and whether one occurred."""
     cuts = [text.find(s) for s in stops if s and s in text]
-    return (text[:min(cuts)], True) if cuts else (text, False)
+    return (text[: min(cuts)], True) if cuts else (text, False)
 
 
 def streamable(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -197,7 +229,7 @@ def streamable(text: str, stops: list[str]) -> tuple[str, bool]:
         return text, True
     settled = text.rstrip("\ufffd")
     held = max((n for s in stops for n in range(1, len(s)) if settled.endswith(s[:n])), default=0)
-    return settled[:len(settled) - held], False
+    return settled[: len(settled) - held], False
 
 
 # ---------------------------------------------------------------- the FastAPI app
@@ -212,9 +244,13 @@ def create_app(service: EngineService):
 
     @api.exception_handler(RequestValidationError)
     async def bad_request(_request: Request, err: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
-                             for e in err.errors())
-        return JSONResponse({"error": {"message": f"invalid request: {problems}", "type": "invalid_request"}}, 400)
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
+            for e in err.errors()
+        )
+        return JSONResponse(
+            {"error": {"message": f"invalid request: {problems}", "type": "invalid_request"}}, 400
+        )
 
     @api.exception_handler(Eagle3Error)
     async def engine_refused(_request: Request, err: Eagle3Error):
@@ -230,7 +266,10 @@ def create_app(service: EngineService):
 
     @api.get("/v1/models")
     def models():
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "owned_by": "eagle3"}]}
+        return {
+            "object": "list",
+            "data": [{"id": service.model_name, "object": "model", "owned_by": "eagle3"}],
+        }
 
     @api.post("/generate")
     def generate(req: GenerateRequest):
@@ -238,40 +277,111 @@ def create_app(service: EngineService):
             raise Eagle3Error("give exactly one of text or input_ids")
         ids = req.input_ids if req.input_ids is not None else service.encode_text(req.text)
         sp = req.sampling_params
-        run = lambda on_text=None: service.generate(ids, sp.max_new_tokens, sp.temperature, sp.top_p, sp.stop,
-                                                    sp.stop_token_ids, sp.ignore_eos, on_text, sp.seed)
+        run = lambda on_text=None: service.generate(
+            ids,
+            sp.max_new_tokens,
+            sp.temperature,
+            sp.top_p,
+            sp.stop,
+            sp.stop_token_ids,
+            sp.ignore_eos,
+            on_text,
+            sp.seed,
+        )
         if req.stream:
-            return stream(run, lambda delta, reply: {"text": delta, **({"meta_info": meta(reply)} if reply else {})})
+            return stream(
+                run,
+                lambda delta, reply: {
+                    "text": delta,
+                    **({"meta_info": meta(reply)} if reply else {}),
+                },
+            )
         reply = run()
         return {"text": reply.text, "output_ids": reply.tokens, "meta_info": meta(reply)}
 
     @api.post("/v1/completions")
     def completions(req: CompletionRequest):
         ids = req.prompt if isinstance(req.prompt, list) else service.encode_text(req.prompt)
-        run = lambda on_text=None: service.generate(ids, req.max_tokens, req.temperature, req.top_p, req.stop,
-                                                    ignore_eos=req.ignore_eos, on_text=on_text, seed=req.seed)
+        run = lambda on_text=None: service.generate(
+            ids,
+            req.max_tokens,
+            req.temperature,
+            req.top_p,
+            req.stop,
+            ignore_eos=req.ignore_eos,
+            on_text=on_text,
+            seed=req.seed,
+        )
         make = lambda choices: openai_body("text_completion", service.model_name, choices)
         if req.stream:
-            return stream(run, lambda delta, reply: make(
-                [{"index": 0, "text": delta, "finish_reason": reply.finish_reason if reply else None}]), done=True)
+            return stream(
+                run,
+                lambda delta, reply: make(
+                    [
+                        {
+                            "index": 0,
+                            "text": delta,
+                            "finish_reason": reply.finish_reason if reply else None,
+                        }
+                    ]
+                ),
+                done=True,
+            )
         reply = run()
-        body = make([{"index": 0, "text": reply.text, "finish_reason": reply.finish_reason, "logprobs": None}])
+        body = make(
+            [
+                {
+                    "index": 0,
+                    "text": reply.text,
+                    "finish_reason": reply.finish_reason,
+                    "logprobs": None,
+                }
+            ]
+        )
         return {**body, "usage": usage(reply)}
 
     @api.post("/v1/chat/completions")
     def chat(req: ChatRequest):
         ids = service.encode_chat(req.messages)
         limit = req.max_completion_tokens or req.max_tokens
-        run = lambda on_text=None: service.generate(ids, limit, req.temperature, req.top_p, req.stop,
-                                                    ignore_eos=req.ignore_eos, on_text=on_text, seed=req.seed)
+        run = lambda on_text=None: service.generate(
+            ids,
+            limit,
+            req.temperature,
+            req.top_p,
+            req.stop,
+            ignore_eos=req.ignore_eos,
+            on_text=on_text,
+            seed=req.seed,
+        )
         if req.stream:
-            return stream(run, lambda delta, reply: openai_body("chat.completion.chunk", service.model_name, [
-                {"index": 0, "delta": {"role": "assistant", "content": delta} if delta else {},
-                 "finish_reason": reply.finish_reason if reply else None}]), done=True)
+            return stream(
+                run,
+                lambda delta, reply: openai_body(
+                    "chat.completion.chunk",
+                    service.model_name,
+                    [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": delta} if delta else {},
+                            "finish_reason": reply.finish_reason if reply else None,
+                        }
+                    ],
+                ),
+                done=True,
+            )
         reply = run()
-        body = openai_body("chat.completion", service.model_name, [
-            {"index": 0, "message": {"role": "assistant", "content": reply.text},
-             "finish_reason": reply.finish_reason}])
+        body = openai_body(
+            "chat.completion",
+            service.model_name,
+            [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": reply.text},
+                    "finish_reason": reply.finish_reason,
+                }
+            ],
+        )
         return {**body, "usage": usage(reply)}
 
     def stream(run, chunk, done: bool = False):
@@ -308,23 +418,39 @@ def create_app(service: EngineService):
 
 def meta(reply: Reply) -> dict:
     s = reply.result.stats
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
-            "spec_verify_ct": s.verify_steps, "spec_accept_length": s.tau,
-            "finish_reason": {"type": reply.finish_reason, **({"length": s.completion_tokens}
-                                                              if reply.finish_reason == "length" else {})},
-            "e2e_latency": reply.latency_s, "draft_time_s": s.draft_time_s, "verify_time_s": s.verify_time_s,
-            "accepted_per_step": s.accepted_per_step}
+    return {
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.completion_tokens,
+        "spec_verify_ct": s.verify_steps,
+        "spec_accept_length": s.tau,
+        "finish_reason": {
+            "type": reply.finish_reason,
+            **({"length": s.completion_tokens} if reply.finish_reason == "length" else {}),
+        },
+        "e2e_latency": reply.latency_s,
+        "draft_time_s": s.draft_time_s,
+        "verify_time_s": s.verify_time_s,
+        "accepted_per_step": s.accepted_per_step,
+    }
 
 
 def usage(reply: Reply) -> dict:
     s = reply.result.stats
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
-            "total_tokens": s.prompt_tokens + s.completion_tokens}
+    return {
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.completion_tokens,
+        "total_tokens": s.prompt_tokens + s.completion_tokens,
+    }
 
 
 def openai_body(kind: str, model: str, choices: list[dict]) -> dict:
-    return {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": kind, "created": int(time.time()), "model": model,
-            "choices": choices}
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex[:16]}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
 
 
 # ---------------------------------------------------------------- building and running
@@ -335,17 +461,28 @@ def load_engine_drafter(cfg: DictConfig, target, spec):
     trained for this config; without one, serve.drafter_fallback=untrained builds a fresh one."""
     if not spec.enabled:
         return None, "none (spec=off)"
-    from eagle3.export import attach_target_embedding, check_drafter_for_target, load_drafter, resolve_drafter_path
+    from eagle3.export import (
+        attach_target_embedding,
+        check_drafter_for_target,
+        load_drafter,
+        resolve_drafter_path,
+    )
+
     try:
         path = resolve_drafter_path(cfg)
     except Eagle3Error:
         if cfg.drafter.get("path") or cfg.serve.drafter_fallback != "untrained":
             raise
         from eagle3.drafter import build_drafter
-        log.warning("no exported drafter for this config: serving an UNTRAINED drafter (acceptance ~1; "
-                    "serve.drafter_fallback=untrained)")
+
+        log.warning(
+            "no exported drafter for this config: serving an UNTRAINED drafter (acceptance ~1; "
+            "serve.drafter_fallback=untrained)"
+        )
         dtype = next(target.model.parameters()).dtype
-        with torch.random.fork_rng(devices=[]):  # the same weights at every start: seeded requests reproduce
+        with torch.random.fork_rng(
+            devices=[]
+        ):  # the same weights at every start: seeded requests reproduce
             torch.manual_seed(cfg.seed)
             drafter = build_drafter(target, cfg.drafter)
         return drafter.to(dtype).eval(), "untrained"
@@ -366,16 +503,35 @@ def build_service(cfg: DictConfig) -> EngineService:
     drafter, source = load_engine_drafter(cfg, target, spec)
     graphs = cfg.engine.cuda_graphs
     use_graphs = target.device.type == "cuda" if graphs == "auto" else bool(graphs)
-    compile_layers, compile_draft = (use_graphs if setting == "auto" else bool(setting)
-                                     for setting in (cfg.engine.compile_layers, cfg.engine.compile_draft))
-    decoder = SpecDecoder(target, drafter, spec, max_context=cfg.engine.max_context, cuda_graphs=use_graphs,
-                          seed=cfg.engine.seed, lean=cfg.engine.lean_forward,
-                          eager_cudnn=cfg.engine.eager_cudnn_attention, compile_layers=compile_layers,
-                          prefill_graphs=tuple(cfg.engine.prefill_graphs or ()), compile_draft=compile_draft,
-                          overlap_steps=cfg.engine.overlap_steps, draft_attention=cfg.engine.draft_attention,
-                          compile_prefill=cfg.engine.compile_prefill, tree_temperature=cfg.engine.tree_temperature)
-    log.info("engine ready: target %s (%s forward), spec %s, drafter %s, context %d", cfg.target.name,
-             "lean" if decoder.target_run.lean else "HF", spec.label, source, decoder.max_context)
+    compile_layers, compile_draft = (
+        use_graphs if setting == "auto" else bool(setting)
+        for setting in (cfg.engine.compile_layers, cfg.engine.compile_draft)
+    )
+    decoder = SpecDecoder(
+        target,
+        drafter,
+        spec,
+        max_context=cfg.engine.max_context,
+        cuda_graphs=use_graphs,
+        seed=cfg.engine.seed,
+        lean=cfg.engine.lean_forward,
+        eager_cudnn=cfg.engine.eager_cudnn_attention,
+        compile_layers=compile_layers,
+        prefill_graphs=tuple(cfg.engine.prefill_graphs or ()),
+        compile_draft=compile_draft,
+        overlap_steps=cfg.engine.overlap_steps,
+        draft_attention=cfg.engine.draft_attention,
+        compile_prefill=cfg.engine.compile_prefill,
+        tree_temperature=cfg.engine.tree_temperature,
+    )
+    log.info(
+        "engine ready: target %s (%s forward), spec %s, drafter %s, context %d",
+        cfg.target.name,
+        "lean" if decoder.target_run.lean else "HF",
+        spec.label,
+        source,
+        decoder.max_context,
+    )
     return EngineService(decoder, target.tokenizer, cfg.serve, source, cfg.target.name)
 
 
@@ -389,6 +545,7 @@ def bind(host: str, port: int) -> socket.socket:
 @app
 def main(cfg: DictConfig) -> None:
     import uvicorn
+
     service = build_service(cfg)
     sock = bind(cfg.serve.host, int(cfg.serve.port))
     host, port = sock.getsockname()[:2]

@@ -17,10 +17,12 @@ import torch
 
 @dataclass
 class DraftTree:
-    tokens: torch.Tensor           # [q] target token ids, root first
-    parents: torch.Tensor          # [q] parent node index (root -> 0), parents precede children
-    depths: torch.Tensor           # [q] 0 for the root
-    draft_probs: torch.Tensor | None = None  # [q, V] sampling distribution per node (sampled chains)
+    tokens: torch.Tensor  # [q] target token ids, root first
+    parents: torch.Tensor  # [q] parent node index (root -> 0), parents precede children
+    depths: torch.Tensor  # [q] 0 for the root
+    draft_probs: torch.Tensor | None = (
+        None  # [q, V] sampling distribution per node (sampled chains)
+    )
 
     @property
     def size(self) -> int:
@@ -32,7 +34,9 @@ def root_only(token: torch.Tensor) -> DraftTree:
     return DraftTree(token.view(1), zero, zero.clone())
 
 
-def top_children(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def top_children(
+    logits: torch.Tensor, k: int, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities, drafter-vocab ids) [rows, k] of each row's k likeliest tokens, best first.
     The log-sum-exp comes from the same chunks as the top-k, so one pass over the logits serves both.
     temperature: the log-probabilities are softmax(logits / temperature)'s (the scores that rank tree
@@ -40,7 +44,9 @@ def top_children(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tupl
     scaled = logits.float() if temperature == 1 else logits.float() / temperature
     blocks, maxima = chunks(scaled, k)
     values, indices = top_k_of_chunks(blocks, maxima, k)
-    log_sum_exp = (maxima + (blocks - maxima[..., None]).exp().sum(dim=-1).log()).logsumexp(dim=-1, keepdim=True)
+    log_sum_exp = (maxima + (blocks - maxima[..., None]).exp().sum(dim=-1).log()).logsumexp(
+        dim=-1, keepdim=True
+    )
     return values - log_sum_exp, indices
 
 
@@ -54,12 +60,16 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def chunks(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [rows, n] cut into chunks [rows, n / c, c] (the tail padded with -inf) and their maxima."""
     rows, n = x.shape
-    chunk = 1 << max(((n // k) - 1).bit_length() // 2, 0)  # ~sqrt(n / k): both sorts ~sqrt(n k) long
+    chunk = 1 << max(
+        ((n // k) - 1).bit_length() // 2, 0
+    )  # ~sqrt(n / k): both sorts ~sqrt(n k) long
     blocks = torch.nn.functional.pad(x, (0, -n % chunk), value=float("-inf")).view(rows, -1, chunk)
     return blocks, blocks.amax(dim=-1)
 
 
-def top_k_of_chunks(blocks: torch.Tensor, maxima: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_of_chunks(
+    blocks: torch.Tensor, maxima: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """top_k from the chunks: the k chunks with the largest maxima (ties: the earlier chunk) hold the
     answer, since the chunk of an answer entry e has a maximum m >= e, and each chunk ranked before it
     holds an entry ranked before e (its maximum, or m itself), of which there are fewer than k."""
@@ -77,13 +87,22 @@ def keep_best(scores: torch.Tensor, parents: torch.Tensor, count: int) -> torch.
     return torch.cat([torch.zeros(1, dtype=torch.long, device=scores.device), order.sort().values])
 
 
-def subtree(nodes: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-            draft_probs: torch.Tensor | None = None) -> DraftTree:
+def subtree(
+    nodes: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+) -> DraftTree:
     """The tree restricted to `nodes` (ascending, closed under ancestors), re-indexed."""
     new_index = torch.zeros(tokens.numel(), dtype=torch.long, device=tokens.device)
     new_index[nodes] = torch.arange(nodes.numel(), device=tokens.device)
-    return DraftTree(tokens[nodes], new_index[parents[nodes]], depths[nodes],
-                     None if draft_probs is None else draft_probs[nodes])
+    return DraftTree(
+        tokens[nodes],
+        new_index[parents[nodes]],
+        depths[nodes],
+        None if draft_probs is None else draft_probs[nodes],
+    )
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
