@@ -27,7 +27,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from omegaconf import DictConfig
 from safetensors.torch import load_file, save_file
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 from transformers import LlamaConfig
 
 from eagle3.artifacts import StageOutput, stage_output, to_plain
@@ -89,10 +89,9 @@ def shards_output(cfg: DictConfig) -> StageOutput:
 def train_output(cfg: DictConfig) -> StageOutput:
     """The train stage's folder for this config (located, not run)."""
     train = {k: v for k, v in to_plain(cfg.train).items() if k not in HASH_EXCLUDED}
-    if (
-        train.get("init_from") is None
-    ):  # a fresh init: the hashes of runs from before the key existed
-        train.pop("init_from", None)
+    for key in ("init_from", "limit"):  # null: the hashes of runs from before these keys
+        if train.get(key) is None:
+            train.pop(key, None)
     drafter = {k: v for k, v in to_plain(cfg.drafter).items() if k != "path"}
     sections = {
         "drafter": drafter,
@@ -861,6 +860,24 @@ def write_weights(folder: Path, drafter: Eagle3Drafter) -> None:
 
 
 def datasets_for(cfg: DictConfig, data_dir: Path) -> tuple[Dataset, Dataset]:
+    train_set, val_set = split_datasets(cfg, data_dir)
+    return first_rows(train_set, cfg.train.get("limit")), val_set
+
+
+def first_rows(dataset: Dataset, limit: int | None) -> Dataset:
+    """The first `limit` items of `dataset` (all when null), lengths kept for bucketing."""
+    if limit is None:
+        return dataset
+    if int(limit) < 1 or int(limit) > len(dataset):
+        raise Eagle3Error(
+            f"train.limit={limit}: the data's train split holds {len(dataset)} rows (use 1..{len(dataset)})"
+        )
+    subset = Subset(dataset, range(int(limit)))
+    subset.lengths = item_lengths(dataset)[: int(limit)]
+    return subset
+
+
+def split_datasets(cfg: DictConfig, data_dir: Path) -> tuple[Dataset, Dataset]:
     if cfg.train.hidden_states == "online":
         from eagle3.data import load_splits
 

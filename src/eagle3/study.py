@@ -1,0 +1,444 @@
+"""`python -m eagle3.study`: how much data buys how much acceptance.
+
+One data stage output; drafters trained from scratch with the composed recipe on nested prefixes of
+its train split (`train.limit`, study.sizes); each one's val tau_hat (the train manifest) and engine
+tau at the composed spec over the first study.prompts prompts of each suite in study.suites (greedy,
+the embedded decoder); then tau = a + b * ln(x) fitted against training tokens and training FLOPs,
+a plot of both with the fit drawn out to study.extrapolate times the largest size, and one MLflow
+parent run with a child per size. Each drafter is an ordinary train stage output: a rerun skips the
+sizes already trained, so an interrupted study resumes. Output: <artifacts>/study/<hash>/ with
+study.json, study.png and study.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from eagle3.artifacts import StageOutput, stage_output, to_plain
+from eagle3.common import Eagle3Error, app, log
+
+FIT_AXES = (("train_tokens", "training tokens"), ("train_flops", "training FLOPs"))
+
+
+# ---------------------------------------------------------------- sizes and their configs
+
+
+def row_counts(sizes, n_train: int) -> list[int]:
+    """Train rows per drafter, ascending: a fraction (<= 1) of the split or a row count (> 1)."""
+    counts = set()
+    for size in sizes:
+        rows = round(float(size) * n_train) if float(size) <= 1 else int(size)
+        if not 1 <= rows <= n_train:
+            raise Eagle3Error(
+                f"study.sizes entry {size}: {rows} rows, but the train split holds {n_train}"
+            )
+        counts.add(rows)
+    if len(counts) < 2:
+        raise Eagle3Error(f"study.sizes={list(sizes)}: a fit needs at least two distinct sizes")
+    return sorted(counts)
+
+
+def size_cfg(cfg: DictConfig, rows: int, n_train: int) -> DictConfig:
+    """The recipe with train.limit set (null for the whole split: the plain recipe's drafter)."""
+    sized = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    with open_dict(sized):
+        sized.train.limit = None if rows == n_train else rows
+    return sized
+
+
+def study_output(cfg: DictConfig, data_hash: str) -> StageOutput:
+    study = {k: v for k, v in to_plain(cfg.study).items() if k != "log_from"}
+    sections = {
+        "study": study,
+        "train": to_plain(cfg.train),
+        "drafter": to_plain(cfg.drafter),
+        "spec": to_plain(cfg.spec),
+        "bench": {"max_new_tokens": cfg.study.max_new_tokens},
+    }
+    return stage_output(cfg.paths.artifacts, "study", sections, {"data": data_hash})
+
+
+# ---------------------------------------------------------------- tokens and FLOPs
+
+
+def prefix_tokens(data_path: Path, rows: int, max_length: int) -> tuple[int, int]:
+    """(tokens, trained tokens) in the first `rows` train rows, each cut at train.max_length."""
+    from eagle3.data import load_splits
+
+    split = load_splits(data_path)["train"].select(range(rows))
+    tokens = trained = 0
+    for ids, mask in zip(split["input_ids"], split["loss_mask"]):
+        tokens += min(len(ids), max_length)
+        trained += sum(mask[:max_length])
+    return tokens, trained
+
+
+def flops_per_token(cfg: DictConfig, target_params: int, drafter_params: int) -> float:
+    """Training FLOPs per token and epoch: the target's forward (2 N) when hidden states are made
+    online, and the drafter's forward and backward (6 N) once per TTT step."""
+    target = 2 * target_params if cfg.train.hidden_states == "online" else 0
+    return float(target + 6 * drafter_params * cfg.train.ttt_length)
+
+
+def parameter_counts(target, train_dir: Path) -> tuple[int, int]:
+    """(target parameters, drafter parameters without its frozen embedding)."""
+    from eagle3.train import load_trained_drafter
+
+    drafter = load_trained_drafter(train_dir, target)
+    n_target = sum(p.numel() for p in target.model.parameters())
+    n_drafter = sum(v.numel() for v in drafter.trainable_state_dict().values())
+    return n_target, n_drafter
+
+
+# ---------------------------------------------------------------- engine tau
+
+
+def suite_prompt_ids(cfg: DictConfig, tokenizer) -> dict[str, list[list[int]]]:
+    """The token ids of the first study.prompts prompts of each study.suites suite."""
+    from eagle3.suites import load_suite
+
+    prompts = {}
+    for suite in cfg.study.suites:
+        bench = OmegaConf.merge(cfg.bench, {"suite": suite, "prompts": None, "limit": None})
+        chosen = load_suite(bench)[: cfg.study.prompts]
+        prompts[suite] = [
+            tokenizer.apply_chat_template(
+                p.messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+            for p in chosen
+        ]
+    return prompts
+
+
+def decoder_for(cfg: DictConfig, target, drafter, spec):
+    from eagle3.engine.decoder import SpecDecoder
+
+    ecfg = cfg.engine
+    graphs = target.device.type == "cuda" if ecfg.cuda_graphs == "auto" else bool(ecfg.cuda_graphs)
+    compiled = bool(cfg.study.compile) and graphs
+    return SpecDecoder(
+        target,
+        drafter,
+        spec,
+        max_context=ecfg.max_context,
+        cuda_graphs=graphs,
+        lean=ecfg.lean_forward,
+        compile_layers=compiled,
+        compile_draft=compiled,
+        compile_prefill=compiled,
+        prefill_graphs=tuple(ecfg.prefill_graphs or ()) if graphs else (),
+        draft_attention=ecfg.draft_attention,
+        tree_temperature=ecfg.tree_temperature,
+    )
+
+
+def engine_tau(cfg: DictConfig, target, train_dir: Path, prompts: dict) -> dict:
+    """{suite: tau, ..., "all": tau over every prompt} for the drafter trained in train_dir."""
+    from eagle3.engine.evaluate import summarize
+    from eagle3.spec import resolve_spec
+    from eagle3.train import load_trained_drafter
+
+    spec = resolve_spec(cfg.spec)
+    dtype = next(target.model.parameters()).dtype
+    drafter = load_trained_drafter(train_dir, target).to(dtype).eval()
+    decoder = decoder_for(cfg, target, drafter, spec)
+    stop = [target.tokenizer.eos_token_id] if target.tokenizer.eos_token_id is not None else []
+    every, taus = [], {}
+    for suite, suite_prompts in prompts.items():
+        stats = [
+            decoder.generate(ids, cfg.study.max_new_tokens, stop_ids=stop).stats
+            for ids in suite_prompts
+        ]
+        taus[suite] = summarize(stats)["tau"]
+        every += stats
+    taus["all"] = summarize(every)["tau"]
+    return taus
+
+
+# ---------------------------------------------------------------- the fit and the plot
+
+
+def fit_log(xs: list[float], ys: list[float]) -> dict:
+    """Least squares tau = a + b * ln(x): a, b, r2, and tau gained per doubling of x."""
+    logs = [math.log(x) for x in xs]
+    n, mean_x, mean_y = len(xs), sum(logs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((lx - mean_x) ** 2 for lx in logs)
+    if n < 2 or sxx == 0:
+        raise Eagle3Error("the fit needs at least two distinct sizes")
+    b = sum((lx - mean_x) * (y - mean_y) for lx, y in zip(logs, ys)) / sxx
+    a = mean_y - b * mean_x
+    total = sum((y - mean_y) ** 2 for y in ys)
+    residual = sum((y - (a + b * lx)) ** 2 for lx, y in zip(logs, ys))
+    r2 = 1 - residual / total if total else 1.0
+    return {"a": a, "b": b, "r2": r2, "per_doubling": b * math.log(2)}
+
+
+def needed_for(fit: dict, tau: float) -> float | None:
+    """The x at which the fitted line reaches tau (None when the fit does not rise)."""
+    return math.exp((tau - fit["a"]) / fit["b"]) if fit["b"] > 0 else None
+
+
+def fits_for(points: list[dict], goals) -> dict:
+    """Per x axis (tokens, FLOPs) and measure (engine tau, val tau_hat): the fit and the goals' x."""
+    fits = {}
+    for axis, _ in FIT_AXES:
+        for measure in ("engine_tau", "val_tau_hat"):
+            usable = [p for p in points if p.get(measure) is not None]
+            if len(usable) < 2:
+                continue
+            fit = fit_log([p[axis] for p in usable], [p[measure] for p in usable])
+            fit["needed"] = {str(goal): needed_for(fit, float(goal)) for goal in goals}
+            fits[f"{measure}~{axis}"] = fit
+    return fits
+
+
+def plot(points: list[dict], fits: dict, extrapolate: float, title: str, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, (axis, label) in zip(axes, FIT_AXES):
+        xs = [p[axis] for p in points]
+        grid = [min(xs) * (max(xs) * extrapolate / min(xs)) ** (i / 60) for i in range(61)]
+        for measure, name, color in (
+            ("engine_tau", "engine τ", "tab:blue"),
+            ("val_tau_hat", "val τ̂", "tab:orange"),
+        ):
+            fit = fits.get(f"{measure}~{axis}")
+            if fit is None:
+                continue
+            ax.plot(xs, [p[measure] for p in points], "o", color=color, label=name)
+            ax.plot(
+                grid,
+                [fit["a"] + fit["b"] * math.log(x) for x in grid],
+                "--",
+                color=color,
+                label=f"{name} = {fit['a']:.2f} + {fit['b']:.3f} ln x (R² {fit['r2']:.2f})",
+            )
+        ax.axvline(max(xs), color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{label} (log; dotted: largest measured)")
+        ax.set_ylabel("acceptance length τ")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def table(points: list[dict], suites: list[str]) -> str:
+    head = ["rows", "tokens", "FLOPs", "val τ̂", "engine τ", *suites, "train s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in points:
+        cells = [
+            f"{p['rows']:,}",
+            f"{p['train_tokens']:,}",
+            f"{p['train_flops']:.3g}",
+            _num(p.get("val_tau_hat")),
+            _num(p.get("engine_tau")),
+            *(_num(p["suite_tau"].get(s)) for s in suites),
+            _num(p.get("train_seconds"), 0),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def fit_lines(fits: dict) -> str:
+    lines = []
+    for key, fit in fits.items():
+        measure, axis = key.split("~")
+        needed = ", ".join(
+            f"τ {goal}: {value:.3g}" if value else f"τ {goal}: never"
+            for goal, value in fit["needed"].items()
+        )
+        lines.append(
+            f"- {measure} against {axis}: {fit['a']:.3f} + {fit['b']:.4f} ln x, R² {fit['r2']:.3f}, "
+            f"{fit['per_doubling']:+.3f} τ per doubling; x for {needed}"
+        )
+    return "\n".join(lines)
+
+
+def _num(value, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+# ---------------------------------------------------------------- MLflow
+
+
+def log_mlflow(cfg: DictConfig, result: dict, files: list[Path]) -> str | None:
+    """One parent run (the fits, the plot, study.json) and a child run per size."""
+    if not cfg.tracking.enabled:
+        return None
+    import mlflow
+
+    from eagle3 import tracking
+
+    with tracking.stage_run(cfg, "study", artifact_hash=result["hash"]) as parent:
+        for key, fit in result["fits"].items():
+            name = key.replace("~", "_vs_")
+            mlflow.log_metrics(
+                {f"{name}/a": fit["a"], f"{name}/b": fit["b"], f"{name}/r2": fit["r2"]}
+            )
+        for path in files:
+            mlflow.log_artifact(str(path))
+        parent_id = parent.info.run_id
+    client, experiment_id = tracking.client(cfg), tracking.setup(cfg)
+    for point in result["points"]:
+        child = client.create_run(
+            experiment_id,
+            run_name=f"study rows={point['rows']}",
+            tags={"mlflow.parentRunId": parent_id, "stage": "study-size"},
+        )
+        run_id = child.info.run_id
+        for key in ("rows", "train_hash", "train_limit"):
+            client.log_param(run_id, key, point.get(key))
+        for key in ("train_tokens", "trained_tokens", "train_flops", "val_tau_hat", "engine_tau"):
+            if point.get(key) is not None:
+                client.log_metric(run_id, key, float(point[key]))
+        for suite, tau in point["suite_tau"].items():
+            client.log_metric(run_id, f"engine_tau/{suite}", float(tau))
+        client.set_terminated(run_id)
+    return parent_id
+
+
+# ---------------------------------------------------------------- the app
+
+
+def train_sizes(cfg: DictConfig, data) -> list[dict]:
+    """Train (or find) one drafter per size; a point per size without its engine tau yet."""
+    from eagle3 import train
+    from eagle3.data import load_splits
+
+    if cfg.train.get("init_from"):
+        raise Eagle3Error(
+            f"train.init_from={cfg.train.init_from}: the study trains every size from scratch"
+        )
+    n_train = len(load_splits(data.path)["train"])
+    points = []
+    for rows in row_counts(cfg.study.sizes, n_train):
+        sized = size_cfg(cfg, rows, n_train)
+        started = time.monotonic()
+        log.info("study: drafter on %d of %d train rows", rows, n_train)
+        out = train.run(sized)
+        counts = out.manifest().get("counts", {})
+        tokens, trained = prefix_tokens(data.path, rows, cfg.train.max_length)
+        points.append(
+            {
+                "rows": rows,
+                "train_limit": sized.train.limit,
+                "train_hash": out.hash,
+                "train_dir": str(out.path),
+                "train_tokens": tokens * cfg.train.epochs,
+                "trained_tokens": trained * cfg.train.epochs,
+                "val_tau_hat": counts.get("tau_hat"),
+                "val_tau_hat_head": counts.get("tau_hat_head"),
+                "train_seconds": counts.get("seconds", time.monotonic() - started),
+            }
+        )
+    return points
+
+
+def measure(cfg: DictConfig, points: list[dict]) -> None:
+    """Each point's engine tau (per suite and overall) and its training FLOPs."""
+    from eagle3.target import load_target
+
+    target = load_target(cfg)
+    prompts = suite_prompt_ids(cfg, target.tokenizer)
+    n_target, n_drafter = parameter_counts(target, Path(points[0]["train_dir"]))
+    per_token = flops_per_token(cfg, n_target, n_drafter)
+    for point in points:
+        taus = engine_tau(cfg, target, Path(point["train_dir"]), prompts)
+        point["suite_tau"] = {s: taus[s] for s in prompts}
+        point["engine_tau"] = taus["all"]
+        point["train_flops"] = point["train_tokens"] * per_token
+        log.info(
+            "study: %d rows: engine tau %.3f, val tau_hat %s",
+            point["rows"],
+            taus["all"],
+            point["val_tau_hat"],
+        )
+
+
+def study_title(cfg: DictConfig, spec_label: str) -> str:
+    return (
+        f"{cfg.target.name}: drafters from scratch, {cfg.train.epochs} epoch(s) each; engine τ at "
+        f"{spec_label} over {len(cfg.study.suites)} suites x {cfg.study.prompts} prompts"
+    )
+
+
+def write_outputs(cfg: DictConfig, result: dict, folder: Path) -> list[Path]:
+    title, suites = result["title"], result["suites"]
+    png = plot(result["points"], result["fits"], cfg.study.extrapolate, title, folder / "study.png")
+    (folder / "study.json").write_text(json.dumps(result, indent=2))
+    md = folder / "study.md"
+    md.write_text(
+        f"# {title}\n\n{table(result['points'], suites)}\n\n{fit_lines(result['fits'])}\n"
+    )
+    return [folder / "study.json", png, md]
+
+
+def run(cfg: DictConfig) -> StageOutput:
+    from eagle3 import data as data_stage
+    from eagle3.spec import resolve_spec
+
+    data = data_stage.run(cfg)
+    out = study_output(cfg, data.hash)
+    if out.complete:
+        log.info("study: %s is complete, nothing to do", out.path)
+        return out
+    out.start()
+    points = train_sizes(cfg, data)
+    measure(cfg, points)
+    result = {
+        "hash": out.hash,
+        "data_hash": data.hash,
+        "spec": resolve_spec(cfg.spec).label,
+        "title": study_title(cfg, resolve_spec(cfg.spec).label),
+        "suites": list(cfg.study.suites),
+        "epochs": cfg.train.epochs,
+        "points": points,
+        "fits": fits_for(points, cfg.study.goal_tau),
+    }
+    files = write_outputs(cfg, result, out.path)
+    parent = log_mlflow(cfg, result, files)
+    out.finish({"sizes": len(points), "mlflow_parent_run": parent})
+    print(table(points, result["suites"]))
+    print(fit_lines(result["fits"]))
+    return out
+
+
+def log_from(cfg: DictConfig, path: Path) -> Path:
+    """Log a study.json written elsewhere and redraw its outputs beside it."""
+    if not path.exists():
+        raise Eagle3Error(f"study.log_from={path} does not exist (a study.json)")
+    result = json.loads(path.read_text())
+    result["fits"] = fits_for(result["points"], cfg.study.goal_tau)
+    folder = path.parent
+    files = write_outputs(cfg, result, folder)
+    parent = log_mlflow(cfg, result, files)
+    print(table(result["points"], result["suites"]))
+    print(fit_lines(result["fits"]))
+    print(f"study: {folder} (MLflow parent run {parent})")
+    return folder
+
+
+@app
+def main(cfg: DictConfig) -> None:
+    if cfg.study.log_from:
+        log_from(cfg, Path(str(cfg.study.log_from)))
+        return
+    out = run(cfg)
+    print(f"study: {out.path}")
+
+
+if __name__ == "__main__":
+    main()

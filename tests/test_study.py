@@ -1,0 +1,133 @@
+"""The scaling study on the tiny random target: nested train prefixes, one drafter per size, engine
+tau per suite, the log fit, its MLflow parent and children, and a resumed rerun."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from eagle3.common import Eagle3Error
+from eagle3.study import fit_log, needed_for, row_counts
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_fit_log_recovers_a_line_and_inverts_it():
+    xs = [1e3, 2e3, 4e3, 1e4]
+    fit = fit_log(xs, [1.5 + 0.25 * math.log(x) for x in xs])
+    assert fit["a"] == pytest.approx(1.5) and fit["b"] == pytest.approx(0.25)
+    assert fit["r2"] == pytest.approx(1.0)
+    assert fit["per_doubling"] == pytest.approx(0.25 * math.log(2))
+    assert needed_for(fit, 1.5 + 0.25 * math.log(5e4)) == pytest.approx(5e4)
+    assert needed_for(fit_log(xs, [3.0, 2.0, 2.0, 1.0]), 4.0) is None  # falling: never
+
+
+def test_row_counts_take_fractions_and_counts():
+    assert row_counts([0.1, 0.5, 1.0, 3], 40) == [3, 4, 20, 40]
+    with pytest.raises(
+        Eagle3Error, match="study.sizes entry 50: 50 rows, but the train split holds 40"
+    ):
+        row_counts([0.5, 50], 40)
+    with pytest.raises(Eagle3Error, match="at least two distinct sizes"):
+        row_counts([1.0, 40], 40)
+
+
+def test_study_trains_nested_sizes_measures_and_logs(make_cfg, own_artifacts, tmp_path):
+    import mlflow
+
+    from eagle3 import study
+    from eagle3.data import load_splits
+
+    cfg = make_cfg(
+        "target=tiny-llama",
+        "data=file",
+        f"data.source={FIXTURES / 'conversations.jsonl'}",
+        "data.val_fraction=0.2",
+        "drafter.draft_vocab_size=256",
+        f"paths.artifacts={own_artifacts}",
+        "train.hidden_states=online",
+        "train.ttt_length=2",
+        "train.max_length=64",
+        "train.batch_size=2",
+        "train.epochs=1",
+        "train.lr=1e-2",
+        "trainer.accelerator=cpu",
+        "trainer.progress_bar=false",
+        "study.sizes=[0.25,0.5,1.0]",
+        "study.suites=[vicuna,gsm8k]",
+        "study.prompts=2",
+        "study.max_new_tokens=6",
+        "spec.depth=3",
+    )
+    out = study.run(cfg)
+    result = json.loads((out.path / "study.json").read_text())
+    data_path = own_artifacts / "data" / result["data_hash"]
+    n_train = len(load_splits(data_path)["train"])
+    points = result["points"]
+    assert [p["rows"] for p in points] == [round(0.25 * n_train), round(0.5 * n_train), n_train]
+    assert [p["train_limit"] for p in points] == [points[0]["rows"], points[1]["rows"], None]
+    assert len({p["train_hash"] for p in points}) == 3
+    for point in points:  # tokens: the first rows of the split, each cut at train.max_length
+        rows = load_splits(data_path)["train"].select(range(point["rows"]))
+        assert point["train_tokens"] == sum(min(len(ids), 64) for ids in rows["input_ids"])
+        manifest = json.loads((Path(point["train_dir"]) / "manifest.json").read_text())
+        assert manifest["counts"]["train_sequences"] == point["rows"]
+        assert set(point["suite_tau"]) == {"vicuna", "gsm8k"} and point["engine_tau"] >= 1.0
+        assert point["val_tau_hat"] == manifest["counts"]["tau_hat"]
+    assert points[0]["train_flops"] / points[0]["train_tokens"] == pytest.approx(
+        points[2]["train_flops"] / points[2]["train_tokens"]
+    )
+    assert set(result["fits"]) == {
+        "engine_tau~train_tokens",
+        "val_tau_hat~train_tokens",
+        "engine_tau~train_flops",
+        "val_tau_hat~train_flops",
+    }
+    assert (out.path / "study.png").stat().st_size > 10_000
+    parent = mlflow.search_runs(
+        experiment_names=[cfg.tracking.experiment],
+        filter_string="tags.stage = 'study'",
+        output_format="list",
+    )
+    assert len(parent) == 1
+    children = mlflow.search_runs(
+        experiment_names=[cfg.tracking.experiment],
+        filter_string=f"tags.mlflow.parentRunId = '{parent[0].info.run_id}'",
+        output_format="list",
+    )
+    assert sorted(int(c.data.params["rows"]) for c in children) == [p["rows"] for p in points]
+    by_rows = {int(c.data.params["rows"]): c.data.metrics for c in children}
+    assert by_rows[points[1]["rows"]]["engine_tau"] == pytest.approx(points[1]["engine_tau"])
+
+    # a study of the same recipe over other sizes trains only the new one (the others are done)
+    trained = sorted(own_artifacts.glob("train/*/manifest.json"))
+    again = study.run(make_cfg(*_with(cfg), "study.sizes=[0.25,0.75,1.0]"))
+    assert again.hash != out.hash
+    assert len(sorted(own_artifacts.glob("train/*/manifest.json"))) == len(trained) + 1
+
+
+def _with(cfg) -> list[str]:
+    """The overrides that made cfg (for a second composition in the same test)."""
+    return [
+        "target=tiny-llama",
+        "data=file",
+        f"data.source={cfg.data.source}",
+        "data.val_fraction=0.2",
+        "drafter.draft_vocab_size=256",
+        f"paths.artifacts={cfg.paths.artifacts}",
+        "train.hidden_states=online",
+        "train.ttt_length=2",
+        "train.max_length=64",
+        "train.batch_size=2",
+        "train.epochs=1",
+        "train.lr=1e-2",
+        "trainer.accelerator=cpu",
+        "trainer.progress_bar=false",
+        "study.suites=[vicuna,gsm8k]",
+        "study.prompts=2",
+        "study.max_new_tokens=6",
+        "spec.depth=3",
+    ]
