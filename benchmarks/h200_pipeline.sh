@@ -20,6 +20,8 @@
 #                 (DRAFTER, an export's sglang folder; default: the shipped one), once per E2E_VARIANTS
 #                 entry ("name=flags;name=flags", e2e_<name>.json; default prefill with cuDNN attention
 #                 off, then on)
+#   step study  : python -m eagle3.study with EXPERIMENT's recipe (EXTRA: study.sizes=...), engine tau on the
+#                 carried suites; study.json/png/md come back
 #   step ddp    : the same training on 1 GPU, then on all GPUs, each for DDP_TIMEOUT s from the
 #                 train step's data and target (scaling: the samples/s of the progress lines)
 #   step ddp-random : the same scaling run on a random model with SmolLM2's shapes and ShareGPT's own
@@ -29,7 +31,7 @@
 # (SPECS also for part-a's engine timing, ENGINE=0 skips it), BASELINES for bench (default hf,pld; empty = none),
 # DEADLINE (seconds from this script's start, not the call's: a call that runs another step first must take
 # that step's time off; data and training stop in time for the call's limit, both resume),
-# DEVICES for ddp, E3_ROOT (default /tmp/e3), SOURCE (the prompt file carried, default first_turns.jsonl;
+# SUITES (comma-separated suite JSONL files; default the three carried bench suites), DEVICES for ddp, E3_ROOT (default /tmp/e3), SOURCE (the prompt file carried, default first_turns.jsonl;
 # turns3.jsonl with EXPERIMENT=smollm2-h200-turns3, turns3s.jsonl with -turns3-sampled; a carried SOURCE.gz is unpacked), EXPERIMENT (default
 # smollm2-h200).
 # The working tree travels as it is, edits in progress too: to run the committed code, snapshot it
@@ -37,7 +39,7 @@
 # carry .snap and start each command with
 # `for d in src benchmarks conf experiments; do rm -rf $d; cp -a .snap/$d .; done;`.
 set -euo pipefail
-step=${1:?wheels|stash|part-a|train|bench|e2e|ddp|ddp-random}
+step=${1:?wheels|stash|part-a|train|bench|e2e|study|ddp|ddp-random}
 root=${E3_ROOT:-/tmp/e3}
 out=${OUT:-/tmp/e3-out}
 logs=$root/logs/$step
@@ -48,7 +50,7 @@ for folder in .carry/*/; do [ -d "$folder" ] && cp -r "$folder". "$carried/"; do
 source=${SOURCE:-first_turns.jsonl}
 [ -f "$carried/$source.gz" ] && gunzip -c "$carried/$source.gz" > "$root/$source"
 [ -f "$carried/$source" ] && cp "$carried/$source" "$root/"
-suites=$carried/suite_vicuna.jsonl,$carried/suite_humaneval.jsonl,$carried/suite_gsm8k.jsonl
+suites=${SUITES:-$carried/suite_vicuna.jsonl,$carried/suite_humaneval.jsonl,$carried/suite_gsm8k.jsonl}
 # $OUT takes at most 8 files: logs travel as one archive, written even when a stage fails
 trap 'tar -czf "$out/$step-logs.tgz" -C "$root/logs" "$step"' EXIT
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -152,6 +154,14 @@ resolve_target_path(cfg.target, Path(cfg.paths.artifacts))"
         --specs "${SPECS:-off,d4,d6s3k2,d10s5k4,d16s6k4}" --baselines "" --json "$out/e2e_$name.json" \
         $flags ${BENCH_ARGS:-}
     done ;;
+  study)  # python -m eagle3.study (EXPERIMENT's recipe from scratch on nested slices of its data; answers from
+    # benchmarks/assets), engine tau on the carried suites, cut at STUDY_TIMEOUT s (a rerun resumes it)
+    install
+    mkdir -p "$root/artifacts" && for f in benchmarks/assets/regen-*.tgz; do tar -xzf "$f" -C "$root/artifacts"; done
+    timed study timeout -k 20 "$(seconds_left "${STUDY_TIMEOUT:-540}")" python3 -m eagle3.study "${overrides[@]}" \
+      "study.suites=[${suites}]" || true
+    for f in "$root"/artifacts/study/*/study.*; do [ -f "$f" ] && cp "$f" "$out/"; done
+    find "$root/artifacts" -name manifest.json -exec cp --parents {} "$logs" \; ;;
   ddp)  # after the train step, on the same (warm) machine: its data and converted target, fresh drafters
     for devices in 1 ${DEVICES:-2}; do
       mkdir -p "$root/ddp$devices" && cp -al "$root/artifacts/targets" "$root/artifacts/data" "$root/ddp$devices/"
@@ -178,5 +188,5 @@ torch.manual_seed(0); LlamaForCausalLM(LlamaConfig.from_pretrained('.carry/ddp/s
         "paths.artifacts=$root/d$devices" "trainer.devices=$devices" trainer.strategy=ddp || true
       grep -h "train: step" "$logs/train_${devices}gpu.log" > "$out/ddp_${devices}gpu.txt" || true
     done ;;
-  *) echo "unknown step '$step': wheels|stash|part-a|train|bench|e2e|ddp|ddp-random" >&2; exit 2 ;;
+  *) echo "unknown step '$step': wheels|stash|part-a|train|bench|e2e|study|ddp|ddp-random" >&2; exit 2 ;;
 esac

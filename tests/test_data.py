@@ -962,7 +962,14 @@ def test_suite_files_hold_every_prompt_of_the_shipped_suites(tmp_path):
         check=True,
         capture_output=True,
     )
-    for name, count in (("vicuna", 80), ("humaneval", 164), ("gsm8k", 100)):
+    suites = (
+        ("vicuna", 80),
+        ("humaneval", 164),
+        ("gsm8k", 100),
+        ("koala", 156),
+        ("arena-hard", 750),
+    )
+    for name, count in suites:
         rows = [
             json.loads(line) for line in (tmp_path / f"suite_{name}.jsonl").read_text().splitlines()
         ]
@@ -980,7 +987,12 @@ SHIPPED_ANSWERS = {  # benchmarks/assets/regen-<hash>.tgz: (experiments, their p
     ),
     "22ea300a3a13": (("smollm2-h200-turns3-sampled",), "turns3s.jsonl", 33189 + 14066, {0, 1, 2}),
     # only the answers it generated: the data stage reuses the rest from 22ea300a3a13 (data.regen.reuse_answers)
-    "fea6c3211aa9": (("smollm2-h200-turns3-sampled2",), "turns3s2.jsonl", 14066, {0}),
+    "fea6c3211aa9": (
+        ("smollm2-h200-turns3-sampled2", "smollm2-h200-scratch"),
+        "turns3s2.jsonl",
+        14066,
+        {0},
+    ),
 }
 
 

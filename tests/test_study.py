@@ -40,7 +40,12 @@ def test_study_trains_nested_sizes_measures_and_logs(make_cfg, own_artifacts, tm
 
     from eagle3 import study
     from eagle3.data import load_splits
+    from eagle3.suites import load_suite
 
+    # a suite as a JSONL file (a machine without the suites' packages) beside one by name
+    gsm8k = tmp_path / "suite_gsm8k.jsonl"
+    rows = load_suite(make_cfg("bench.suite=gsm8k", "bench.limit=2").bench)
+    gsm8k.write_text("".join(json.dumps({"id": p.id, "messages": p.messages}) + "\n" for p in rows))
     cfg = make_cfg(
         "target=tiny-llama",
         "data=file",
@@ -57,7 +62,7 @@ def test_study_trains_nested_sizes_measures_and_logs(make_cfg, own_artifacts, tm
         "trainer.accelerator=cpu",
         "trainer.progress_bar=false",
         "study.sizes=[0.25,0.5,1.0]",
-        "study.suites=[vicuna,gsm8k]",
+        f"study.suites=[vicuna,{gsm8k}]",
         "study.prompts=2",
         "study.max_new_tokens=6",
         "spec.depth=3",
@@ -104,12 +109,12 @@ def test_study_trains_nested_sizes_measures_and_logs(make_cfg, own_artifacts, tm
 
     # a study of the same recipe over other sizes trains only the new one (the others are done)
     trained = sorted(own_artifacts.glob("train/*/manifest.json"))
-    again = study.run(make_cfg(*_with(cfg), "study.sizes=[0.25,0.75,1.0]"))
+    again = study.run(make_cfg(*_with(cfg, gsm8k), "study.sizes=[0.25,0.75,1.0]"))
     assert again.hash != out.hash
     assert len(sorted(own_artifacts.glob("train/*/manifest.json"))) == len(trained) + 1
 
 
-def _with(cfg) -> list[str]:
+def _with(cfg, gsm8k: Path) -> list[str]:
     """The overrides that made cfg (for a second composition in the same test)."""
     return [
         "target=tiny-llama",
@@ -126,7 +131,7 @@ def _with(cfg) -> list[str]:
         "train.lr=1e-2",
         "trainer.accelerator=cpu",
         "trainer.progress_bar=false",
-        "study.suites=[vicuna,gsm8k]",
+        f"study.suites=[vicuna,{gsm8k}]",
         "study.prompts=2",
         "study.max_new_tokens=6",
         "spec.depth=3",

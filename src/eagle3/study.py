@@ -98,15 +98,25 @@ def parameter_counts(target, train_dir: Path) -> tuple[int, int]:
 # ---------------------------------------------------------------- engine tau
 
 
+def suite_name(suite: str) -> str:
+    """A study.suites entry's name: the bench suite's, or a JSONL file's stem without `suite_`."""
+    return Path(suite).stem.removeprefix("suite_") if suite.endswith(".jsonl") else suite
+
+
 def suite_prompt_ids(cfg: DictConfig, tokenizer) -> dict[str, list[list[int]]]:
-    """The token ids of the first study.prompts prompts of each study.suites suite."""
+    """The token ids of the first study.prompts prompts of each study.suites entry: a bench suite's
+    name, or a JSONL file of its prompts (`benchmarks/first_turns.py --suites`, for a machine
+    without the suites' packages)."""
     from eagle3.suites import load_suite
 
     prompts = {}
-    for suite in cfg.study.suites:
-        bench = OmegaConf.merge(cfg.bench, {"suite": suite, "prompts": None, "limit": None})
+    for suite in map(str, cfg.study.suites):
+        source = (
+            {"prompts": suite} if suite.endswith(".jsonl") else {"suite": suite, "prompts": None}
+        )
+        bench = OmegaConf.merge(cfg.bench, {**source, "limit": None})
         chosen = load_suite(bench)[: cfg.study.prompts]
-        prompts[suite] = [
+        prompts[suite_name(suite)] = [
             tokenizer.apply_chat_template(
                 p.messages, add_generation_prompt=True, tokenize=True, return_dict=True
             )["input_ids"]
@@ -403,7 +413,7 @@ def run(cfg: DictConfig) -> StageOutput:
         "data_hash": data.hash,
         "spec": resolve_spec(cfg.spec).label,
         "title": study_title(cfg, resolve_spec(cfg.spec).label),
-        "suites": list(cfg.study.suites),
+        "suites": [suite_name(str(s)) for s in cfg.study.suites],
         "epochs": cfg.train.epochs,
         "points": points,
         "fits": fits_for(points, cfg.study.goal_tau),
