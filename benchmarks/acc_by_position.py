@@ -34,11 +34,12 @@ from pathlib import Path
 import torch
 
 from eagle3.common import compose
-from eagle3.data import load_splits, load_vocab_map
-from eagle3.export import attach_target_embedding, load_drafter
+from eagle3.data import load_splits
+from eagle3.datamodule import collate
+from eagle3.drafter_io import attach_target_embedding, load_drafter
 from eagle3.target import load_target
-from eagle3.train import collate
 from eagle3.ttt import shift_left, step_targets, target_distribution, tau_hat, ttt_loss, unroll
+from eagle3.vocab import load_vocab_map
 
 EDGES = (0, 32, 128, 256)
 BUCKETS = ("[0,32)", "[32,128)", "[128,256)", "[256,inf)")

@@ -83,8 +83,8 @@ def load_drafter(args, target: Target):
         dcfg.get = lambda name, default=None: getattr(dcfg, name, default)
         torch.manual_seed(0)
         return build_drafter(target, dcfg).to(dtype).eval()
-    from eagle3.export import attach_target_embedding
-    from eagle3.export import load_drafter as load_exported
+    from eagle3.drafter_io import attach_target_embedding
+    from eagle3.drafter_io import load_drafter as load_exported
 
     drafter = load_exported(args.drafter, device=target.device)
     if not getattr(drafter.config, "has_embedding", False):

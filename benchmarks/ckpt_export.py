@@ -11,8 +11,8 @@ from pathlib import Path
 from transformers import LlamaConfig
 
 from eagle3.drafter import Eagle3Drafter
-from eagle3.export import export_sglang
-from eagle3.train import DRAFTER_CONFIG, drafter_weights
+from eagle3.drafter_io import DRAFTER_CONFIG, export_sglang
+from eagle3.train import drafter_weights
 
 train_dir, out_dir, overrides = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
 checkpoint = max(train_dir.glob("**/*.ckpt"), key=lambda p: p.stat().st_mtime)

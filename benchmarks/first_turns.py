@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 from eagle3.common import compose
-from eagle3.data import conversations_for
+from eagle3.conversations import conversations_for
 from eagle3.suites import load_suite
 
 

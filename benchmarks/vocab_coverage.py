@@ -22,9 +22,10 @@ import torch
 from bench_engine import load, load_drafter
 from e2e_bench import read_suite, strip_eos
 
-from eagle3.data import build_vocab_map, load_splits
+from eagle3.data import load_splits
 from eagle3.engine import SpecDecoder
 from eagle3.spec import OFF
+from eagle3.vocab import build_vocab_map
 
 
 def main() -> None:

@@ -120,9 +120,11 @@ def trained_smollm2_drafter(test_root: Path) -> Path:
     """A drafter trained with eagle3.train (Lightning, TTT, online hidden states) on the target's own
     greedy continuations of the first vicuna prompts (SmolLM2), exported by eagle3.export; made once
     per test root."""
+    from eagle3.datamodule import DrafterData
+    from eagle3.drafter_io import load_trained_drafter
     from eagle3.export import export_drafter
     from eagle3.target import load_target
-    from eagle3.train import DrafterData, fit, load_trained_drafter
+    from eagle3.train import fit
 
     out = test_root / "drafters" / "smollm2-bench-trained"
     if (out / "vllm" / "config.json").exists():

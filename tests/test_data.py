@@ -13,10 +13,12 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from eagle3 import data
+from eagle3 import data, outputs, regen, sources, target, tokens
 from eagle3.common import Eagle3Error
+from eagle3.conversations import conversations_for, normalise, user_turns
 from eagle3.drafter import build_drafter
-from eagle3.export import export_sglang
+from eagle3.drafter_io import export_sglang
+from eagle3.vocab import build_vocab_map, load_vocab_map
 
 FIXTURES = Path(__file__).parent / "fixtures"
 JSONL = FIXTURES / "conversations.jsonl"
@@ -35,13 +37,13 @@ def file_cfg(make_cfg, *overrides, source=JSONL):
 
 def conversations(cfg):
     counts = Counter()
-    return data.normalise(data.read_rows(cfg.data, counts), cfg.data, counts), counts
+    return normalise(sources.read_rows(cfg.data, counts), cfg.data, counts), counts
 
 
 def test_sharegpt_package_parses_complete_conversations(make_cfg):
     cfg = make_cfg()
     counts = Counter()
-    rows = list(data.read_rows(cfg.data, counts))
+    rows = list(sources.read_rows(cfg.data, counts))
     assert len(rows) == 17671 and counts["truncated_tail"] == 1
     assert rows[0]["id"] == "QWJhYvA_0" and rows[0]["conversations"][0]["from"] == "human"
 
@@ -118,7 +120,7 @@ def test_missing_or_wrong_format_source_is_one_clear_error(make_cfg, tmp_path):
         conversations(file_cfg(make_cfg, source=tmp_path / "fake.parquet"))
     (tmp_path / "other.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
     with pytest.raises(Eagle3Error, match="no usable conversation in 2 rows"):
-        data.conversations_for(file_cfg(make_cfg, source=tmp_path / "other.jsonl").data, {})
+        conversations_for(file_cfg(make_cfg, source=tmp_path / "other.jsonl").data, {})
 
 
 def test_app_prints_one_line_error_for_missing_file(test_root, tmp_path):
@@ -154,7 +156,7 @@ def test_filters_report_counts_before_and_after(make_cfg):
         "data.filters.max_chars=150",
     )
     counts: dict = {}
-    splits = data.conversations_for(cfg.data, counts)
+    splits = conversations_for(cfg.data, counts)
     assert (
         counts["normalised"],
         counts["after_min_turns"],
@@ -163,15 +165,15 @@ def test_filters_report_counts_before_and_after(make_cfg):
         counts["after_dedup_first_prompt"],
     ) == (11, 4, 3, 2, 2)
     assert sorted(c["id"] for s in splits.values() for c in s) == ["m-2", "m-3"]
-    dedup = data.conversations_for(file_cfg(make_cfg).data, {})
+    dedup = conversations_for(file_cfg(make_cfg).data, {})
     ids = [c["id"] for s in dedup.values() for c in s]
     assert "m-1" in ids and "m-5-dup" not in ids and len(ids) == 10
 
 
 def test_split_is_seeded_limited_and_disjoint(make_cfg):
-    a = data.conversations_for(file_cfg(make_cfg, "data.limit=8").data, {})
-    b = data.conversations_for(file_cfg(make_cfg, "data.limit=8").data, {})
-    c = data.conversations_for(file_cfg(make_cfg, "data.limit=8", "data.seed=1").data, {})
+    a = conversations_for(file_cfg(make_cfg, "data.limit=8").data, {})
+    b = conversations_for(file_cfg(make_cfg, "data.limit=8").data, {})
+    c = conversations_for(file_cfg(make_cfg, "data.limit=8", "data.seed=1").data, {})
     assert a == b and a != c
     assert (len(a["train"]), len(a["val"])) == (6, 2)
     assert not {x["id"] for x in a["train"]} & {x["id"] for x in a["val"]}
@@ -181,11 +183,11 @@ def test_system_policy(make_cfg):
     replace, _ = conversations(
         file_cfg(
             make_cfg,
-            "data.normalise.system_policy=replace",
-            "data.normalise.system_prompt=Be brief.",
+            "normalise.system_policy=replace",
+            "normalise.system_prompt=Be brief.",
         )
     )
-    drop, _ = conversations(file_cfg(make_cfg, "data.normalise.system_policy=drop"))
+    drop, _ = conversations(file_cfg(make_cfg, "normalise.system_policy=drop"))
     assert all(c["messages"][0] == {"role": "system", "content": "Be brief."} for c in replace)
     assert sum(m["role"] == "system" for c in replace for m in c["messages"]) == len(replace)
     assert not any(m["role"] == "system" for c in drop for m in c["messages"])
@@ -221,7 +223,7 @@ def test_loss_mask_covers_exactly_assistant_contents_and_end_of_turn(make_cfg, t
     messages = (
         MULTI_TURN if system else MULTI_TURN[1:]
     )  # without one, the template adds its default
-    cols = data.tokenize_conversations(
+    cols = tokens.tokenize_conversations(
         tok, [{"id": "x", "messages": messages}], cfg.data, Counter()
     )
     ids, mask = cols["input_ids"][0], cols["loss_mask"][0]
@@ -243,7 +245,7 @@ def test_loss_mask_follows_another_template(make_cfg, tiny_target):
     )
     try:
         cfg = file_cfg(make_cfg, "data.end_of_turn='<|endoftext|>'")
-        cols = data.tokenize_conversations(
+        cols = tokens.tokenize_conversations(
             tok, [{"id": "x", "messages": MULTI_TURN}], cfg.data, Counter()
         )
     finally:
@@ -257,21 +259,21 @@ def test_loss_mask_follows_another_template(make_cfg, tiny_target):
 def test_truncation_policies(make_cfg, tiny_target):
     tok = tiny_target.tokenizer
     conv = [{"id": "x", "messages": MULTI_TURN}]
-    full = data.tokenize_conversations(tok, conv, file_cfg(make_cfg).data, Counter())["input_ids"][
-        0
-    ]
+    full = tokens.tokenize_conversations(tok, conv, file_cfg(make_cfg).data, Counter())[
+        "input_ids"
+    ][0]
     counts = Counter()
-    cut = data.tokenize_conversations(
+    cut = tokens.tokenize_conversations(
         tok, conv, file_cfg(make_cfg, "data.max_length=40").data, counts
     )
     assert cut["input_ids"][0] == full[:40] and counts["truncated"] == 1
     counts = Counter()
-    dropped = data.tokenize_conversations(
+    dropped = tokens.tokenize_conversations(
         tok, conv, file_cfg(make_cfg, "data.max_length=40", "data.truncation=drop").data, counts
     )
     assert dropped["id"] == [] and counts["dropped_too_long"] == 1
     counts = Counter()  # cut before the first answer: nothing left to learn
-    none = data.tokenize_conversations(
+    none = tokens.tokenize_conversations(
         tok, conv, file_cfg(make_cfg, "data.max_length=20").data, counts
     )
     assert none["id"] == [] and counts["dropped_no_assistant_tokens"] == 1
@@ -282,23 +284,23 @@ def test_vocab_map_matches_brute_force_counts():
     masks = [[1, 1, 1, 1, 0, 1], [1, 1, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1]]
     counts = Counter(t for row, m in zip(ids, masks) for t, bit in zip(row, m) if bit)
     # counts: 9->5, 7->3, 3->3, 5->3, 1->1; ties go to the lower id
-    d2t, t2d, coverage = data.build_vocab_map(ids, masks, target_vocab=12, draft_vocab=4)
+    d2t, t2d, coverage = build_vocab_map(ids, masks, target_vocab=12, draft_vocab=4)
     expected = sorted(sorted(counts, key=lambda t: (-counts[t], t))[:4])
     assert expected == [3, 5, 7, 9]
     assert d2t.dtype == torch.int64 and (torch.arange(4) + d2t).tolist() == expected
     assert t2d.dtype == torch.bool and t2d.nonzero().flatten().tolist() == expected
     assert coverage == pytest.approx(14 / 15)
     # fewer distinct tokens than the draft vocab: unseen ids fill in, lowest first
-    d2t, t2d, coverage = data.build_vocab_map(ids, masks, target_vocab=12, draft_vocab=7)
+    d2t, t2d, coverage = build_vocab_map(ids, masks, target_vocab=12, draft_vocab=7)
     assert (torch.arange(7) + d2t).tolist() == [0, 1, 2, 3, 5, 7, 9] and coverage == 1.0
     with pytest.raises(Eagle3Error, match="exceeds the target vocabulary"):
-        data.build_vocab_map(ids, masks, target_vocab=12, draft_vocab=13)
+        build_vocab_map(ids, masks, target_vocab=12, draft_vocab=13)
 
 
 def test_data_stage_output_manifest_mlflow_and_idempotence(make_cfg, tiny_target, own_artifacts):
     cfg = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}")
     out = data.run(cfg)
-    assert out.complete and out.path == data.data_output(cfg).path
+    assert out.complete and out.path == outputs.data_output(cfg).path
     splits = data.load_splits(out.path)
     assert set(splits) == {"train", "val"} and splits["train"].column_names == [
         "id",
@@ -309,10 +311,10 @@ def test_data_stage_output_manifest_mlflow_and_idempotence(make_cfg, tiny_target
     tok = tiny_target.tokenizer
     row = splits["train"][0]
     assert isinstance(row["id"], str) and len(row["input_ids"]) == len(row["loss_mask"])
-    d2t, t2d = data.load_vocab_map(out.path)
+    d2t, t2d = load_vocab_map(out.path)
     assert d2t.shape == (256,) and t2d.shape == (tiny_target.vocab_size,) and int(t2d.sum()) == 256
     counts = out.manifest()["counts"]
-    assert counts["tokenizer_hash"] == data.tokenizer_hash(tok)
+    assert counts["tokenizer_hash"] == target.tokenizer_hash(tok)
     assert counts["train_masked_tokens"] == sum(sum(r) for r in splits["train"]["loss_mask"])
     assert counts["coverage_train"] == 1.0  # 256 draft ids cover this tiny fixture's answer tokens
     assert counts["bad_invalid_utf8"] == 1 and counts["after_dedup_first_prompt"] == 10
@@ -330,11 +332,11 @@ def test_data_stage_output_manifest_mlflow_and_idempotence(make_cfg, tiny_target
     stamp = (out.path / "vocab_map.safetensors").stat().st_mtime_ns
     assert data.run(cfg).path == out.path
     assert (out.path / "vocab_map.safetensors").stat().st_mtime_ns == stamp  # second run is a no-op
-    other = data.data_output(
+    other = outputs.data_output(
         file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "drafter.draft_vocab_size=128")
     )
     assert other.hash != out.hash
-    same = data.data_output(
+    same = outputs.data_output(
         file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "data.regen.concurrency=3")
     )
     assert same.hash == out.hash  # execution-only settings do not change the output
@@ -347,7 +349,7 @@ def test_vocab_map_from_another_source(make_cfg, tiny_target, own_artifacts):
     is shared with the plain run."""
     plain = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", "drafter.draft_vocab_size=64")
     base = data.run(plain)
-    own_d2t, own_t2d = data.load_vocab_map(base.path)
+    own_d2t, own_t2d = load_vocab_map(base.path)
     d2t = torch.arange(0, 128, 2)[:64] - torch.arange(
         64
     )  # draft id i -> target id 2i: not the counted map
@@ -364,8 +366,8 @@ def test_vocab_map_from_another_source(make_cfg, tiny_target, own_artifacts):
         f"data.vocab_map_from={export.parent}",
     )
     out = data.run(cfg)
-    assert out.hash != base.hash and data.regen_log_path(cfg) == data.regen_log_path(plain)
-    got_d2t, got_t2d = data.load_vocab_map(out.path)
+    assert out.hash != base.hash and regen.regen_log_path(cfg) == regen.regen_log_path(plain)
+    got_d2t, got_t2d = load_vocab_map(out.path)
     assert torch.equal(got_d2t, d2t) and torch.equal(got_t2d, t2d)
     splits = data.load_splits(out.path)
     masked = torch.cat(
@@ -384,7 +386,7 @@ def test_vocab_map_from_another_source(make_cfg, tiny_target, own_artifacts):
             f"data.vocab_map_from={base.path}",
         )
     )
-    assert torch.equal(data.load_vocab_map(again.path)[0], own_d2t)
+    assert torch.equal(load_vocab_map(again.path)[0], own_d2t)
     with pytest.raises(Eagle3Error, match="data.vocab_map_from=.*64 draft ids.*needs 32"):
         data.run(
             file_cfg(
@@ -403,19 +405,19 @@ def test_empty_validation_split_is_one_clear_error(make_cfg, tiny_target, own_ar
         Eagle3Error, match=r"validation split is empty \(0 held out by data.val_fraction=0"
     ):
         data.run(cfg)
-    assert not data.data_output(cfg).complete
+    assert not outputs.data_output(cfg).complete
 
 
 def test_tokenizer_hash_tells_tokenizers_apart(tiny_target):
     tok = tiny_target.tokenizer
-    before = data.tokenizer_hash(tok)
+    before = target.tokenizer_hash(tok)
     saved = tok.chat_template
     tok.chat_template = "{{ messages }}"
     try:
-        assert data.tokenizer_hash(tok) != before
+        assert target.tokenizer_hash(tok) != before
     finally:
         tok.chat_template = saved
-    assert data.tokenizer_hash(tok) == before
+    assert target.tokenizer_hash(tok) == before
 
 
 # ---------------------------------------------------------------- regeneration
@@ -485,16 +487,13 @@ def test_local_regeneration_answers_every_turn_with_the_targets_greedy_output(
 ):
     cfg = regen_cfg(make_cfg, own_artifacts)
     out = data.run(cfg)
-    source = [c for s in data.conversations_for(cfg.data, {}).values() for c in s]
+    source = [c for s in conversations_for(cfg.data, {}).values() for c in s]
     assert any(c["id"] == "p-1" for c in source)  # a prompt-only row gets its answer
     check_regenerated(out, tiny_target, source)
     counts = out.manifest()[
         "counts"
     ]  # every answer is one of the 6-token greedy answers: none loops
-    assert (
-        counts["regen_answers"] == sum(map(data.user_turns, source))
-        and counts["regen_looping"] == 0
-    )
+    assert counts["regen_answers"] == sum(map(user_turns, source)) and counts["regen_looping"] == 0
     assert out.manifest()["sampling"] == {
         "backend": "local",
         "max_new_tokens": 6,
@@ -512,7 +511,7 @@ def test_another_draft_vocab_reuses_the_regenerated_answers(make_cfg, own_artifa
     turns = first.manifest()["counts"]["regen_answers"]
     generated = []
     monkeypatch.setattr(
-        data.LocalGenerator, "generate", lambda self, prompts: generated.append(prompts) or []
+        regen.LocalGenerator, "generate", lambda self, prompts: generated.append(prompts) or []
     )
     for vocab in (64, 32):
         cfg = regen_cfg(make_cfg, own_artifacts, f"drafter.draft_vocab_size={vocab}")
@@ -522,9 +521,9 @@ def test_another_draft_vocab_reuses_the_regenerated_answers(make_cfg, own_artifa
             out.manifest()["counts"]["regen_turns_resumed"] == turns == len(turn_records(out.path))
         )
         assert turn_records(out.path) == turn_records(first.path)
-        assert data.load_vocab_map(out.path)[0].numel() == vocab
+        assert load_vocab_map(out.path)[0].numel() == vocab
         shutil.rmtree(
-            data.regen_log_path(cfg).parent
+            regen.regen_log_path(cfg).parent
         )  # the second round seeds from a data output's copy
 
 
@@ -541,14 +540,14 @@ def test_reuse_answers_takes_another_logs_answers_and_generates_the_rest(
     assert 0 < len(first_turns) < len(records)  # the fixture has later turns to generate
     source = tmp_path / "turns.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in first_turns) + '{"id": "cut", "tu')
-    generated, generate = [], data.LocalGenerator.generate
+    generated, generate = [], regen.LocalGenerator.generate
     monkeypatch.setattr(
-        data.LocalGenerator,
+        regen.LocalGenerator,
         "generate",
         lambda self, prompts: generated.extend(prompts) or generate(self, prompts),
     )
     cfg = regen_cfg(make_cfg, own_artifacts, f"data.regen.reuse_answers={source}")
-    assert data.regen_log_path(cfg) != data.regen_log_path(regen_cfg(make_cfg, own_artifacts))
+    assert regen.regen_log_path(cfg) != regen.regen_log_path(regen_cfg(make_cfg, own_artifacts))
     out = data.run(cfg)
     counts = out.manifest()["counts"]
     assert counts["regen_turns_reused"] == len(first_turns) and len(generated) == len(
@@ -576,16 +575,16 @@ def test_regen_seed_draws_other_sampled_answers_and_stays_out_of_the_hash_when_n
             make_cfg, own_artifacts, "data.regen.temperature=1.0", f"data.regen.seed={seed}"
         )
         out = data.run(cfg)
-        return data.regen_log_path(cfg), sorted(
+        return regen.regen_log_path(cfg), sorted(
             (r["id"], r["turn"], r["content"]) for r in turn_records(out.path)
         )
 
     default_path, default = sampled("null")
     data_seed = make_cfg().data.seed
     plain = regen_cfg(make_cfg, own_artifacts, "data.regen.temperature=1.0")
-    assert "seed" not in data.answer_sections(plain)["data"][
+    assert "seed" not in outputs.answer_sections(plain)["data"][
         "regen"
-    ] and default_path == data.regen_log_path(plain)
+    ] and default_path == regen.regen_log_path(plain)
     same_path, same = sampled(data_seed)
     other_path, other = sampled(data_seed + 1)
     assert (
@@ -619,7 +618,7 @@ def test_a_second_run_waits_for_the_one_regenerating(make_cfg, own_artifacts, ca
     import threading
 
     cfg = regen_cfg(make_cfg, own_artifacts)
-    shared, release = data.regen_log_path(cfg), own_artifacts / "release"
+    shared, release = regen.regen_log_path(cfg), own_artifacts / "release"
     holder = subprocess.Popen(
         [sys.executable, "-c", LOCK_HOLDER, str(shared.parent), str(release)],
         stdout=subprocess.PIPE,
@@ -655,10 +654,10 @@ def test_a_second_run_waits_for_the_one_regenerating(make_cfg, own_artifacts, ca
         f"data: another data run (pid {holder.pid}) is regenerating the answers in "
         f"{shared.parent}; waiting for it, then its answers are reused"
     ]
-    source = [c for s in data.conversations_for(cfg.data, {}).values() for c in s]
+    source = [c for s in conversations_for(cfg.data, {}).values() for c in s]
     counts = result["out"].manifest()["counts"]
     assert counts["regen_turns_resumed"] == 0 and counts["regen_answers"] == sum(
-        map(data.user_turns, source)
+        map(user_turns, source)
     )
     assert (shared.parent / "lock").read_text() == f"pid {os.getpid()}"  # the last holder: this run
 
@@ -763,7 +762,7 @@ def test_openai_regeneration_retries_reports_failures_and_resumes(
         )
         with pytest.raises(Eagle3Error, match="1 conversations failed regeneration") as err:
             data.run(cfg)
-        out = data.data_output(cfg)
+        out = outputs.data_output(cfg)
         failed = json.loads((out.path / "regen" / "failed.json").read_text())
         assert (
             list(failed) == ["m-9"]
@@ -782,7 +781,7 @@ def test_openai_regeneration_retries_reports_failures_and_resumes(
         out = data.run(cfg)
         assert out.complete and server.requests == ["Say hi."]
         assert not (out.path / "regen" / "failed.json").exists()
-        source = [c for s in data.conversations_for(cfg.data, {}).values() for c in s]
+        source = [c for s in conversations_for(cfg.data, {}).values() for c in s]
         check_regenerated(out, tiny_target, source)
         assert out.manifest()["sampling"]["base_url"] == server.url
         for path in out.path.rglob("*"):  # the key is never written anywhere
@@ -835,8 +834,8 @@ def test_kill_9_during_regeneration_resumes_without_loss_or_duplicates(
         "data.regen.batch_size=1",
     ]
     cfg = make_cfg(*overrides[1:])
-    out = data.data_output(cfg)
-    turns_file = data.regen_log_path(cfg)
+    out = outputs.data_output(cfg)
+    turns_file = regen.regen_log_path(cfg)
     proc = subprocess.Popen(
         app_command("data", overrides), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -845,7 +844,7 @@ def test_kill_9_during_regeneration_resumes_without_loss_or_duplicates(
     assert not out.complete and written < 17  # 17 user turns in all: the kill cut the run short
     out = data.run(cfg)
     assert out.complete and out.manifest()["counts"]["regen_turns_resumed"] >= 3
-    source = [c for s in data.conversations_for(cfg.data, {}).values() for c in s]
+    source = [c for s in conversations_for(cfg.data, {}).values() for c in s]
     check_regenerated(out, tiny_target, source, max_new_tokens=16)
     assert len(turn_records(out.path)) == 17
 
@@ -853,13 +852,13 @@ def test_kill_9_during_regeneration_resumes_without_loss_or_duplicates(
 def test_loop_start_finds_where_an_ngram_comes_round_the_third_time():
     cycle = "the sky is blue and the sea is green "
     looping = "I like it. " + cycle * 3
-    assert data.loop_start(looping, 8) == len("I like it. ") + 2 * len(cycle)
-    assert data.loop_start("I like it. " + cycle * 2, 8) is None  # twice is not a loop yet
-    assert data.loop_start(cycle * 3, 9) == 2 * len(
+    assert regen.loop_start(looping, 8) == len("I like it. ") + 2 * len(cycle)
+    assert regen.loop_start("I like it. " + cycle * 2, 8) is None  # twice is not a loop yet
+    assert regen.loop_start(cycle * 3, 9) == 2 * len(
         cycle
     )  # the cycle is 9 words: its first 9-gram fits 3 times
-    assert data.loop_start(cycle * 3, 10) is None  # a 10-gram would need 28 words
-    assert data.loop_start("short", 8) is None
+    assert regen.loop_start(cycle * 3, 10) is None  # a 10-gram would need 28 words
+    assert regen.loop_start("short", 8) is None
 
 
 def test_report_loops_counts_every_answer_of_every_split():
@@ -872,7 +871,7 @@ def test_report_loops_counts_every_answer_of_every_split():
         return {"id": "x", "messages": messages}
 
     counts = {}
-    data.report_loops(
+    regen.report_loops(
         {"train": [conv(cycle * 4, "fine"), conv("fine")], "val": [conv(cycle * 3)]}, 8, counts
     )
     assert (counts["regen_answers"], counts["regen_looping"]) == (4, 2)
@@ -901,7 +900,7 @@ def test_prompt_file_keeps_the_first_user_turns(tmp_path):
         capture_output=True,
     )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    conversations = data.conversations_for(
+    conversations = conversations_for(
         compose(["data=sharegpt", "data.val_fraction=0"]).data, Counter()
     )["train"]
     source = {c["id"]: c["messages"] for c in conversations}
@@ -1030,11 +1029,11 @@ def test_shipped_answers_are_the_ones_their_experiments_ask_for(answer_hash):
         cfg = compose(
             [f"experiment={experiment}", "paths.root=/tmp/e3", f"data.source=/tmp/e3/{prompt_file}"]
         )
-        assert data.regen_log_path(cfg).relative_to(cfg.paths.artifacts).as_posix() == member
+        assert regen.regen_log_path(cfg).relative_to(cfg.paths.artifacts).as_posix() == member
     assert member.split("/")[1] == answer_hash and len(rows) == count
     ids = {
         c["id"]
-        for c in data.conversations_for(
+        for c in conversations_for(
             compose(["data=sharegpt", "data.val_fraction=0"]).data, Counter()
         )["train"]
     }

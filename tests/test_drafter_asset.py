@@ -86,9 +86,7 @@ def test_shipped_drafter_is_its_recipes_export(tmp_path):
     """Its name is the export hash its recipe (shipped_recipe) computes for h200_pipeline.sh's prompt
     file, and its manifest names that config's train and data outputs: a config change that moves
     them makes this fail (the asset would then be another recipe's drafter)."""
-    from eagle3.data import data_output
-    from eagle3.export import export_output
-    from eagle3.train import train_output
+    from eagle3.outputs import data_output, export_output, train_output
 
     cfg = shipped_recipe()
     asset = shipped_asset()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3 import export
+from eagle3 import drafter_io, export, outputs
 from eagle3.common import Eagle3Error
 from eagle3.drafter import build_drafter
 from eagle3.target import default_aux_layer_ids
@@ -95,7 +95,7 @@ def draft_step(drafter, seed: int = 1):
 
 
 def test_sglang_folder_has_exactly_the_engine_keys_and_config(drafter, tiny_target, tmp_path):
-    folder = export.export_sglang(drafter, tmp_path / "sglang", RECIPE)
+    folder = drafter_io.export_sglang(drafter, tmp_path / "sglang", RECIPE)
     config = json.loads((folder / "config.json").read_text())
     tensors = load_file(str(folder / "model.safetensors"))
     hidden, target_hidden = drafter.config.hidden_size, tiny_target.hidden_size
@@ -145,7 +145,7 @@ def test_multi_layer_drafter_exports_layers_i_in_each_engines_names(
         ("vllm", "input_layernorm", "hidden_norm"),
         ("sglang", "hidden_norm", "input_layernorm"),
     ):
-        folder = export.export_sglang(two_layers, tmp_path / engine, RECIPE, engine=engine)
+        folder = drafter_io.export_sglang(two_layers, tmp_path / engine, RECIPE, engine=engine)
         tensors = load_file(str(folder / "model.safetensors"))
         assert not any(k.startswith("midlayer.") for k in tensors)
         assert tensors["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * 64
@@ -154,8 +154,8 @@ def test_multi_layer_drafter_exports_layers_i_in_each_engines_names(
             tensors[f"layers.1.{later}.weight"], two_layers.layers[1].input_layernorm.weight
         )
         assert f"layers.1.{absent}.weight" not in tensors and len(tensors) == 5 + 10 + 9
-        loaded = export.attach_target_embedding(
-            export.load_drafter(folder, aux_convention=engine), tiny_target
+        loaded = drafter_io.attach_target_embedding(
+            drafter_io.load_drafter(folder, aux_convention=engine), tiny_target
         )
         assert_same_weights(loaded, two_layers)
         assert torch.equal(draft_step(loaded), draft_step(two_layers))
@@ -166,11 +166,11 @@ def test_multi_layer_drafter_exports_layers_i_in_each_engines_names(
 
 def test_wrongly_named_checkpoint_is_rejected_listing_keys(drafter, tmp_path):
     """`layers.0.*` where SGLang requires `midlayer.*`: the bug that served acceptance 1.00."""
-    tensors = export.engine_tensors(drafter, "speculators")  # layers.0.* names
-    config = export.sglang_config(drafter, RECIPE, "sglang", torch.float32)
+    tensors = drafter_io.engine_tensors(drafter, "speculators")  # layers.0.* names
+    config = drafter_io.sglang_config(drafter, RECIPE, "sglang", torch.float32)
     with pytest.raises(Eagle3Error) as err:
-        export.write_folder(
-            tensors, config, export.expected_shapes(drafter.config, "sglang"), tmp_path / "bad"
+        drafter_io.write_folder(
+            tensors, config, drafter_io.expected_shapes(drafter.config, "sglang"), tmp_path / "bad"
         )
     message = str(err.value)
     assert "20 key/shape problem(s)" in message
@@ -182,9 +182,9 @@ def test_wrongly_named_checkpoint_is_rejected_listing_keys(drafter, tmp_path):
 def test_wrong_shape_dtype_and_unset_vocab_map_are_rejected(
     drafter, tiny_target, make_cfg, tmp_path
 ):
-    expected = export.expected_shapes(drafter.config, "sglang")
-    config = export.sglang_config(drafter, RECIPE, "sglang", torch.float32)
-    tensors = export.engine_tensors(drafter, "sglang")
+    expected = drafter_io.expected_shapes(drafter.config, "sglang")
+    config = drafter_io.sglang_config(drafter, RECIPE, "sglang", torch.float32)
+    tensors = drafter_io.engine_tensors(drafter, "sglang")
     tensors["lm_head.weight"] = tensors["lm_head.weight"][:100]
     tensors["d2t"] = tensors["d2t"].int()
     with pytest.raises(
@@ -192,19 +192,19 @@ def test_wrong_shape_dtype_and_unset_vocab_map_are_rejected(
         match=r"d2t has dtype torch.int32, expected torch.int64; "
         r"lm_head.weight has shape \[100, 64\], expected \[8192, 64\]",
     ):
-        export.write_folder(tensors, config, expected, tmp_path / "bad")
+        drafter_io.write_folder(tensors, config, expected, tmp_path / "bad")
     fresh = build_drafter(tiny_target, make_cfg("target=tiny-llama").drafter)  # vocab map never set
     with pytest.raises(Eagle3Error, match="d2t and t2d disagree"):
-        export.export_sglang(fresh, tmp_path / "fresh", RECIPE)
+        drafter_io.export_sglang(fresh, tmp_path / "fresh", RECIPE)
     assert not (tmp_path / "fresh").exists()
 
 
 def test_existing_folder_is_replaced_only_after_checks(drafter, tmp_path):
-    folder = export.export_sglang(drafter, tmp_path / "out", RECIPE)
+    folder = drafter_io.export_sglang(drafter, tmp_path / "out", RECIPE)
     before = (folder / "model.safetensors").read_bytes()
     drafter.t2d.zero_()
     with pytest.raises(Eagle3Error):
-        export.export_sglang(drafter, folder, RECIPE)
+        drafter_io.export_sglang(drafter, folder, RECIPE)
     assert (folder / "model.safetensors").read_bytes() == before
 
 
@@ -213,8 +213,8 @@ def test_existing_folder_is_replaced_only_after_checks(drafter, tmp_path):
 
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])
 def test_export_import_is_bit_exact(drafter, tiny_target, tmp_path, dtype):
-    folder = export.export_sglang(drafter, tmp_path / "sglang", RECIPE, dtype=dtype)
-    loaded = export.attach_target_embedding(export.load_drafter(folder), tiny_target)
+    folder = drafter_io.export_sglang(drafter, tmp_path / "sglang", RECIPE, dtype=dtype)
+    loaded = drafter_io.attach_target_embedding(drafter_io.load_drafter(folder), tiny_target)
     reference = drafter if dtype is None else drafter.to(torch.bfloat16)
     assert_same_weights(loaded, reference)
     assert torch.equal(draft_step(loaded), draft_step(reference))
@@ -222,15 +222,15 @@ def test_export_import_is_bit_exact(drafter, tiny_target, tmp_path, dtype):
 
 
 def test_embedding_included_on_request(drafter, tiny_target, tmp_path):
-    folder = export.export_sglang(drafter, tmp_path / "emb", RECIPE, include_embedding=True)
+    folder = drafter_io.export_sglang(drafter, tmp_path / "emb", RECIPE, include_embedding=True)
     assert "embed_tokens.weight" in load_file(str(folder / "model.safetensors"))
-    loaded = export.load_drafter(folder)  # no target needed
+    loaded = drafter_io.load_drafter(folder)  # no target needed
     assert loaded.config.has_embedding
     assert_same_weights(loaded, drafter)
 
 
 def test_speculators_folder_round_trip(drafter, tiny_target, tmp_path):
-    folder = export.export_speculators(
+    folder = drafter_io.export_speculators(
         drafter, tmp_path / "spec", RECIPE, speculative_tokens=5, verifier="tiny"
     )
     config = json.loads((folder / "config.json").read_text())
@@ -247,7 +247,7 @@ def test_speculators_folder_round_trip(drafter, tiny_target, tmp_path):
         k.startswith("midlayer") for k in tensors
     )
     assert_same_weights(
-        export.attach_target_embedding(export.load_drafter(folder), tiny_target), drafter
+        drafter_io.attach_target_embedding(drafter_io.load_drafter(folder), tiny_target), drafter
     )
 
 
@@ -256,8 +256,8 @@ def test_speculators_folder_round_trip(drafter, tiny_target, tmp_path):
 
 def test_custom_aux_ids_are_written_in_each_engines_convention(drafter, tmp_path):
     """tiny-llama captures HF hidden_states[1, 2, 3]: vLLM reads ids as HF indices, SGLang adds 1."""
-    sglang = export.export_sglang(drafter, tmp_path / "sglang", RECIPE, engine="sglang")
-    vllm = export.export_sglang(drafter, tmp_path / "vllm", RECIPE, engine="vllm")
+    sglang = drafter_io.export_sglang(drafter, tmp_path / "sglang", RECIPE, engine="sglang")
+    vllm = drafter_io.export_sglang(drafter, tmp_path / "vllm", RECIPE, engine="vllm")
     sglang_ids = json.loads((sglang / "config.json").read_text())["eagle_config"][
         "eagle_aux_hidden_state_layer_ids"
     ]
@@ -281,7 +281,7 @@ def test_custom_aux_ids_are_written_in_each_engines_convention(drafter, tmp_path
         config = json.loads((folder / "config.json").read_text())
         del config["eagle3"]
         (folder / "config.json").write_text(json.dumps(config))
-        assert export.load_drafter(folder, aux_convention=convention).config.aux_layer_ids == [
+        assert drafter_io.load_drafter(folder, aux_convention=convention).config.aux_layer_ids == [
             1,
             2,
             3,
@@ -293,27 +293,29 @@ def test_default_aux_ids_write_no_ids_and_engines_agree(drafter, tmp_path):
     drafter.config.aux_layer_ids = default_aux_layer_ids(30)
     drafter.config.target_num_layers = 30
     for engine in ("sglang", "vllm"):
-        folder = export.export_sglang(drafter, tmp_path / engine, RECIPE, engine=engine)
+        folder = drafter_io.export_sglang(drafter, tmp_path / engine, RECIPE, engine=engine)
         config = json.loads((folder / "config.json").read_text())
         assert "eagle_config" not in config
         assert config["eagle3"]["aux_layer_ids_hf"] == [2, 15, 27]
     assert "eagle_aux_hidden_state_layer_ids" not in json.loads(
-        (export.export_speculators(drafter, tmp_path / "spec", RECIPE) / "config.json").read_text()
+        (
+            drafter_io.export_speculators(drafter, tmp_path / "spec", RECIPE) / "config.json"
+        ).read_text()
     )
-    assert export.engine_aux_ids([2, 15, 27], "sglang") == [1, 14, 26]
-    assert export.engine_aux_ids([2, 15, 27], "vllm") == [2, 15, 27]
+    assert drafter_io.engine_aux_ids([2, 15, 27], "sglang") == [1, 14, 26]
+    assert drafter_io.engine_aux_ids([2, 15, 27], "vllm") == [2, 15, 27]
 
 
 def test_foreign_folder_without_ids_gets_the_targets_default(drafter, tiny_target, tmp_path):
-    folder = export.export_sglang(drafter, tmp_path / "x", RECIPE)
+    folder = drafter_io.export_sglang(drafter, tmp_path / "x", RECIPE)
     config = json.loads((folder / "config.json").read_text())
     del config["eagle3"], config["eagle_config"]
     (folder / "config.json").write_text(json.dumps(config))
-    loaded = export.load_drafter(folder)
+    loaded = drafter_io.load_drafter(folder)
     assert loaded.config.aux_layer_ids is None
     # The engines would capture [2, 2, 1] on a 4-layer target; tiny-llama trains on [1, 2, 3].
     with pytest.raises(Eagle3Error, match=r"aux layers \[2, 2, 1\].*captures \[1, 2, 3\]"):
-        export.check_drafter_for_target(loaded, tiny_target)
+        drafter_io.check_drafter_for_target(loaded, tiny_target)
 
 
 # ---------------------------------------------------------------- importing published variants
@@ -332,33 +334,33 @@ def write_foreign(
 
 
 def foreign_config(drafter, **extra) -> dict:
-    config = export.sglang_config(drafter, {}, "sglang", torch.float32)
+    config = drafter_io.sglang_config(drafter, {}, "sglang", torch.float32)
     del config["eagle3"]
     return {**config, **extra}
 
 
 def test_import_specforge_folder_with_embedding_and_sglang_ids(drafter, tiny_target, tmp_path):
-    tensors = export.engine_tensors(drafter, "sglang", include_embedding=True)
+    tensors = drafter_io.engine_tensors(drafter, "sglang", include_embedding=True)
     folder = write_foreign(tmp_path / "specforge", tensors, foreign_config(drafter))
-    loaded = export.load_drafter(folder)
+    loaded = drafter_io.load_drafter(folder)
     assert loaded.config.aux_layer_ids == [1, 2, 3]  # eagle_config [0, 1, 2] read as SGLang ids
     assert_same_weights(loaded, drafter)
-    export.check_drafter_for_target(loaded, tiny_target)
+    drafter_io.check_drafter_for_target(loaded, tiny_target)
 
 
 def test_import_eagle_bin_with_model_prefix(drafter, tmp_path):
     tensors = {
         ("model." + k if k != "lm_head.weight" else k): v
-        for k, v in export.engine_tensors(drafter, "sglang", include_embedding=True).items()
+        for k, v in drafter_io.engine_tensors(drafter, "sglang", include_embedding=True).items()
     }
     folder = write_foreign(
         tmp_path / "eagle", tensors, foreign_config(drafter), weights="pytorch_model.bin"
     )
-    assert_same_weights(export.load_drafter(folder), drafter)
+    assert_same_weights(drafter_io.load_drafter(folder), drafter)
 
 
 def test_import_stacked_projections(drafter, tmp_path):
-    tensors = export.engine_tensors(drafter, "speculators", include_embedding=True)
+    tensors = drafter_io.engine_tensors(drafter, "speculators", include_embedding=True)
     attn, mlp = "layers.0.self_attn.", "layers.0.mlp."
     tensors[attn + "qkv_proj.weight"] = torch.cat(
         [tensors.pop(attn + f"{p}_proj.weight") for p in "qkv"]
@@ -367,44 +369,44 @@ def test_import_stacked_projections(drafter, tmp_path):
         [tensors.pop(mlp + f"{p}_proj.weight") for p in ("gate", "up")]
     )
     folder = write_foreign(tmp_path / "stacked", tensors, foreign_config(drafter))
-    assert_same_weights(export.load_drafter(folder), drafter)
+    assert_same_weights(drafter_io.load_drafter(folder), drafter)
 
 
 def test_import_speculators_variants(drafter, tmp_path):
-    good = export.export_speculators(drafter, tmp_path / "spec", RECIPE, include_embedding=True)
+    good = drafter_io.export_speculators(drafter, tmp_path / "spec", RECIPE, include_embedding=True)
     config = json.loads((good / "config.json").read_text())
     del config["norm_before_residual"]  # absent = vLLM's default true: another architecture
     bad = write_foreign(tmp_path / "bad", load_file(str(good / "model.safetensors")), config)
     with pytest.raises(Eagle3Error, match="norm_before_residual is not supported"):
-        export.load_drafter(bad)
-    assert_same_weights(export.load_drafter(good), drafter)
+        drafter_io.load_drafter(bad)
+    assert_same_weights(drafter_io.load_drafter(good), drafter)
 
 
 def test_import_refuses_unknown_and_missing_keys(drafter, tmp_path):
-    tensors = export.engine_tensors(drafter, "sglang")
+    tensors = drafter_io.engine_tensors(drafter, "sglang")
     tensors["fc.bias"] = torch.zeros(64)
     del tensors["norm.weight"]
     folder = write_foreign(tmp_path / "odd", tensors, foreign_config(drafter))
     with pytest.raises(Eagle3Error, match=r"missing norm.weight \[64\]; unexpected fc.bias \[64\]"):
-        export.load_drafter(folder)
+        drafter_io.load_drafter(folder)
 
 
 # ---------------------------------------------------------------- pairing with a target
 
 
 def test_check_drafter_for_target_names_each_mismatch(drafter, tiny_target):
-    from eagle3.data import tokenizer_hash
+    from eagle3.target import tokenizer_hash
 
-    export.check_drafter_for_target(drafter, tiny_target)
+    drafter_io.check_drafter_for_target(drafter, tiny_target)
     drafter.config.recipe = {"tokenizer_hash": tokenizer_hash(tiny_target.tokenizer)}
-    export.check_drafter_for_target(
+    drafter_io.check_drafter_for_target(
         drafter, tiny_target
     )  # the hash is computed from the target's tokenizer
     drafter.config.target_hidden_size = 128
     drafter.config.max_position_embeddings = 1024
     drafter.config.recipe = {"tokenizer_hash": "aaa"}
     with pytest.raises(Eagle3Error) as err:
-        export.check_drafter_for_target(drafter, tiny_target, tokenizer_hash="bbb")
+        drafter_io.check_drafter_for_target(drafter, tiny_target, tokenizer_hash="bbb")
     assert "target hidden size 128, target has 64" in str(err.value)
     assert "max_position_embeddings 1024 < the target's 2048" in str(err.value)
     assert "vocab map built with tokenizer aaa, target tokenizer is bbb" in str(err.value)
@@ -444,34 +446,34 @@ def test_register_and_resolve_models_uri(drafter, tiny_target, make_cfg, tmp_pat
         "drafter.path=models:/registry-test/1",
     )
     for engine in ("sglang", "vllm"):
-        folder = export.resolve_drafter_path(uri_cfg, engine)
+        folder = outputs.resolve_drafter_path(uri_cfg, engine)
         assert folder.name == engine and folder.is_relative_to(tmp_path / "artifacts" / "registry")
         assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
     cached = tmp_path / "artifacts" / "registry" / "registry-test" / "1"
     assert sorted(p.name for p in cached.iterdir()) == ["drafter"]
     stamp = (cached / "drafter" / "sglang" / "model.safetensors").stat().st_mtime_ns
-    export.resolve_drafter_path(uri_cfg)  # a second resolve reuses the download
+    outputs.resolve_drafter_path(uri_cfg)  # a second resolve reuses the download
     assert (cached / "drafter" / "sglang" / "model.safetensors").stat().st_mtime_ns == stamp
-    loaded = export.attach_target_embedding(
-        export.load_drafter(export.resolve_drafter_path(uri_cfg)), tiny_target
+    loaded = drafter_io.attach_target_embedding(
+        drafter_io.load_drafter(outputs.resolve_drafter_path(uri_cfg)), tiny_target
     )
     assert_same_weights(loaded, drafter)
-    latest = export.load_drafter("models:/registry-test/latest", tracking_uri=cfg.tracking.uri)
+    latest = drafter_io.load_drafter("models:/registry-test/latest", tracking_uri=cfg.tracking.uri)
     assert loaded.config.aux_layer_ids == latest.config.aux_layer_ids == [1, 2, 3]
     with pytest.raises(Eagle3Error, match="not in the model registry"):
-        export.resolve_drafter_path(
+        outputs.resolve_drafter_path(
             make_cfg("target=tiny-llama", *shared_mlflow, "drafter.path=models:/registry-test/7")
         )
 
 
 def test_resolve_drafter_path_errors_say_what_to_run(make_cfg, tmp_path):
     with pytest.raises(Eagle3Error, match="does not exist"):
-        export.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/nowhere"))
+        outputs.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/nowhere"))
     with pytest.raises(
         Eagle3Error,
         match=r"python -m eagle3.pipeline.*python -m eagle3.train.*python -m eagle3.export",
     ):
-        export.resolve_drafter_path(
+        outputs.resolve_drafter_path(
             make_cfg("target=tiny-llama", f"paths.artifacts={tmp_path}/empty")
         )
 
@@ -480,11 +482,11 @@ def test_resolve_drafter_path_accepts_a_folder_or_an_export(drafter, make_cfg, t
     cfg = make_cfg("target=tiny-llama")
     export.export_drafter(cfg, drafter, RECIPE, tmp_path / "exp")
     assert (
-        export.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/exp"), "vllm")
+        outputs.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/exp"), "vllm")
         == tmp_path / "exp" / "vllm"
     )
     assert (
-        export.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/exp/sglang"), "vllm")
+        outputs.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/exp/sglang"), "vllm")
         == tmp_path / "exp" / "sglang"
     )
 
@@ -496,7 +498,7 @@ def test_resolve_drafter_path_accepts_a_folder_or_an_export(drafter, make_cfg, t
 def test_smollm2_drafter_export_shapes_and_round_trip(smollm2, make_cfg, tmp_path):
     drafter = randomise(build_drafter(smollm2, make_cfg("target=smollm2-135m").drafter))
     drafter.config.target_num_layers = smollm2.num_layers
-    folder = export.export_sglang(drafter, tmp_path / "smol", RECIPE, dtype="bfloat16")
+    folder = drafter_io.export_sglang(drafter, tmp_path / "smol", RECIPE, dtype="bfloat16")
     config = json.loads((folder / "config.json").read_text())
     tensors = load_file(str(folder / "model.safetensors"))
     assert smollm2.aux_layer_ids == [2, 15, 27] and "eagle_config" not in config
@@ -510,7 +512,7 @@ def test_smollm2_drafter_export_shapes_and_round_trip(smollm2, make_cfg, tmp_pat
     )  # 3 kv heads of 64
     assert tensors["lm_head.weight"].shape == (8192, 576) and tensors["t2d"].shape == (49152,)
     assert config["max_position_embeddings"] >= smollm2.config.max_position_embeddings
-    loaded = export.attach_target_embedding(export.load_drafter(folder), smollm2)
+    loaded = drafter_io.attach_target_embedding(drafter_io.load_drafter(folder), smollm2)
     assert_same_weights(loaded, drafter.to(torch.bfloat16))
 
 
@@ -522,7 +524,7 @@ def test_vllm_parses_our_speculators_config(drafter, tmp_path):
     """vLLM's own speculators parser sees our architecture and HF aux ids."""
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} missing: run `make vllm`")
-    folder = export.export_speculators(drafter, tmp_path / "spec", RECIPE, speculative_tokens=4)
+    folder = drafter_io.export_speculators(drafter, tmp_path / "spec", RECIPE, speculative_tokens=4)
     script = (
         "import json,sys; from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig as S;"
         "raw=json.load(open(sys.argv[1]+'/config.json')); c=S.extract_transformers_pre_trained_config(raw);"
@@ -552,12 +554,11 @@ def test_vllm_parses_our_speculators_config(drafter, tmp_path):
 def fake_training_output(cfg, drafter, tau: float):
     """A complete train-stage folder for this config, written with train.py's own format helpers.
     (Only the fit is skipped: training itself is tested in test_train.py.)"""
-    from eagle3 import train
 
-    out = train.train_output(cfg)
+    out = outputs.train_output(cfg)
     out.start()
-    train.save_drafter_config(drafter, out.path)
-    save_file(drafter.trainable_state_dict(), str(out.path / train.FINAL_WEIGHTS))
+    drafter_io.save_drafter_config(drafter, out.path)
+    save_file(drafter.trainable_state_dict(), str(out.path / drafter_io.FINAL_WEIGHTS))
     out.finish({"tau_hat": tau, "data_hash": out.upstream["data"], "tokenizer_hash": None})
     return out
 
@@ -585,7 +586,7 @@ def test_export_run_exports_registers_and_is_idempotent(
     assert (
         out.complete
         and out.upstream == {"train": trained.hash}
-        and out == export.export_output(cfg)
+        and out == outputs.export_output(cfg)
     )
     manifest = out.manifest()
     assert manifest["counts"]["folders"] == ["sglang", "speculators", "vllm"]
@@ -596,11 +597,11 @@ def test_export_run_exports_registers_and_is_idempotent(
         and manifest["recipe"]["data_hash"] == trained.upstream["data"]
     )
 
-    assert export.resolve_drafter_path(cfg) == out.path / "sglang"
-    assert export.resolve_drafter_path(cfg, "vllm") == out.path / "vllm"
+    assert outputs.resolve_drafter_path(cfg) == out.path / "sglang"
+    assert outputs.resolve_drafter_path(cfg, "vllm") == out.path / "vllm"
     for name, convention in (("sglang", "sglang"), ("vllm", "vllm"), ("speculators", "vllm")):
-        loaded = export.load_drafter(out.path / name, aux_convention=convention)
-        assert_same_weights(export.attach_target_embedding(loaded, tiny_target), drafter)
+        loaded = drafter_io.load_drafter(out.path / name, aux_convention=convention)
+        assert_same_weights(drafter_io.attach_target_embedding(loaded, tiny_target), drafter)
     tags = MlflowClient(cfg.tracking.uri).get_model_version("eagle3-tiny-llama", "1").tags
     assert tags["tau_hat"] == "3.25" and tags["recipe.train_hash"] == trained.hash
 
@@ -631,7 +632,7 @@ def test_export_app_command_line(drafter, make_cfg, tmp_path):
     fake_training_output(cfg, drafter, tau=3.25)
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    out = export.export_output(cfg)
+    out = outputs.export_output(cfg)
     assert (
         f"exported drafter: {out.path}" in done.stdout
         and "registered: models:/eagle3-tiny-llama/1" in done.stdout
@@ -694,7 +695,7 @@ def test_engines_own_code_captures_our_aux_layers(drafter, tmp_path, aux_ids, nu
         ("sglang", SGLANG_PYTHON, SGLANG_CAPTURE),
         ("vllm", VLLM_PYTHON, VLLM_CAPTURE),
     ):
-        folder = export.export_sglang(drafter, tmp_path / engine, RECIPE, engine=engine)
+        folder = drafter_io.export_sglang(drafter, tmp_path / engine, RECIPE, engine=engine)
         out = subprocess.run(
             [str(python), "-c", script, str(folder), str(num_layers)],
             capture_output=True,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3 import data, extract
+from eagle3 import data, extract, outputs
 from eagle3.common import Eagle3Error
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -75,8 +75,8 @@ def test_length_batches_and_shard_plan():
 def test_extracted_shards_equal_a_direct_forward(make_cfg, own_artifacts, tiny_target):
     cfg = tiny_cfg(make_cfg, own_artifacts)
     out = extract.run(cfg)
-    assert out.complete and out.upstream == {"data": data.data_output(cfg).hash}
-    splits = data.load_splits(data.data_output(cfg).path)
+    assert out.complete and out.upstream == {"data": outputs.data_output(cfg).hash}
+    splits = data.load_splits(outputs.data_output(cfg).path)
     index = json.loads((out.path / "index.json").read_text())
     assert index["hidden_size"] == 64 and index["aux_layer_ids"] == [1, 2, 3]
     assert len(index["splits"]["train"]) > 2  # several shards, several padded batches each
@@ -153,7 +153,7 @@ def test_verification_catches_bad_states_and_wrong_tokens(
     tensors are altered by hand to show the checks fire."""
     cfg = tiny_cfg(make_cfg, own_artifacts)
     out = extract.run(cfg)
-    splits = data.load_splits(data.data_output(cfg).path)
+    splits = data.load_splits(outputs.data_output(cfg).path)
     plan = extract.plan_shards("train", splits["train"][:], cfg.extract.shard_tokens)[0]
     tensors = load_file(str(out.path / plan.file))
     extract.check_shard(out.path / plan.file, plan, 64, full=True)  # the real shard passes
@@ -192,7 +192,7 @@ def test_kill_9_during_extraction_resumes_with_verified_shards(
     ]
     cfg = make_cfg(*overrides)
     data.run(cfg)  # ShareGPT, so the extraction has enough shards to be cut short
-    out = extract.extract_output(cfg)
+    out = outputs.extract_output(cfg)
     proc = subprocess.Popen(
         [sys.executable, "-m", "eagle3.extract", f"paths.root={test_root}", *overrides],
         stdout=subprocess.DEVNULL,
@@ -211,7 +211,7 @@ def test_kill_9_during_extraction_resumes_with_verified_shards(
     out = extract.run(cfg)
     counts = out.manifest()["counts"]
     assert out.complete and at_kill <= counts["shards_resumed"] < counts["shards"]
-    splits = data.load_splits(data.data_output(cfg).path)
+    splits = data.load_splits(outputs.data_output(cfg).path)
     plans = [
         p
         for s in ("train", "val")
@@ -243,8 +243,8 @@ def test_smollm2_sharegpt_end_to_end(make_cfg, own_artifacts, smollm2):
         "extract.shard_tokens=512",
     )
     out = extract.run(cfg)
-    splits = data.load_splits(data.data_output(cfg).path)
-    counts = data.data_output(cfg).manifest()[
+    splits = data.load_splits(outputs.data_output(cfg).path)
+    counts = outputs.data_output(cfg).manifest()[
         "counts"
     ]  # a long first prompt can leave no answer at 256 tokens
     assert (

@@ -106,8 +106,7 @@ def test_special_tokens_follow_the_gguf_ids(tiny_target):
     H200 box); it cannot be installed beside this project's 5.19, so the bad tokenizer is made by hand."""
     from transformers import AutoTokenizer
 
-    from eagle3.data import tokenizer_hash
-    from eagle3.target import set_special_tokens
+    from eagle3.target import set_special_tokens, tokenizer_hash
 
     good = AutoTokenizer.from_pretrained(tiny_target.path)
     bad = AutoTokenizer.from_pretrained(tiny_target.path)

@@ -15,21 +15,14 @@ import lightning as L
 import pytest
 import torch
 
+from eagle3 import outputs
 from eagle3.common import Eagle3Error, compose
+from eagle3.datamodule import BucketBatchSampler, DrafterData, collate
+from eagle3.drafter_io import CHECKPOINTS, load_trained_drafter
+from eagle3.drafter_module import compile_loss, warmup_cosine
+from eagle3.outputs import train_output
 from eagle3.target import load_target
-from eagle3.train import (
-    CHECKPOINTS,
-    BucketBatchSampler,
-    DrafterData,
-    choose_strategy,
-    collate,
-    compile_loss,
-    evaluation_for,
-    fit,
-    load_trained_drafter,
-    train_output,
-    warmup_cosine,
-)
+from eagle3.train import choose_strategy, evaluation_for, fit
 from eagle3.ttt import tau_hat
 
 TESTS = Path(__file__).parent
@@ -170,7 +163,7 @@ def test_init_from_starts_where_the_source_ended(make_cfg, target, tmp_path):
     source of another shape or vocab map is refused, naming what differs."""
     from safetensors.torch import load_file
 
-    from eagle3.export import export_sglang
+    from eagle3.drafter_io import export_sglang
 
     source = tmp_path / "source"
     synthetic_fit(make_cfg(*BASE, "train.epochs=1"), source, target=target)
@@ -463,7 +456,8 @@ def test_end_to_end_offline_with_mlflow_and_guard_rails(make_cfg, test_root, tmp
     from safetensors.torch import load_file
 
     from eagle3 import data, extract
-    from eagle3.train import run, train_output
+    from eagle3.outputs import train_output
+    from eagle3.train import run
 
     artifacts = tmp_path / "artifacts"
     artifacts.mkdir()
@@ -474,12 +468,14 @@ def test_end_to_end_offline_with_mlflow_and_guard_rails(make_cfg, test_root, tmp
     out = run(cfg)
     manifest = out.manifest()
     assert manifest["complete"] and manifest["upstream"] == {
-        "data": data.data_output(cfg).hash,
+        "data": outputs.data_output(cfg).hash,
         "extract": shards.hash,
     }
     assert out.hash == train_output(cfg).hash and "eval_prompts" not in manifest["config"]["train"]
     counts = manifest["counts"]
-    assert counts["tokenizer_hash"] == data.data_output(cfg).manifest()["counts"]["tokenizer_hash"]
+    assert (
+        counts["tokenizer_hash"] == outputs.data_output(cfg).manifest()["counts"]["tokenizer_hash"]
+    )
     for name in ("drafter.safetensors", "best.safetensors", "drafter_config.json"):
         assert (out.path / name).exists(), name
     runs = mlflow.search_runs(
@@ -539,7 +535,7 @@ def test_end_to_end_offline_with_mlflow_and_guard_rails(make_cfg, test_root, tmp
     with pytest.raises(Eagle3Error, match="were extracted from data 0123456789ab"):
         run(stage_cfg(make_cfg, artifacts, f"train.shards={foreign}", "train.epochs=3"))
     # a data stage built with another tokenizer (simulated: its recorded tokenizer hash edited)
-    data_out = data.data_output(cfg)
+    data_out = outputs.data_output(cfg)
     data_manifest = data_out.manifest()
     data_manifest["counts"]["tokenizer_hash"] = "another-tokenizer"
     data_out.manifest_path.write_text(json.dumps(data_manifest))

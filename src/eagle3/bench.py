@@ -20,6 +20,7 @@ import httpx
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from eagle3 import sweep
 from eagle3.artifacts import stage_output, to_plain
 from eagle3.common import Eagle3Error, app, log
 from eagle3.serve import (
@@ -35,6 +36,7 @@ from eagle3.serve import (
 )
 from eagle3.spec import OFF, Spec, resolve_spec
 from eagle3.suites import load_suite, suite_name
+from eagle3.tracking import stage_run
 
 RESULT_FILE = "bench_result.json"
 PERCENTILES = (50, 90, 99)
@@ -355,8 +357,6 @@ def run_job(cfg: DictConfig, folder: Path, parent_run_id: str | None = None) -> 
     """One job, never raising for an engine or spec failure: the result says ok or failed."""
     folder.mkdir(parents=True, exist_ok=True)
     result = {**job_identity(cfg), "folder": str(folder)}
-    from eagle3.tracking import stage_run
-
     name = f"{result['engine']}-{result['spec']}-bs{result['batch_size']}"
     with stage_run(
         cfg,
@@ -414,8 +414,6 @@ def log_job(result: dict) -> None:
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-
-    from eagle3 import sweep
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request in the job log
     hydra_cfg = HydraConfig.get()

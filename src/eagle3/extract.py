@@ -26,28 +26,14 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from eagle3 import data
-from eagle3.artifacts import StageOutput, stage_output, to_plain
-from eagle3.common import Eagle3Error, app, log, resolve_device, resolve_dtype
+from eagle3.artifacts import StageOutput
+from eagle3.common import Eagle3Error, app, log
+from eagle3.outputs import extract_output
+from eagle3.target import load_target
+from eagle3.tracking import stage_run
 
 FORMAT = "eagle3-hidden-shard-v1"
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# How fast extraction runs, not what it writes: outside the hash.
-EXECUTION_ONLY = ("batch_tokens", "verify", "disk_margin", "writers")
-
-
-def extract_output(cfg: DictConfig) -> StageOutput:
-    """The extract stage's folder for this config (located, not run)."""
-    section = {k: v for k, v in to_plain(cfg.extract).items() if k not in EXECUTION_ONLY}
-    # the precision the target runs in changes the states (target_key leaves it out)
-    compute = str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))).removeprefix(
-        "torch."
-    )
-    return stage_output(
-        cfg.paths.artifacts,
-        "extract",
-        {"extract": section, "compute_dtype": compute},
-        {"data": data.data_output(cfg).hash},
-    )
 
 
 # ---------------------------------------------------------------- capture (shared with online training)
@@ -358,9 +344,6 @@ def check_disk(
 
 def run(cfg: DictConfig) -> StageOutput:
     """Extract every configured split (a no-op when complete; resumes at shard granularity)."""
-    from eagle3.target import load_target
-    from eagle3.tracking import stage_run
-
     data_out = data.run(cfg)
     out = extract_output(cfg)
     if out.complete:

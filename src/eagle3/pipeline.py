@@ -8,26 +8,25 @@ and every command, validating each bench job's spec and engine command, and runs
 
 from __future__ import annotations
 
-import importlib
+import itertools
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 
+from eagle3 import data, export, extract, train
+from eagle3.artifacts import StageOutput
 from eagle3.common import Eagle3Error, app, compose
+from eagle3.outputs import STAGE_OUTPUTS
+from eagle3.serve import compose_launch
+from eagle3.spec import resolve_spec
 
-STAGE_MODULES = {
-    "data": "eagle3.data",
-    "extract": "eagle3.extract",
-    "train": "eagle3.train",
-    "export": "eagle3.export",
-}
+STAGE_RUNS = {"data": data.run, "extract": extract.run, "train": train.run, "export": export.run}
 
 
 def planned_stages(cfg: DictConfig) -> list[str]:
@@ -35,9 +34,8 @@ def planned_stages(cfg: DictConfig) -> list[str]:
     return [s for s in cfg.pipeline.stages if not (s == "extract" and online)]
 
 
-def stage_output(cfg: DictConfig, stage: str):
-    module = importlib.import_module(STAGE_MODULES[stage])
-    return getattr(module, f"{stage}_output")(cfg)
+def stage_output(cfg: DictConfig, stage: str) -> StageOutput:
+    return STAGE_OUTPUTS[stage](cfg)
 
 
 def user_overrides() -> list[str]:
@@ -46,9 +44,19 @@ def user_overrides() -> list[str]:
 
 
 def bench_jobs(cfg: DictConfig) -> list[list[str]]:
-    """The bench sweep expanded exactly as Hydra's basic sweeper will: one override list per job."""
+    """The bench sweep expanded exactly as Hydra's basic sweeper will: one override list per job,
+    the cartesian product of the sweep values in the order they were given."""
     parsed = OverridesParser.create().parse_overrides(list(cfg.pipeline.bench_sweep))
-    return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    choices = []
+    for override in parsed:
+        key = override.get_key_element()
+        values = (
+            list(override.sweep_string_iterator())
+            if override.is_sweep_override()
+            else [override.get_value_element_as_str()]
+        )
+        choices.append([f"{key}={value}" for value in values])
+    return [list(job) for job in itertools.product(*choices)]
 
 
 def bench_command(cfg: DictConfig, sweep_dir: Path) -> list[str]:
@@ -65,9 +73,6 @@ def bench_command(cfg: DictConfig, sweep_dir: Path) -> list[str]:
 
 def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
     """Every stage's command, output folder and status; every bench job's engine command, validated."""
-    from eagle3.serve import compose_launch
-    from eagle3.spec import resolve_spec
-
     overrides = " ".join(user_overrides())
     for index, stage in enumerate(planned_stages(cfg), 1):
         if stage == "bench":
@@ -76,7 +81,7 @@ def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
         out = stage_output(cfg, stage)
         status = "done" if out.complete else "to run"
         print(
-            f"[{index}] {stage}: python -m {STAGE_MODULES[stage]} {overrides}\n      -> {out.path} ({status})"
+            f"[{index}] {stage}: python -m eagle3.{stage} {overrides}\n      -> {out.path} ({status})"
         )
     target = cfg.target.path or cfg.target.name
     if cfg.data.regenerate and cfg.data.regen.backend == "openai":
@@ -110,8 +115,7 @@ def run_stage(cfg: DictConfig, stage: str) -> str:
     out = stage_output(cfg, stage)
     if out.complete:
         return f"skipped (done) -> {out.path}"
-    module = importlib.import_module(STAGE_MODULES[stage])
-    module.run(cfg)
+    STAGE_RUNS[stage](cfg)
     return f"done -> {out.path}"
 
 

@@ -24,7 +24,9 @@ import httpx
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3.common import CONF_DIR, Eagle3Error, app, log
+from eagle3.outputs import resolve_drafter_path
 from eagle3.spec import Spec, resolve_spec
+from eagle3.target import resolve_target_path
 
 ENGINES = ("local", "vllm", "sglang")
 VLLM_SPEC_METRICS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
@@ -510,12 +512,6 @@ def start_engine(
 def drafter_for(cfg: DictConfig, spec: Spec) -> Path | None:
     if not spec.enabled:
         return None
-    try:
-        from eagle3.export import resolve_drafter_path
-    except ImportError as err:
-        raise Eagle3Error(
-            f"eagle3.export is not available ({err}); set drafter.path=<exported folder>"
-        ) from err
     # each engine reads custom aux-layer ids in its own convention; local reads either
     return Path(
         resolve_drafter_path(cfg, engine="vllm" if cfg.serve.engine == "vllm" else "sglang")
@@ -523,8 +519,6 @@ def drafter_for(cfg: DictConfig, spec: Spec) -> Path | None:
 
 
 def target_path_for(cfg: DictConfig):
-    from eagle3.target import resolve_target_path
-
     return resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
 
 

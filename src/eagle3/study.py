@@ -19,8 +19,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from eagle3 import data as data_stage
+from eagle3 import tracking, train
 from eagle3.artifacts import StageOutput, stage_output, to_plain
 from eagle3.common import Eagle3Error, app, log
+from eagle3.data import load_splits
+from eagle3.drafter_io import load_trained_drafter
+from eagle3.engine.decoder import SpecDecoder
+from eagle3.engine.evaluate import summarize
+from eagle3.spec import resolve_spec
+from eagle3.suites import load_suite
+from eagle3.target import load_target
 
 FIT_AXES = (("train_tokens", "training tokens"), ("train_flops", "training FLOPs"))
 
@@ -68,8 +77,6 @@ def study_output(cfg: DictConfig, data_hash: str) -> StageOutput:
 
 def prefix_tokens(data_path: Path, rows: int, max_length: int) -> tuple[int, int]:
     """(tokens, trained tokens) in the first `rows` train rows, each cut at train.max_length."""
-    from eagle3.data import load_splits
-
     split = load_splits(data_path)["train"].select(range(rows))
     tokens = trained = 0
     for ids, mask in zip(split["input_ids"], split["loss_mask"]):
@@ -87,8 +94,6 @@ def flops_per_token(cfg: DictConfig, target_params: int, drafter_params: int) ->
 
 def parameter_counts(target, train_dir: Path) -> tuple[int, int]:
     """(target parameters, drafter parameters without its frozen embedding)."""
-    from eagle3.train import load_trained_drafter
-
     drafter = load_trained_drafter(train_dir, target)
     n_target = sum(p.numel() for p in target.model.parameters())
     n_drafter = sum(v.numel() for v in drafter.trainable_state_dict().values())
@@ -107,8 +112,6 @@ def suite_prompt_ids(cfg: DictConfig, tokenizer) -> dict[str, list[list[int]]]:
     """The token ids of the first study.prompts prompts of each study.suites entry: a bench suite's
     name, or a JSONL file of its prompts (`benchmarks/first_turns.py --suites`, for a machine
     without the suites' packages)."""
-    from eagle3.suites import load_suite
-
     prompts = {}
     for suite in map(str, cfg.study.suites):
         source = (
@@ -126,8 +129,6 @@ def suite_prompt_ids(cfg: DictConfig, tokenizer) -> dict[str, list[list[int]]]:
 
 
 def decoder_for(cfg: DictConfig, target, drafter, spec):
-    from eagle3.engine.decoder import SpecDecoder
-
     ecfg = cfg.engine
     graphs = target.device.type == "cuda" if ecfg.cuda_graphs == "auto" else bool(ecfg.cuda_graphs)
     compiled = bool(cfg.study.compile) and graphs
@@ -149,10 +150,6 @@ def decoder_for(cfg: DictConfig, target, drafter, spec):
 
 def engine_tau(cfg: DictConfig, target, train_dir: Path, prompts: dict) -> dict:
     """{suite: tau, ..., "all": tau over every prompt} for the drafter trained in train_dir."""
-    from eagle3.engine.evaluate import summarize
-    from eagle3.spec import resolve_spec
-    from eagle3.train import load_trained_drafter
-
     spec = resolve_spec(cfg.spec)
     dtype = next(target.model.parameters()).dtype
     drafter = load_trained_drafter(train_dir, target).to(dtype).eval()
@@ -290,8 +287,6 @@ def log_mlflow(cfg: DictConfig, result: dict, files: list[Path]) -> str | None:
         return None
     import mlflow
 
-    from eagle3 import tracking
-
     with tracking.stage_run(cfg, "study", artifact_hash=result["hash"]) as parent:
         for key, fit in result["fits"].items():
             name = key.replace("~", "_vs_")
@@ -325,9 +320,6 @@ def log_mlflow(cfg: DictConfig, result: dict, files: list[Path]) -> str | None:
 
 def train_sizes(cfg: DictConfig, data) -> list[dict]:
     """Train (or find) one drafter per size; a point per size without its engine tau yet."""
-    from eagle3 import train
-    from eagle3.data import load_splits
-
     if cfg.train.get("init_from"):
         raise Eagle3Error(
             f"train.init_from={cfg.train.init_from}: the study trains every size from scratch"
@@ -359,8 +351,6 @@ def train_sizes(cfg: DictConfig, data) -> list[dict]:
 
 def measure(cfg: DictConfig, points: list[dict]) -> None:
     """Each point's engine tau (per suite and overall) and its training FLOPs."""
-    from eagle3.target import load_target
-
     target = load_target(cfg)
     prompts = suite_prompt_ids(cfg, target.tokenizer)
     n_target, n_drafter = parameter_counts(target, Path(points[0]["train_dir"]))
@@ -397,9 +387,6 @@ def write_outputs(cfg: DictConfig, result: dict, folder: Path) -> list[Path]:
 
 
 def run(cfg: DictConfig) -> StageOutput:
-    from eagle3 import data as data_stage
-    from eagle3.spec import resolve_spec
-
     data = data_stage.run(cfg)
     out = study_output(cfg, data.hash)
     if out.complete:

@@ -16,6 +16,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from eagle3 import tracking
+from eagle3.costmodel import fit_step_cost, predict
+
 PARENT_FILE = "bench_parent_run.json"
 BENCH_JOB = "bench"
 COLUMNS = (
@@ -46,8 +49,6 @@ class BenchSweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.hydra.job.name != BENCH_JOB or not config.tracking.enabled:
             return
-        from eagle3 import tracking
-
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         client = tracking.client(config)
@@ -214,8 +215,6 @@ def write_plots(results: list[dict], out_dir: Path) -> list[Path]:
 def cost_model_rows(results: list[dict], depths: list[int]) -> list[dict]:
     """Per group: fit step cost on (depth, step time) incl. the baseline, per-position acceptance
     from the deepest chain; predicted decode tok/s for the configured and measured depths."""
-    from eagle3.costmodel import fit_step_cost, predict
-
     rows = []
     for (engine, suite, batch, _), jobs in sorted(groups(results).items()):
         chains = [r for r in jobs if r["topk"] == 1 and r["spec"] != "off"]
@@ -246,8 +245,6 @@ def cost_model_rows(results: list[dict], depths: list[int]) -> list[dict]:
 def log_to_parent(
     cfg: DictConfig, run_id: str, files: list[Path], best: dict | None, failed: int
 ) -> None:
-    from eagle3 import tracking
-
     client = tracking.client(cfg)
     for path in files:
         client.log_artifact(run_id, str(path))

