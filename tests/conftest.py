@@ -65,6 +65,20 @@ def tiny_target(test_root):
 
 
 @pytest.fixture(scope="session")
+def tiny_fitted_drafter(tiny_target, test_root):
+    """A drafter fitted to tiny-llama's greedy rollouts (engine_helpers.fitted_drafter), made once."""
+    from engine_helpers import fitted_drafter
+
+    cfg = compose([f"paths.root={test_root}", "target=tiny-llama"])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fitted_drafter(tiny_target, cfg.drafter, rollout_tokens=64, steps=60)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
 def smollm2(test_root):
     from eagle3.target import load_target
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import PROMPTS, chi_square_p_value, fitted_drafter, reference_greedy, spec
+from engine_helpers import PROMPTS, chi_square_p_value, reference_greedy, spec
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3.common import Eagle3Error
@@ -33,8 +33,8 @@ def untrained(tiny_target, tiny_cfg):
 
 
 @pytest.fixture(scope="module")
-def fitted(tiny_target, tiny_cfg):
-    return fitted_drafter(tiny_target, tiny_cfg.drafter, rollout_tokens=64, steps=60)
+def fitted(tiny_fitted_drafter):
+    return tiny_fitted_drafter
 
 
 @pytest.fixture(scope="module")

@@ -116,6 +116,8 @@ def local_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
         "topk": spec.topk,
     }
     job["serve"]["port"] = port
+    if job["engine"].get("max_batch_size") is None:  # batch as many as the bench keeps in flight
+        job["engine"]["max_batch_size"] = cfg.bench.batch_size
     job["drafter"]["path"] = str(drafter_path) if drafter_path else None
     argv = [
         engine_python(cfg.serve) if cfg.serve.python else sys.executable,

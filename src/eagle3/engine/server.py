@@ -2,8 +2,9 @@
 
 Routes: SGLang-native POST /generate, OpenAI POST /v1/completions and /v1/chat/completions
 (non-streaming and SSE streaming), GET /v1/models, GET /health, GET /stats (cumulative
-acceptance counters, named like vLLM's spec-decode metrics). One engine, one request at a
-time: requests queue on a lock. Bad requests answer 400 naming the field and the server
+acceptance counters, named like vLLM's spec-decode metrics). With engine.max_batch_size 1 one
+request decodes at a time (the fused batch-1 decoder; requests queue on a lock); above 1 up to that
+many share each step (engine/scheduler.py, continuous batching). Bad requests answer 400 naming the field and the server
 keeps serving.
 """
 
@@ -15,6 +16,7 @@ import socket
 import threading
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -185,7 +187,9 @@ class EngineService:
             return hit
 
         started = time.perf_counter()
-        with self.lock:
+        # a SpecDecoder decodes one request at a time; a BatchScheduler takes concurrent callers
+        serial = not getattr(self.decoder, "concurrent", False)
+        with self.lock if serial else nullcontext():
             result = self.decoder.generate(
                 prompt_ids,
                 max_new_tokens or self.scfg.default_max_tokens,
@@ -195,6 +199,7 @@ class EngineService:
                 on_tokens=on_tokens,
                 generator=torch.Generator().manual_seed(seed) if seed is not None else None,
             )
+        with self.lock if not serial else nullcontext():
             self.counters.add(result)
         text, _ = cut_at_stop(self.decode(result.tokens), stops)
         if on_text is not None and len(text) > len(sent[0]):
@@ -501,6 +506,9 @@ def build_service(cfg: DictConfig) -> EngineService:
         use_graphs if setting == "auto" else bool(setting)
         for setting in (cfg.engine.compile_layers, cfg.engine.compile_draft)
     )
+    max_batch = int(cfg.engine.get("max_batch_size") or 1)
+    if max_batch > 1:
+        return batched_service(cfg, target, drafter, spec, source, max_batch)
     decoder = SpecDecoder(
         target,
         drafter,
@@ -527,6 +535,33 @@ def build_service(cfg: DictConfig) -> EngineService:
         decoder.max_context,
     )
     return EngineService(decoder, target.tokenizer, cfg.serve, source, cfg.target.name)
+
+
+def batched_service(cfg: DictConfig, target, drafter, spec, source: str, max_batch: int):
+    """The service over a BatchScheduler: up to max_batch requests share each step."""
+    from eagle3.engine.batch import BatchDecoder
+    from eagle3.engine.scheduler import BatchScheduler
+
+    decoder = BatchDecoder(
+        target,
+        drafter,
+        spec,
+        max_batch,
+        max_context=cfg.engine.max_context,
+        seed=cfg.engine.seed,
+        draft_attention=cfg.engine.draft_attention,
+        tree_temperature=cfg.engine.tree_temperature,
+    )
+    log.info(
+        "engine ready: target %s, spec %s, drafter %s, context %d, batches up to %d requests",
+        cfg.target.name,
+        spec.label,
+        source,
+        decoder.max_context,
+        max_batch,
+    )
+    scheduler = BatchScheduler(decoder)
+    return EngineService(scheduler, target.tokenizer, cfg.serve, source, cfg.target.name)
 
 
 def bind(host: str, port: int) -> socket.socket:

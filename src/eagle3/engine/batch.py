@@ -1,0 +1,580 @@
+"""Continuous batching: up to engine.max_batch_size requests share each speculative step.
+
+A step is one batched draft phase (the drafter over every request's frontier at once), one
+target forward over all requests' trees ([B, depth] tokens, each row its own tree mask and
+positions), ragged acceptance (each request commits its own accepted path and bonus token) and
+one batched drafter extend over the committed tokens. Requests join between steps: the ones
+waiting are prefilled together in one forward before the next step (so a newcomer stalls the
+others by one prefill), and leave when they finish; the rows stay packed (the last row moves
+into a freed one), so every forward reads a view of the caches. spec=off is the same loop with a
+root-only tree. The per-request arithmetic is SpecDecoder's (engine/decoder.py): the same tree,
+the same acceptance rules, the same positions; greedy output equals the target's own greedy decode.
+
+Driven by step() (tests call it directly to place arrivals at exact steps); engine/scheduler.py
+runs it on a thread behind the server.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle3.common import Eagle3Error
+from eagle3.engine.batched import (
+    copy_row,
+    drafter_forward,
+    move_slots,
+    target_forward,
+)
+from eagle3.engine.decoder import ContextOverflow, GenerationResult, RequestStats
+from eagle3.engine.kv import SlotKV
+from eagle3.engine.llama import LeanDrafter, LeanLlama
+from eagle3.engine.sampling import Sampling, greedy_path, probabilities, sampled_path
+from eagle3.engine.tree import top_children
+from eagle3.spec import Spec
+from eagle3.target import Target
+
+
+@dataclass
+class BatchRequest:
+    """One request's decoding state while it waits, runs and after it finishes."""
+
+    prompt: list[int]
+    budget: int
+    sampling: Sampling
+    stop_ids: set
+    on_tokens: Callable[[list[int]], bool] | None
+    stats: RequestStats
+    started: float = field(default_factory=time.perf_counter)
+    out: list[int] = field(default_factory=list)
+    position: int = 0  # the root's position (tokens committed to the target's cache)
+    h_last: torch.Tensor | None = None  # the drafter's last hidden [H]
+    finish: str | None = None
+    result: GenerationResult | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False
+    error: Exception | None = None  # raised by on_tokens, or a failed step
+
+    @property
+    def root(self) -> int:
+        return self.out[-1]
+
+    def cancel(self) -> None:
+        """Leave at the next step boundary (finish_reason "abort"); safe from any thread."""
+        self.cancelled = True
+
+
+@dataclass
+class BatchTrees:
+    """Every row's draft tree, [B, q] each (q = spec.depth; 1 with spec=off)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    sizes: list[int]  # nodes of each row's tree that count (1: the row verifies its root only)
+    draft_probs: dict[int, torch.Tensor]  # row -> [q, V] (sampled chains)
+
+
+class BatchDecoder:
+    """Draft with `drafter` (None with spec=off), verify with `target`, up to max_batch_size requests
+    per step. Needs a plain Llama target and a drafter the lean forwards support (engine/llama.py)."""
+
+    def __init__(
+        self,
+        target: Target,
+        drafter,
+        spec: Spec,
+        max_batch_size: int,
+        max_context: int | None = None,
+        seed: int = 0,
+        draft_attention: str = "explicit",
+        tree_temperature: float = 1.0,
+    ):
+        if spec.enabled and drafter is None:
+            raise Eagle3Error(f"spec {spec.label} needs a drafter; use spec=off for plain decoding")
+        if max_batch_size < 1:
+            raise Eagle3Error(f"engine.max_batch_size={max_batch_size}: must be >= 1")
+        if not LeanLlama.supports(target.model):
+            raise Eagle3Error(
+                f"engine.max_batch_size={max_batch_size} batches a plain Llama target only "
+                f"({target.config.model_type} here); use engine.max_batch_size=1"
+            )
+        self.target, self.spec, self.max_batch_size = target, spec, max_batch_size
+        self.drafter = drafter if spec.enabled else None
+        limit = target.config.max_position_embeddings
+        self.max_context = min(max_context or limit, limit)
+        self.device = target.device
+        self.generator = torch.Generator().manual_seed(seed)
+        self.tree_temperature = float(tree_temperature)
+        dtype = target.model.model.embed_tokens.weight.dtype
+        q = spec.depth if spec.enabled else 1
+        # a row's verify writes up to depth slots past its root, also where the tree does not fit
+        self.target_lean = LeanLlama(target, self.max_context + q)
+        config = target.config
+        self.target_kv = SlotKV(
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            self.target_lean.head_dim,
+            self.max_context + q,
+            dtype,
+            self.device,
+            batch=max_batch_size,
+        )
+        self.drafter_lean = self.drafter_kv = None
+        if self.drafter is not None:
+            if not LeanDrafter.supports(self.drafter):
+                raise Eagle3Error("engine.max_batch_size > 1: this drafter's layer is not batched")
+            room = self.max_context + q + spec.steps * spec.topk
+            self.drafter_lean = LeanDrafter(self.drafter, room, draft_attention == "explicit")
+            dc = self.drafter.config
+            self.drafter_kv = SlotKV(
+                dc.num_hidden_layers,
+                dc.num_key_value_heads,
+                dc.head_dim,
+                room,
+                self.drafter.fc.weight.dtype,
+                self.device,
+                batch=max_batch_size,
+            )
+        self.steps = 0  # speculative steps taken (each shared by every row in flight)
+        self.rows: list[BatchRequest] = []  # in flight, row i of the caches
+        self.waiting: list[BatchRequest] = []
+        self.lock = threading.Lock()  # guards `waiting` (add() runs on other threads)
+
+    # ------------------------------------------------------------ requests
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise Eagle3Error("empty prompt: give at least one token")
+        if len(prompt_ids) >= self.max_context:
+            raise ContextOverflow(
+                f"prompt has {len(prompt_ids)} tokens but the context holds {self.max_context} "
+                f"(prompt + completion); at most {self.max_context - 1} prompt tokens"
+            )
+
+    def add(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop_ids=(),
+        on_tokens: Callable[[list[int]], bool] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> BatchRequest:
+        """Queue a request; it joins the batch at the next step. on_tokens and generator as
+        SpecDecoder.generate's (called on the stepping thread)."""
+        self.check_prompt(prompt_ids)
+        request = BatchRequest(
+            prompt=list(prompt_ids),
+            budget=min(max_new_tokens, self.max_context - len(prompt_ids)),
+            sampling=Sampling(temperature, top_p, generator or self.generator),
+            stop_ids=set(stop_ids),
+            on_tokens=on_tokens,
+            stats=RequestStats(
+                prompt_tokens=len(prompt_ids),
+                draft_tokens_per_step=self.spec.depth - 1 if self.spec.enabled else 0,
+            ),
+        )
+        with self.lock:
+            self.waiting.append(request)
+        return request
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.waiting)
+
+    @torch.inference_mode()
+    def generate_all(self, requests: list[BatchRequest]) -> list[GenerationResult]:
+        """Step until the given requests have finished -> their results."""
+        while not all(r.done.is_set() for r in requests):
+            self.step()
+        return [r.result for r in requests]
+
+    # ------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def step(self) -> list[BatchRequest]:
+        """Admit waiting requests (one batched prefill), then one speculative step over every row
+        -> the requests that finished in it."""
+        finished = self._retire()
+        with self.lock:
+            room = self.max_batch_size - len(self.rows)
+            joining, self.waiting = self.waiting[:room], self.waiting[room:]
+        if joining:
+            self.prefill(joining)
+            finished += self._retire()
+        if self.rows:
+            self.decode()
+            finished += self._retire()
+        return finished
+
+    def _retire(self) -> list[BatchRequest]:
+        """Finished and cancelled rows leave; the last rows move into the holes (caches included)."""
+        gone = []
+        index = 0
+        while index < len(self.rows):
+            request = self.rows[index]
+            if request.cancelled and request.finish is None:
+                request.finish = "abort"
+            if request.finish is None:
+                index += 1
+                continue
+            last = len(self.rows) - 1
+            if index != last:
+                self._move_row(last, index)
+            self.rows[index] = self.rows[last]
+            self.rows.pop()
+            self._complete(request)
+            gone.append(request)
+        return gone
+
+    def _move_row(self, source: int, dest: int) -> None:
+        length = self.rows[source].position + self.target_kv.max_len - self.max_context
+        copy_row(self.target_kv, source, dest, min(length, self.target_kv.max_len))
+        if self.drafter_kv is not None:
+            copy_row(self.drafter_kv, source, dest, min(length, self.drafter_kv.max_len))
+
+    def _complete(self, request: BatchRequest) -> None:
+        stats = request.stats
+        stats.total_time_s = time.perf_counter() - request.started
+        tokens = request.out[: request.budget]
+        for i, token in enumerate(tokens):
+            if token in request.stop_ids:
+                tokens = tokens[: i + 1]
+                break
+        stats.completion_tokens = len(tokens)
+        request.result = GenerationResult(tokens, request.finish, stats)
+        request.done.set()
+
+    def _commit(self, request: BatchRequest, new: list[int]) -> None:
+        """Append a step's tokens and decide whether the request finishes (SpecDecoder's rules)."""
+        request.out += new
+        if any(t in request.stop_ids for t in new):
+            request.finish = "stop"
+        elif request.on_tokens is not None and self._tell(request, new):
+            request.finish = "stop"
+        elif len(request.out) >= request.budget:
+            request.finish = "length"
+
+    @staticmethod
+    def _tell(request: BatchRequest, new: list[int]) -> bool:
+        """on_tokens(the step's tokens within the budget); one that raises ends only its request."""
+        try:
+            return bool(request.on_tokens(new[: request.budget - len(request.out) + len(new)]))
+        except Exception as error:  # noqa: BLE001 -- the caller's callback, re-raised to the caller
+            request.error = error
+            return True
+
+    def fail_all(self, error: Exception) -> None:
+        """Every request in flight or waiting ends with `error` (a step failed); the rows empty."""
+        with self.lock:
+            failed, self.waiting = self.rows + self.waiting, []
+        self.rows = []
+        for request in failed:
+            request.error, request.finish = error, "abort"
+            request.result = GenerationResult(list(request.out), "abort", request.stats)
+            request.done.set()
+
+    # ------------------------------------------------------------ prefill
+
+    def prefill(self, joining: list[BatchRequest]) -> None:
+        """The newcomers' prompts through the target in one forward (padded to the longest), their
+        first tokens, then the drafter over the prompts; they take the rows after the running ones."""
+        started = time.perf_counter()
+        lo = len(self.rows)
+        rows = slice(lo, lo + len(joining))
+        lengths = [len(r.prompt) for r in joining]
+        width = max(lengths)
+        ids = torch.tensor([r.prompt + [0] * (width - len(r.prompt)) for r in joining])
+        ids = ids.to(self.device)
+        positions = torch.arange(width, device=self.device).expand(len(joining), width)
+        mask = causal(positions, width)
+        logits, aux = target_forward(
+            self.target_lean, self.target_kv, rows, ids, positions, positions, mask
+        )
+        last = logits[torch.arange(len(joining)), torch.tensor(lengths) - 1]
+        roots = [self._first_token(row, r.sampling) for row, r in zip(last, joining)]
+        if self.drafter is not None:
+            next_ids = ids.clone()
+            next_ids[:, :-1] = ids[:, 1:]
+            next_ids[torch.arange(len(joining)), torch.tensor(lengths) - 1] = torch.tensor(
+                roots, device=self.device
+            )
+            hidden = self._extend(rows, next_ids, aux, positions, mask)
+            for index, r in enumerate(joining):
+                r.h_last = hidden[index, lengths[index] - 1]
+        elapsed = time.perf_counter() - started
+        for r, root in zip(joining, roots):
+            r.position = len(r.prompt)
+            r.stats.prefill_time_s = elapsed
+            self.rows.append(r)
+            self._commit(r, [root])
+
+    def _first_token(self, logits: torch.Tensor, sampling: Sampling) -> int:
+        if sampling.random:
+            probs = probabilities(logits, sampling.temperature, sampling.top_p)
+            return int(torch.multinomial(probs.cpu(), 1, generator=sampling.generator))
+        return int(logits.argmax())
+
+    def _extend(self, rows: slice, ids, aux, positions, mask) -> torch.Tensor:
+        """Committed tokens with the target's aux states through the drafter -> its hidden [B, m, H]."""
+        states = self.drafter.project(aux.to(self.drafter.fc.weight.dtype))
+        return drafter_forward(
+            self.drafter_lean, self.drafter_kv, rows, ids, states, positions, positions, mask
+        )
+
+    # ------------------------------------------------------------ decode
+
+    def decode(self) -> None:
+        """One draft + verify + commit over every row."""
+        t0 = time.perf_counter()
+        self.steps += 1
+        batch = len(self.rows)
+        rows = slice(0, batch)
+        position = torch.tensor([r.position for r in self.rows], device=self.device)
+        roots = torch.tensor([r.root for r in self.rows], device=self.device)
+        if self.drafter is not None:
+            trees = self.draft(roots, position)
+        else:
+            zero = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+            trees = BatchTrees(roots[:, None], zero, zero, [1] * batch, {})
+        t1 = time.perf_counter()
+        paths, bonuses, aux, tokens = self.verify(trees, position)
+        t2 = time.perf_counter()
+        news = [
+            [row[node] for node in path[1:]] + [bonus]
+            for row, path, bonus in zip(tokens, paths, bonuses)
+        ]
+        if self.drafter is not None:
+            self._extend_committed(rows, news, paths, aux, position)
+        t3 = time.perf_counter()
+        for request, path, new in zip(self.rows, paths, news):
+            stats = request.stats
+            stats.verify_steps += 1
+            stats.accepted_per_step.append(len(path) - 1)
+            stats.draft_time_s += (t1 - t0) + (t3 - t2)
+            stats.verify_time_s += t2 - t1
+            request.position += len(new)
+            self._commit(request, new)
+
+    def verify(self, trees: BatchTrees, position: torch.Tensor):
+        """One target forward over every row's tree; keeps each accepted path's K/V.
+        -> (path node indices per row, bonus token per row, aux [B, q, 3H], tree tokens per row)."""
+        batch, q = trees.tokens.shape
+        ancestors = ancestor_masks(trees.parents, max(self.spec.steps, 0))
+        ancestors &= torch.tensor(trees.sizes, device=self.device)[:, None, None] > torch.arange(
+            q, device=self.device
+        )
+        ancestors |= torch.eye(q, dtype=torch.bool, device=self.device)
+        slots = position[:, None] + torch.arange(q, device=self.device)
+        kv_len = int(position.max()) + q
+        mask = tree_mask(position, ancestors, kv_len)
+        positions = (position[:, None] + trees.depths).clamp_max(self.target_lean.cos.shape[0] - 1)
+        logits, aux = target_forward(
+            self.target_lean, self.target_kv, slice(0, batch), trees.tokens, positions, slots, mask
+        )
+        tokens, parents = trees.tokens.tolist(), trees.parents.tolist()
+        argmax = logits.argmax(dim=-1).tolist()
+        paths, bonuses = [], []
+        for index, request in enumerate(self.rows):
+            size, sampling = trees.sizes[index], request.sampling
+            if sampling.random:
+                probs = probabilities(logits[index, :size], sampling.temperature, sampling.top_p)
+                path, bonus = sampled_path(
+                    tokens[index][:size],
+                    parents[index][:size],
+                    probs,
+                    trees.draft_probs.get(index),
+                    sampling.generator,
+                )
+            else:
+                path, bonus = greedy_path(
+                    tokens[index][:size], parents[index][:size], argmax[index][:size]
+                )
+            paths.append(path)
+            bonuses.append(bonus)
+        self._keep_paths(paths, position.tolist())
+        return paths, bonuses, aux, tokens
+
+    def _keep_paths(self, paths: list[list[int]], positions: list[int]) -> None:
+        rows, sources, dests = [], [], []
+        for row, (path, start) in enumerate(zip(paths, positions)):
+            for offset, node in enumerate(path):
+                if node != offset:
+                    rows.append(row)
+                    sources.append(start + node)
+                    dests.append(start + offset)
+        if rows:
+            as_tensor = lambda values: torch.tensor(values, device=self.device)
+            move_slots(self.target_kv, as_tensor(rows), as_tensor(sources), as_tensor(dests))
+
+    def _extend_committed(self, rows: slice, news, paths, aux, position) -> None:
+        """The drafter over each row's committed tokens (the accepted nodes' aux states, the token
+        after each), padded to the longest row; each row's last hidden becomes its h_last."""
+        batch, width = len(news), max(len(new) for new in news)
+        ids = torch.tensor([new + [0] * (width - len(new)) for new in news], device=self.device)
+        nodes = torch.tensor(
+            [path + [0] * (width - len(path)) for path in paths], device=self.device
+        )
+        states = aux.gather(1, nodes[:, :, None].expand(-1, -1, aux.shape[-1]))
+        positions = position[:, None] + torch.arange(width, device=self.device)
+        mask = causal(positions, int(position.max()) + width)
+        hidden = self._extend(rows, ids, states, positions, mask)
+        last = torch.tensor([len(new) - 1 for new in news], device=self.device)
+        h_last = hidden[torch.arange(batch, device=self.device), last]
+        for request, h in zip(self.rows, h_last):
+            request.h_last = h
+
+    # ------------------------------------------------------------ drafting
+
+    def draft(self, roots: torch.Tensor, position: torch.Tensor) -> BatchTrees:
+        """Every row's EAGLE-2 dynamic tree (a chain when topk=1), SpecDecoder.draft's steps with a
+        batch dimension; a row whose tree would pass the context verifies its root only."""
+        k, steps, dev, batch = self.spec.topk, self.spec.steps, self.device, roots.numel()
+        sampled = [
+            index for index, r in enumerate(self.rows) if r.sampling.random and self.spec.chain
+        ]
+        total = 1 + k + (steps - 1) * k * k
+        tokens = [roots[:, None]]
+        parents = [torch.zeros(batch, 1, dtype=torch.long, device=dev)]
+        depths = [torch.zeros(batch, 1, dtype=torch.long, device=dev)]
+        scores = [torch.zeros(batch, 1, device=dev)]
+        q_rows: dict[int, list[torch.Tensor]] = {
+            i: [torch.zeros(1, self.target.vocab_size, device=dev)] for i in sampled
+        }
+        slot_of = torch.full((batch, total), -1, dtype=torch.long, device=dev)
+        frontier = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        h_last = torch.stack([r.h_last for r in self.rows])[:, None]
+        frontier_hidden = h_last
+        count = 1
+        rows = slice(0, batch)
+        for step in range(steps):
+            width = frontier.shape[1]
+            if step > 0:
+                slot_of.scatter_(
+                    1,
+                    frontier,
+                    position[:, None] + (step - 1) * k + torch.arange(width, device=dev),
+                )
+                all_parents = torch.cat(parents, dim=1)
+                kv_len = int(position.max()) + step * k
+                mask = draft_mask(frontier, slot_of, all_parents, position, step, kv_len)
+                ids = torch.cat(tokens, dim=1).gather(1, frontier)
+                pos = (position[:, None] + step - 1).expand(batch, width)
+                frontier_hidden = drafter_forward(
+                    self.drafter_lean,
+                    self.drafter_kv,
+                    rows,
+                    ids,
+                    frontier_hidden,
+                    pos,
+                    slot_of.gather(1, frontier),
+                    mask,
+                )
+            logits = self.drafter_lean.logits(frontier_hidden)  # [B, w, Vd]
+            base = torch.cat(scores, dim=1).gather(1, frontier)
+            log_probs, ids = top_children(
+                logits.reshape(batch * width, -1), k, self.tree_temperature
+            )
+            child_tokens = self.drafter.to_target_ids(ids).view(batch, width * k)
+            child_scores = (base[:, :, None] + log_probs.view(batch, width, k)).view(batch, -1)
+            for index in sampled:  # a sampled chain draws its child from q
+                self._sample_child(index, logits[index], child_tokens, child_scores, q_rows)
+            tokens.append(child_tokens)
+            scores.append(child_scores)
+            parents.append(frontier.repeat_interleave(k, dim=1))
+            depths.append(torch.full((batch, width * k), step + 1, dtype=torch.long, device=dev))
+            best = torch.sort(child_scores, dim=1, descending=True, stable=True).indices[:, :k]
+            frontier_hidden = frontier_hidden.gather(
+                1, (best // k)[:, :, None].expand(-1, -1, frontier_hidden.shape[-1])
+            )
+            frontier = count + best
+            count += width * k
+        nodes = keep_best_rows(torch.cat(scores, dim=1), self.spec.depth - 1)
+        trees = subtrees(nodes, torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(depths, 1))
+        fits = (position + self.spec.depth <= self.max_context).tolist()
+        trees.sizes = [self.spec.depth if fit else 1 for fit in fits]
+        trees.draft_probs = {i: torch.cat(q_rows[i]) for i in sampled}  # chains keep every node
+        return trees
+
+    def _sample_child(self, index, logits, child_tokens, child_scores, q_rows) -> None:
+        sampling, drafter = self.rows[index].sampling, self.drafter
+        q_draft = probabilities(logits, sampling.temperature, sampling.top_p)  # [1, Vd]
+        choice = torch.multinomial(q_draft.cpu(), 1, generator=sampling.generator).to(self.device)
+        child_tokens[index] = drafter.to_target_ids(choice).view(-1)
+        child_scores[index] = q_draft.gather(-1, choice).log().view(-1)
+        q_target = torch.zeros(1, self.target.vocab_size, device=self.device)
+        q_target.index_add_(
+            1, drafter.to_target_ids(torch.arange(q_draft.shape[-1], device=self.device)), q_draft
+        )
+        q_rows[index].append(q_target)
+
+
+# ---------------------------------------------------------------- row-wise tree and mask pieces
+
+
+def causal(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[B, m, kv_len]: the query at slot positions[b, i] sees every slot up to its own."""
+    cols = torch.arange(kv_len, device=positions.device)
+    return cols[None, None, :] <= positions[:, :, None]
+
+
+def tree_mask(position: torch.Tensor, ancestors: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[B, q, kv_len]: each row's committed prefix (slots < position) and its tree's ancestors
+    (slots position..position+q-1)."""
+    q = ancestors.shape[-1]
+    cols = torch.arange(kv_len, device=position.device)
+    relative = cols[None, :] - position[:, None]  # [B, kv_len]
+    inside = (relative >= 0) & (relative < q)
+    picked = ancestors.gather(2, relative.clamp(0, q - 1)[:, None, :].expand(-1, q, -1))
+    return (relative < 0)[:, None, :] | (inside[:, None, :] & picked)
+
+
+def draft_mask(frontier, slot_of, parents, position, step: int, kv_len: int) -> torch.Tensor:
+    """[B, w, kv_len]: frontier nodes (depth `step`) see their row's committed prefix and their
+    ancestors' draft slots."""
+    batch, width = frontier.shape
+    cols = torch.arange(kv_len, device=frontier.device)
+    mask = (cols[None, None, :] < position[:, None, None]).expand(batch, width, kv_len).clone()
+    current = frontier
+    for _ in range(step):
+        mask.scatter_(2, slot_of.gather(1, current)[:, :, None], True)
+        current = parents.gather(1, current)
+    return mask
+
+
+def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[B, q, q]: entry (b, i, j) is True when node j is node i or one of its ancestors in row b."""
+    batch, q = parents.shape
+    chain = [torch.arange(q, device=parents.device).expand(batch, q)]
+    for _ in range(max_depth):
+        chain.append(parents.gather(1, chain[-1]))
+    lineage = torch.stack(chain, dim=2)  # [B, q, depth + 1]
+    return (lineage[:, :, :, None] == chain[0][:, None, None, :]).any(dim=2)
+
+
+def keep_best_rows(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """[B, count + 1]: per row the root and its `count` best-scoring nodes, in creation order
+    (tree.keep_best row by row)."""
+    order = torch.sort(scores[:, 1:], dim=1, descending=True, stable=True).indices[:, :count] + 1
+    root = torch.zeros(scores.shape[0], 1, dtype=torch.long, device=scores.device)
+    return torch.cat([root, order.sort(dim=1).values], dim=1)
+
+
+def subtrees(nodes, tokens, parents, depths) -> BatchTrees:
+    """Each row's tree restricted to its `nodes` (ascending, closed under ancestors), re-indexed."""
+    new_index = torch.zeros_like(tokens)
+    arange = torch.arange(nodes.shape[1], device=nodes.device).expand_as(nodes)
+    new_index.scatter_(1, nodes, arange)
+    return BatchTrees(
+        tokens.gather(1, nodes),
+        new_index.gather(1, parents.gather(1, nodes)),
+        depths.gather(1, nodes),
+        [nodes.shape[1]] * nodes.shape[0],
+        {},
+    )

@@ -1,0 +1,180 @@
+"""Continuous batching (engine/batch.py): every request's greedy output is the target's own greedy
+decode of its prompt alone, whatever else shares its steps (mixed prompt lengths, staggered arrivals,
+stop tokens at different steps, a request cancelled mid-stream), trees and acceptance equal the
+batch-1 decoder's, sampling keeps the target's distribution, and the server batches concurrent
+requests."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from engine_helpers import PROMPTS, chi_square_p_value, reference_greedy, spec
+from test_engine import FALSE_ALARM, tiny_vocab_target
+
+from eagle3.common import Eagle3Error
+from eagle3.drafter import build_drafter
+from eagle3.engine import SpecDecoder
+from eagle3.engine.batch import BatchDecoder
+
+NEW_TOKENS = 40
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_fitted_drafter):
+    return tiny_fitted_drafter
+
+
+@pytest.fixture(scope="module")
+def references(tiny_target):
+    """Prompts of different lengths (the four texts, one of them doubled) and their greedy decodes."""
+    texts = [*PROMPTS, PROMPTS[0] + " " + PROMPTS[2]]
+    prompts = [tiny_target.tokenizer(text)["input_ids"] for text in texts]
+    assert len({len(p) for p in prompts}) >= 4
+    return [(p, reference_greedy(tiny_target.model, p, NEW_TOKENS)) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["off", "d2", "d6", "d8s4k3"])
+def test_batched_greedy_equals_each_prompt_alone(tiny_target, fitted, references, name):
+    """Five prompts of different lengths, three rows: requests join as rows free up; each output is
+    the target's greedy decode, and each request's accepted lengths are the batch-1 decoder's."""
+    decoder = BatchDecoder(tiny_target, fitted, spec(name), max_batch_size=3)
+    requests = [decoder.add(prompt, NEW_TOKENS) for prompt, _ in references]
+    results = decoder.generate_all(requests)
+    single = SpecDecoder(tiny_target, fitted, spec(name), fused=False)
+    for (prompt, expected), result in zip(references, results):
+        assert result.tokens == expected and result.finish_reason == "length"
+        alone = single.generate(prompt, NEW_TOKENS)
+        assert result.stats.accepted_per_step == alone.stats.accepted_per_step
+    assert decoder.steps < sum(r.stats.verify_steps for r in results)  # steps were shared
+    assert not decoder.busy and not decoder.rows
+
+
+def test_staggered_arrivals_stops_and_a_cancel(tiny_target, fitted, references):
+    """Requests arrive at different steps, two stop on a token at different steps, one is cancelled
+    after it has streamed 6 tokens; everyone else still gets exactly the greedy decode."""
+    decoder = BatchDecoder(tiny_target, fitted, spec("d6"), max_batch_size=4)
+    arrivals = {0: [0, 1], 2: [2], 3: [3], 5: [4]}  # step -> reference indices
+    streamed: dict[int, list[int]] = {}
+    requests = {}
+
+    def listener(index):
+        def on_tokens(new):
+            streamed.setdefault(index, []).extend(new)
+            if index == 1 and len(streamed[index]) >= 6:
+                requests[index].cancel()
+            return False
+
+        return on_tokens
+
+    stops = {2: references[2][1][9], 3: references[3][1][25]}  # stop tokens, hit at different steps
+    step = 0
+    while step <= max(arrivals) or decoder.busy:
+        for index in arrivals.get(step, []):
+            prompt, _ = references[index]
+            requests[index] = decoder.add(
+                prompt,
+                NEW_TOKENS,
+                stop_ids={stops[index]} if index in stops else (),
+                on_tokens=listener(index),
+            )
+        decoder.step()
+        step += 1
+    for index, request in requests.items():
+        expected, result = references[index][1], request.result
+        if index == 1:
+            assert result.finish_reason == "abort"
+            assert 6 <= len(result.tokens) < NEW_TOKENS
+            assert (
+                result.tokens == expected[: len(result.tokens)] == streamed[1][: len(result.tokens)]
+            )
+        elif index in stops:
+            cut = expected.index(stops[index]) + 1
+            assert result.tokens == expected[:cut] and result.finish_reason == "stop"
+        else:
+            assert result.tokens == expected and result.finish_reason == "length"
+            assert streamed[index] == expected
+
+
+def test_context_end_and_budget(tiny_target, fitted, references):
+    """A request whose trees stop fitting the context verifies its root alone and still decodes
+    greedily to the end of the context, next to one that does not reach it."""
+    prompt, expected = references[1]
+    max_context = len(prompt) + 12
+    decoder = BatchDecoder(tiny_target, fitted, spec("d6"), 2, max_context=max_context)
+    short, long = decoder.add(prompt, 5), decoder.add(prompt, 100)
+    decoder.generate_all([short, long])
+    assert short.result.tokens == expected[:5]
+    assert long.result.tokens == expected[:12] and long.result.finish_reason == "length"
+    with pytest.raises(Eagle3Error, match="prompt has"):
+        decoder.add(list(range(1, max_context + 1)), 4)
+
+
+@pytest.mark.parametrize("name", ["d3", "tree"])
+def test_batched_sampling_preserves_the_sequence_distribution(name):
+    """test_engine's brute-force check with eight sampled requests per step: the first 2 tokens of
+    each (36 outcomes) follow the target's exact joint distribution."""
+    from engine_helpers import SPECS
+    from omegaconf import OmegaConf
+
+    SPECS["d3"], SPECS["tree"] = (
+        dict(enabled=True, depth=3, steps=None, topk=1),
+        dict(enabled=True, depth=4, steps=2, topk=2),
+    )
+    target, temperature, length, draws = tiny_vocab_target(), 1.5, 2, 1000
+    drafter = build_drafter(
+        target, OmegaConf.create({"num_layers": 1, "draft_vocab_size": 6})
+    ).eval()
+    prompt = [1, 2]
+    with torch.no_grad():
+        ids = torch.tensor(
+            [[*prompt, *seq] for seq in torch.cartesian_prod(*[torch.arange(6)] * length).tolist()]
+        )
+        probs = torch.softmax(
+            target.model(ids).logits[:, len(prompt) - 1 : -1].double() / temperature, dim=-1
+        )
+        exact = probs.gather(-1, ids[:, len(prompt) :, None])[..., 0].prod(dim=-1)
+    decoder = BatchDecoder(target, drafter, spec(name), max_batch_size=8, seed=1)
+    requests = [decoder.add(prompt, length, temperature=temperature) for _ in range(draws)]
+    decoder.generate_all(requests)
+    counts = torch.zeros(6**length, dtype=torch.float64)
+    for request in requests:
+        a, b = request.result.tokens
+        counts[a * 6 + b] += 1
+    accepted = sum(r.result.stats.accepted_per_step[0] > 0 for r in requests)
+    assert draws // 10 < accepted < draws - draws // 10  # both acceptance and rejection ran
+    assert decoder.steps <= draws // 4  # eight per step (a request takes one step here)
+    assert chi_square_p_value(counts, exact) > FALSE_ALARM
+
+
+def test_server_batches_concurrent_requests(test_root, tiny_target):
+    """engine.max_batch_size=4 behind the HTTP routes: four concurrent requests get their greedy
+    decodes and share the engine's steps."""
+    from fastapi.testclient import TestClient
+    from test_server import server_cfg
+
+    from eagle3.engine.server import build_service, create_app
+
+    service = build_service(server_cfg(test_root, "spec=off", "engine.max_batch_size=4"))
+    prompts = [service.encode_text(text) for text in PROMPTS]
+    replies: dict[int, dict] = {}
+    with TestClient(create_app(service)) as client:
+
+        def send(index):
+            body = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+            replies[index] = client.post(
+                "/generate", json={"input_ids": prompts[index], "sampling_params": body}
+            ).json()
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        stats = client.get("/stats").json()
+    for index, prompt in enumerate(prompts):
+        assert replies[index]["output_ids"] == reference_greedy(tiny_target.model, prompt, 20)
+    assert stats["requests"] == 4 and stats["completion_tokens"] == 80
+    assert service.decoder.decoder.steps < 4 * 19  # fewer steps than one request at a time
