@@ -141,6 +141,8 @@ class BatchDecoder:
                 batch=max_batch_size,
             )
         self.steps = 0  # speculative steps taken (each shared by every row in flight)
+        self.row_steps = 0  # rows over those steps (row_steps / steps: the mean batch)
+        self.decode_time_s = self.prefill_time_s = 0.0  # host wall time in decode() / prefill()
         self.rows: list[BatchRequest] = []  # in flight, row i of the caches
         self.waiting: list[BatchRequest] = []
         self.lock = threading.Lock()  # guards `waiting` (add() runs on other threads)
@@ -309,6 +311,7 @@ class BatchDecoder:
             for index, r in enumerate(joining):
                 r.h_last = hidden[index, lengths[index] - 1]
         elapsed = time.perf_counter() - started
+        self.prefill_time_s += elapsed
         for r, root in zip(joining, roots):
             r.position = len(r.prompt)
             r.stats.prefill_time_s = elapsed
@@ -335,6 +338,7 @@ class BatchDecoder:
         t0 = time.perf_counter()
         self.steps += 1
         batch = len(self.rows)
+        self.row_steps += batch
         rows = slice(0, batch)
         position = torch.tensor([r.position for r in self.rows], device=self.device)
         roots = torch.tensor([r.root for r in self.rows], device=self.device)
@@ -353,6 +357,7 @@ class BatchDecoder:
         if self.drafter is not None:
             self._extend_committed(rows, news, paths, aux, position)
         t3 = time.perf_counter()
+        self.decode_time_s += t3 - t0
         for request, path, new in zip(self.rows, paths, news):
             stats = request.stats
             stats.verify_steps += 1
