@@ -25,7 +25,8 @@ from eagle3.artifacts import StageOutput
 from eagle3.common import Eagle3Error, app, log
 from eagle3.conversations import conversations_for
 from eagle3.outputs import data_output
-from eagle3.regen import regenerate, sampling_params
+from eagle3.prompts import more_prompts
+from eagle3.regen import TurnLog, generator_for, regen_log_path, regenerate, sampling_params
 from eagle3.target import tokenizer_hash
 from eagle3.tokens import load_tokenizer, tokenize_conversations
 from eagle3.tracking import stage_run
@@ -92,6 +93,9 @@ def run(cfg: DictConfig) -> StageOutput:
         started = time.time()
         counts: dict[str, Any] = {}
         splits = conversations_for(cfg.data, counts)
+        splits = more_prompts(
+            cfg, splits, counts, regen_log_path(cfg).parent, generator_for, TurnLog
+        )
         tokenizer, target_vocab = load_tokenizer(cfg)
         if cfg.data.regenerate:
             splits = regenerate(cfg, out.path, splits, tokenizer, counts)

@@ -13,6 +13,8 @@ from eagle3.common import Eagle3Error, resolve_device, resolve_dtype
 from eagle3.drafter_io import MODELS_URI, download_registered, engine_folder, parse_models_uri
 from eagle3.target import target_key
 
+# data.* options that add prompts (eagle3.prompts); off by default
+MORE_PROMPTS = ("first_turn_copies", "extra_sources", "self_prompts")
 # Settings that change how fast regeneration runs (or what it reports), not what it produces:
 # outside the hash, so a rerun with another batch size or concurrency resumes the same output.
 REGEN_EXECUTION_ONLY = (
@@ -41,6 +43,9 @@ def answer_sections(cfg: DictConfig) -> dict:
     (not the draft vocab's source)."""
     data = to_plain(cfg.data)
     data.pop("vocab_map_from", None)
+    for key in MORE_PROMPTS:  # absent when off: the hashes of answers from before these keys
+        if not data.get(key):
+            data.pop(key, None)
     data["regen"] = {k: v for k, v in data["regen"].items() if k not in REGEN_EXECUTION_ONLY}
     for key in (
         "reuse_answers",

@@ -187,7 +187,7 @@ def answer_turns(
     counts["regen_turns_resumed"] = sum(len(a) for a in turn_log.answers.values())
     if rcfg.backend not in ("local", "openai"):
         raise Eagle3Error(f"data.regen.backend={rcfg.backend}: use local or openai")
-    generator = LocalGenerator(cfg) if rcfg.backend == "local" else OpenAIGenerator(cfg)
+    generator = generator_for(cfg)
     failed: dict[str, str] = {}
     for turn in range(max(map(user_turns, conversations), default=0)):
         items = []
@@ -199,6 +199,13 @@ def answer_turns(
         if items:
             failed.update(generator.run(items, turn_log, desc=f"regenerate turn {turn + 1}"))
     return turn_log, failed
+
+
+def generator_for(cfg: DictConfig):
+    """The configured answer generator (data.regen.backend)."""
+    if cfg.data.regen.backend not in ("local", "openai"):
+        raise Eagle3Error(f"data.regen.backend={cfg.data.regen.backend}: use local or openai")
+    return LocalGenerator(cfg) if cfg.data.regen.backend == "local" else OpenAIGenerator(cfg)
 
 
 def reuse_answers(turn_log: TurnLog, source: Path, conversations: list[dict]) -> int:

