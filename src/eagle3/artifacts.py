@@ -120,9 +120,12 @@ class StageOutput:
 def stage_output(
     artifacts_dir: str | Path, stage: str, sections: dict, upstream: dict | None = None
 ) -> StageOutput:
-    """The output folder of `stage` for these config sections and upstream hashes."""
+    """The output folder of `stage` for these config sections and upstream hashes (secrets are
+    masked: they neither reach the manifest nor change the hash)."""
+    from eagle3.redact import mask
+
     upstream = dict(upstream or {})
-    config = {name: to_plain(section) for name, section in sections.items()}
+    config = mask({name: to_plain(section) for name, section in sections.items()})
     digest = config_hash(config, upstream)
     return StageOutput(stage, digest, Path(artifacts_dir) / stage / digest, config, upstream)
 

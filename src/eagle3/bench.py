@@ -41,6 +41,19 @@ from eagle3.tracking import stage_run
 RESULT_FILE = "bench_result.json"
 PERCENTILES = (50, 90, 99)
 LOG_EXCERPT_LINES = 40
+# serve settings that do not change a measurement: not part of the baseline's identity
+BASELINE_IGNORES = (
+    "host",
+    "port",
+    "start_timeout_s",
+    "stop_timeout_s",
+    "request_timeout_s",
+    "watchdog_poll_s",
+    "grace_s",
+    "disconnect_poll_s",
+    "max_tokens_limit",
+    "api_key_env",
+)
 
 
 # ---------------------------------------------------------------- requests
@@ -152,7 +165,12 @@ def run_requests(
     api = "openai" if engine.launch.engine == "vllm" else "generate"
     limits = httpx.Limits(max_connections=bcfg.batch_size)
     with (
-        httpx.Client(base_url=engine.base_url, timeout=timeout_s, limits=limits) as client,
+        httpx.Client(
+            base_url=engine.base_url,
+            timeout=timeout_s,
+            limits=limits,
+            headers=engine.launch.headers,
+        ) as client,
         ThreadPoolExecutor(bcfg.batch_size) as pool,
         tqdm(total=len(requests), desc=desc, leave=False) as bar,
     ):
@@ -248,12 +266,13 @@ def measure(
             run_requests(
                 engine, requests[: bcfg.warmup], bcfg, scfg.request_timeout_s, model, "warmup"
             )
-        before = read_counters(scfg.engine, engine.base_url)
+        headers = engine.launch.headers
+        before = read_counters(scfg.engine, engine.base_url, headers=headers)
         records, wall_s = run_requests(
             engine, requests, bcfg, scfg.request_timeout_s, model, f"{scfg.engine} {spec.label}"
         )
         engine.check_alive()
-        delta = counter_delta(before, read_counters(scfg.engine, engine.base_url))
+        delta = counter_delta(before, read_counters(scfg.engine, engine.base_url, headers=headers))
     except httpx.HTTPError as err:
         engine.check_alive(grace_s=5)
         raise EngineFailed(f"{scfg.engine} stats request failed: {err}", engine.log_tail()) from err
@@ -269,11 +288,7 @@ def measure(
 
 def baseline_output(cfg: DictConfig):
     """Where the spec=off measurement for this (engine, target, suite, batch size, max tokens) lives."""
-    serve = {
-        k: v
-        for k, v in to_plain(cfg.serve).items()
-        if k not in ("host", "port", "start_timeout_s", "stop_timeout_s", "request_timeout_s")
-    }
+    serve = {k: v for k, v in to_plain(cfg.serve).items() if k not in BASELINE_IGNORES}
     bench = {
         k: v
         for k, v in to_plain(cfg.bench).items()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -22,11 +23,23 @@ class Eagle3Error(RuntimeError):
     """An error the user can fix: printed as one line (traceback only with debug=true)."""
 
 
+def unique_suffix() -> str:
+    """pid + random hex: two processes started in the same second never share a folder
+    (`${unique:}` in conf/hydra; resolved once per composed config)."""
+    return f"{os.getpid()}-{secrets.token_hex(3)}"
+
+
+OmegaConf.register_new_resolver("unique", unique_suffix, use_cache=True, replace=True)
+
+
 def app(task):
-    """Wrap a stage's `main(cfg)` as a Hydra app over conf/config.yaml with one-line errors."""
+    """Wrap a stage's `main(cfg)` as a Hydra app over conf/config.yaml with one-line errors;
+    SIGTERM and SIGHUP stop it like Ctrl-C (cleanup runs, exit status 128 + signal)."""
+    from eagle3.lifecycle import Stopped, raise_on_signals
 
     @functools.wraps(task)
     def guarded(cfg: DictConfig):
+        raise_on_signals()
         try:
             return task(cfg)
         except (Eagle3Error, FileNotFoundError) as err:
@@ -34,6 +47,9 @@ def app(task):
                 raise
             print(f"eagle3 error: {err}  (add debug=true for the traceback)", file=sys.stderr)
             sys.exit(1)
+        except Stopped as stop:
+            print(f"eagle3: {stop}", file=sys.stderr)
+            sys.exit(128 + stop.signum)
 
     return hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(guarded)
 
@@ -81,3 +97,10 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         return hydra_compose("config", overrides=list(overrides))
     with initialize_config_dir(CONF_DIR, version_base="1.3"):
         return hydra_compose("config", overrides=list(overrides))
+
+
+def api_key(scfg) -> str | None:
+    """The API key the engine server requires and clients send: the value of the environment
+    variable named by serve.api_key_env (never stored in a config); None when unset or empty."""
+    name = scfg.get("api_key_env")
+    return os.environ.get(name) or None if name else None

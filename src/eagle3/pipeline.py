@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,8 @@ from omegaconf import DictConfig
 
 from eagle3 import data, export, extract, train
 from eagle3.artifacts import StageOutput
-from eagle3.common import Eagle3Error, app, compose
+from eagle3.common import Eagle3Error, app, compose, unique_suffix
+from eagle3.lifecycle import run_child
 from eagle3.outputs import STAGE_OUTPUTS
 from eagle3.serve import compose_launch
 from eagle3.spec import resolve_spec
@@ -120,10 +120,12 @@ def run_stage(cfg: DictConfig, stage: str) -> str:
 
 
 def run_bench(cfg: DictConfig, sweep_dir: Path) -> str:
-    proc = subprocess.run(bench_command(cfg, sweep_dir), check=False)
-    if proc.returncode != 0:
+    """The bench sweep as a child process that dies with this one (a watchdog covers SIGKILL)."""
+    grace_s, poll_s = cfg.pipeline.stop_timeout_s, cfg.serve.watchdog_poll_s
+    returncode = run_child(bench_command(cfg, sweep_dir), grace_s, poll_s)
+    if returncode != 0:
         raise Eagle3Error(
-            f"the bench sweep failed (exit {proc.returncode}); its jobs' logs are under {sweep_dir}"
+            f"the bench sweep failed (exit {returncode}); its jobs' logs are under {sweep_dir}"
         )
     return f"done -> {sweep_dir}"
 
@@ -152,7 +154,8 @@ def _fmt(value) -> str:
 
 @app
 def main(cfg: DictConfig) -> None:
-    sweep_dir = Path(cfg.paths.root) / "multirun" / f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}"
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{unique_suffix()}"
+    sweep_dir = Path(cfg.paths.root) / "multirun" / f"pipeline-{stamp}"
     if cfg.pipeline.dry_run:
         print_plan(cfg, sweep_dir)
         return

@@ -3,7 +3,8 @@ read stats, stop.
 
 Every engine is a real process in its own process group, bound to 127.0.0.1 on a free port,
 its output captured to a log file in the job folder, and stopped (the whole group) on exit,
-error and Ctrl-C. `python -m eagle3.serve` runs the configured engine in the foreground.
+error, Ctrl-C, SIGTERM and SIGHUP; a watchdog ends the group when its starter is killed outright
+(eagle3.lifecycle). `python -m eagle3.serve` runs the configured engine in the foreground.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from pathlib import Path
 import httpx
 from omegaconf import DictConfig, OmegaConf
 
-from eagle3.common import CONF_DIR, Eagle3Error, app, log
+from eagle3.common import CONF_DIR, Eagle3Error, api_key, app, log
+from eagle3.lifecycle import spawn
 from eagle3.outputs import resolve_drafter_path
+from eagle3.redact import mask, mask_argv, masked_config
 from eagle3.spec import Spec, resolve_spec
 from eagle3.target import resolve_target_path
 
@@ -71,6 +74,13 @@ class Launch:
     files: dict[str, str] = field(
         default_factory=dict
     )  # name -> text, written next to the log first
+    stop_timeout_s: float = 30.0  # serve.stop_timeout_s: SIGTERM to SIGKILL
+    watchdog_poll_s: float = 0.5  # serve.watchdog_poll_s: how often the watchdog checks its starter
+    api_key: str | None = field(default=None, repr=False)  # clients send it (serve.api_key_env)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def base_url(self) -> str:
@@ -99,16 +109,21 @@ def compose_launch(
     """The command that serves `cfg.target` (+ the drafter when spec is enabled) on `cfg.serve.engine`."""
     scfg = cfg.serve
     check_spec_for_engine(scfg.engine, spec)
-    if spec.enabled and drafter_path is None:
+    if spec.enabled and drafter_path is None and not untrained_fallback(cfg):
         raise Eagle3Error(f"spec {spec.label} needs a drafter; set drafter.path or use spec=off")
     port = port or scfg.port or free_port(scfg.host)
     composer = {"local": local_launch, "vllm": vllm_launch, "sglang": sglang_launch}[scfg.engine]
-    return composer(cfg, spec, drafter_path, target_path, port)
+    launch = composer(cfg, spec, drafter_path, target_path, port)
+    launch.stop_timeout_s = scfg.stop_timeout_s
+    launch.watchdog_poll_s = scfg.watchdog_poll_s
+    launch.api_key = api_key(scfg)
+    return launch
 
 
 def local_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
-    """Our server gets the job's exact resolved config as its primary config file."""
-    job = OmegaConf.to_container(cfg, resolve=True)
+    """Our server gets the job's exact resolved config as its primary config file (secrets masked:
+    the server reads its API key from the environment)."""
+    job = masked_config(cfg)
     job["spec"] = {
         "enabled": spec.enabled,
         "depth": spec.depth,
@@ -172,6 +187,8 @@ def vllm_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
         argv += ["--speculative-config", json.dumps(config)]
     argv += [str(a) for a in v.extra_args]
     env = {k: str(val) for k, val in v.env.items()}
+    if api_key(v):
+        env["VLLM_API_KEY"] = api_key(v)  # by environment: never on a command line
     return Launch("vllm", argv, env, v.host, port)
 
 
@@ -234,6 +251,8 @@ def sglang_argv(cfg, spec: Spec, drafter_path, target_path, port) -> list[str]:
             "--speculative-num-draft-tokens",
             str(spec.depth),
         ]
+    if api_key(s):
+        argv += ["--api-key", api_key(s)]  # masked in command.json and the log
     return argv + [str(a) for a in s.extra_args]
 
 
@@ -316,19 +335,21 @@ class EngineProcess:
         for name, text in self.launch.files.items():
             (self.folder / name).write_text(text)
         argv = [a.replace("{folder}", str(self.folder)) for a in self.launch.argv]
-        (self.folder / "command.json").write_text(
-            json.dumps({"argv": argv, "env": self.launch.env}, indent=2)
+        shown = {"argv": mask_argv(argv), "env": mask(self.launch.env, in_env=True)}
+        (self.folder / "command.json").write_text(json.dumps(shown, indent=2))
+        log.info(
+            "starting %s: %s (log %s)", self.launch.engine, " ".join(shown["argv"]), self.log_path
         )
-        log.info("starting %s: %s (log %s)", self.launch.engine, " ".join(argv), self.log_path)
         with open(self.log_path, "ab") as log_file:
             try:
-                self.proc = subprocess.Popen(
+                self.proc = spawn(
                     argv,
+                    self.launch.stop_timeout_s,
+                    self.launch.watchdog_poll_s,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     env={**os.environ, **self.launch.env},
-                    start_new_session=True,
                 )
             except FileNotFoundError as err:
                 hint = {"vllm": "make vllm", "sglang": "make sglang"}.get(
@@ -430,12 +451,13 @@ def _stop_all() -> None:
 # ---------------------------------------------------------------- reading acceptance counters
 
 
-def read_counters(engine: str, base_url: str, timeout_s: float = 30) -> dict:
+def read_counters(engine: str, base_url: str, timeout_s: float = 30, headers=None) -> dict:
     """A snapshot of the engine's cumulative speculative counters (diff two snapshots per job)."""
     if engine == "vllm":
-        return parse_vllm_metrics(httpx.get(base_url + "/metrics", timeout=timeout_s).text)
+        reply = httpx.get(base_url + "/metrics", timeout=timeout_s, headers=headers)
+        return parse_vllm_metrics(reply.text)
     if engine == "local":
-        return httpx.get(base_url + "/stats", timeout=timeout_s).json()
+        return httpx.get(base_url + "/stats", timeout=timeout_s, headers=headers).json()
     return {}  # SGLang reports acceptance per request (meta_info)
 
 
@@ -511,13 +533,30 @@ def start_engine(
     return engine
 
 
+def untrained_fallback(cfg: DictConfig) -> bool:
+    """serve=local with serve.drafter_fallback=untrained and no drafter.path: the local server
+    builds an untrained drafter itself when none was exported for this config."""
+    return (
+        cfg.serve.engine == "local"
+        and cfg.serve.get("drafter_fallback") == "untrained"
+        and not cfg.drafter.get("path")
+    )
+
+
 def drafter_for(cfg: DictConfig, spec: Spec) -> Path | None:
+    """The exported drafter folder the engine loads (None: spec=off, or the local server's own
+    untrained fallback)."""
     if not spec.enabled:
         return None
     # each engine reads custom aux-layer ids in its own convention; local reads either
-    return Path(
-        resolve_drafter_path(cfg, engine="vllm" if cfg.serve.engine == "vllm" else "sglang")
-    )
+    try:
+        return Path(
+            resolve_drafter_path(cfg, engine="vllm" if cfg.serve.engine == "vllm" else "sglang")
+        )
+    except Eagle3Error:
+        if untrained_fallback(cfg):
+            return None
+        raise
 
 
 def target_path_for(cfg: DictConfig):

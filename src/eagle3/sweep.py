@@ -7,6 +7,7 @@ The callback acts only for `python -m eagle3.bench`; other apps' sweeps pass thr
 
 from __future__ import annotations
 
+import atexit
 import csv
 import json
 import sys
@@ -18,6 +19,8 @@ from omegaconf import DictConfig
 
 from eagle3 import tracking
 from eagle3.costmodel import fit_step_cost, predict
+from eagle3.lifecycle import process_identity
+from eagle3.redact import mask_argv
 
 PARENT_FILE = "bench_parent_run.json"
 BENCH_JOB = "bench"
@@ -59,10 +62,12 @@ class BenchSweepCallback(Callback):
             tags={
                 "stage": "bench-sweep",
                 "sweep_dir": str(sweep_dir),
-                "overrides": " ".join(config.hydra.overrides.task),
+                "overrides": " ".join(mask_argv(list(config.hydra.overrides.task))),
+                **process_identity(),
             },
         )
         (sweep_dir / PARENT_FILE).write_text(json.dumps({"run_id": run.info.run_id}))
+        atexit.register(_kill_if_running, client, run.info.run_id)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if config.hydra.job.name != BENCH_JOB:
@@ -82,6 +87,12 @@ class BenchSweepCallback(Callback):
                 file=sys.stderr,
             )
             sys.exit(1)
+
+
+def _kill_if_running(client, run_id: str) -> None:
+    """At exit: a parent run the sweep did not finish (interrupted, stopped) is marked KILLED."""
+    if client.get_run(run_id).info.status == "RUNNING":
+        client.set_terminated(run_id, "KILLED")
 
 
 def _job_number(name: str) -> int:

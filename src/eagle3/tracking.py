@@ -6,6 +6,7 @@ mlflow is imported inside the functions: with tracking.enabled=false nothing nee
 from __future__ import annotations
 
 import contextlib
+import fcntl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,17 +14,39 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3.artifacts import git_commit
+from eagle3.lifecycle import Stopped, process_alive, process_identity
+from eagle3.redact import masked_config
 
 MAX_PARAM_CHARS = 500  # MLflow rejects longer param values; the full YAML is an artifact
 
 
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """An exclusive file lock beside a sqlite store (<db>.lock): the first process creates the
+    tables and the experiment while the others wait (two at once race on the schema)."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def setup(cfg: DictConfig) -> str:
     """Point MLflow at the configured store and experiment; return the experiment id."""
+    with store_lock(cfg.tracking.uri):
+        return _setup(cfg)
+
+
+def _setup(cfg: DictConfig) -> str:
     import mlflow
 
     uri = cfg.tracking.uri
-    if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
     name = cfg.tracking.experiment
     experiment = mlflow.get_experiment_by_name(name)
@@ -51,12 +74,28 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def log_config(cfg: DictConfig) -> None:
+    """The resolved config as params and config.yaml, secrets masked (eagle3.redact)."""
     import mlflow
 
-    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain = masked_config(cfg)
     params = {k: str(v)[:MAX_PARAM_CHARS] for k, v in flatten(plain).items()}
     mlflow.log_params(params)
-    mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+    mlflow.log_text(OmegaConf.to_yaml(OmegaConf.create(plain)), "config.yaml")
+
+
+def end_dead_runs(cfg: DictConfig, experiment_id: str) -> list[str]:
+    """Runs left RUNNING by an eagle3 process of this host that no longer runs (killed outright)
+    are marked KILLED; returns their ids."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    ended = []
+    for run in client.search_runs([experiment_id], "attributes.status = 'RUNNING'"):
+        if process_alive(run.data.tags) is False:
+            client.set_tag(run.info.run_id, "killed", "its process ended without closing the run")
+            client.set_terminated(run.info.run_id, "KILLED")
+            ended.append(run.info.run_id)
+    return ended
 
 
 @contextlib.contextmanager
@@ -74,15 +113,24 @@ def stage_run(
         return
     import mlflow
 
-    setup(cfg)
-    all_tags = {"stage": stage, "git_commit": git_commit() or "unknown", **(tags or {})}
+    end_dead_runs(cfg, setup(cfg))
+    all_tags = {
+        "stage": stage,
+        "git_commit": git_commit() or "unknown",
+        **process_identity(),
+        **(tags or {}),
+    }
     if artifact_hash:
         all_tags["artifact_hash"] = artifact_hash
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
     with mlflow.start_run(run_name=run_name or stage, tags=all_tags) as run:
-        log_config(cfg)
-        yield run
+        try:
+            log_config(cfg)
+            yield run
+        except (KeyboardInterrupt, Stopped):  # Ctrl-C, SIGTERM, SIGHUP
+            mlflow.end_run("KILLED")
+            raise
 
 
 def client(cfg: DictConfig):

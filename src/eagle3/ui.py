@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from eagle3 import tracking
 from eagle3.common import Eagle3Error, app
+from eagle3.lifecycle import run_child
 from eagle3.serve import EngineProcess, Launch, free_port
 
 CHROMIUM_FLAGS = [
@@ -123,7 +124,7 @@ def main(cfg: DictConfig) -> None:
         cfg.tracking.ui_port,
     )
     print(f"MLflow UI on http://{cfg.tracking.ui_host}:{cfg.tracking.ui_port} (Ctrl-C stops it)")
-    subprocess.run(cmd, check=False)
+    run_child(cmd, cfg.serve.stop_timeout_s, cfg.serve.watchdog_poll_s)
 
 
 if __name__ == "__main__":

@@ -4,14 +4,19 @@ Routes: SGLang-native POST /generate, OpenAI POST /v1/completions and /v1/chat/c
 (non-streaming and SSE streaming), GET /v1/models, GET /health, GET /stats (cumulative
 acceptance counters, named like vLLM's spec-decode metrics). With engine.max_batch_size 1 one
 request decodes at a time (the fused batch-1 decoder; requests queue on a lock); above 1 up to that
-many share each step (engine/scheduler.py, continuous batching). Bad requests answer 400 naming the field and the server
-keeps serving.
+many share each step (engine/scheduler.py, continuous batching). Bad requests answer 400 naming the
+field (or the first bad token id) and the server keeps serving. A client that disconnects cancels
+its generation within one step. With serve.api_key_env naming a set variable every route but
+/health needs that key (`Authorization: Bearer <key>`). SIGTERM stops gracefully: new requests get
+503, requests in flight finish (or are cancelled after serve.grace_s) and the process exits 0.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
-import queue
+import signal
 import socket
 import threading
 import time
@@ -21,13 +26,14 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 import torch
+from fastapi import Request
 from omegaconf import DictConfig
 from pydantic import BaseModel, ConfigDict, Field
 
-from eagle3.common import Eagle3Error, app, log
+from eagle3.common import Eagle3Error, api_key, app, log
 from eagle3.drafter import build_drafter
 from eagle3.drafter_io import attach_target_embedding, check_drafter_for_target, load_drafter
-from eagle3.engine.decoder import GenerationResult, SpecDecoder
+from eagle3.engine.decoder import GenerationResult, RequestStats, SpecDecoder
 from eagle3.outputs import resolve_drafter_path
 from eagle3.spec import resolve_spec
 from eagle3.target import load_target
@@ -144,6 +150,41 @@ class EngineService:
         self.drafter_source, self.model_name = drafter_source, model_name
         self.counters = Counters()
         self.lock = threading.Lock()
+        self.active = 0  # requests accepted and not yet answered (queued or decoding)
+        self.idle = threading.Condition()
+        self.draining = False  # SIGTERM received: new requests get 503
+        self.cancel_all = threading.Event()  # the grace period ran out: stop every generation
+        self.api_key: str | None = None  # clients must send it (serve.api_key_env)
+        # a BatchScheduler wraps the decoder that holds the target
+        self.vocab_size = getattr(decoder, "decoder", decoder).target.vocab_size
+
+    def check_request(self, prompt_ids: list[int], max_new_tokens: int | None, stop_ids) -> None:
+        """Refuse (400) token ids outside the target's vocabulary (on a GPU they would be a
+        device-side assert for everyone) and completions longer than serve.max_tokens_limit."""
+        vocab = self.vocab_size
+        for name, ids in (("input_ids", prompt_ids), ("stop_token_ids", stop_ids or ())):
+            for index, token in enumerate(ids):
+                if not 0 <= token < vocab:
+                    raise Eagle3Error(
+                        f"{name}[{index}] = {token} is not a token id of this target "
+                        f"(0..{vocab - 1})"
+                    )
+        limit = self.scfg.max_tokens_limit
+        if max_new_tokens is not None and max_new_tokens > limit:
+            raise Eagle3Error(
+                f"max_tokens = {max_new_tokens} exceeds this server's limit of {limit} "
+                "(serve.max_tokens_limit)"
+            )
+        self.decoder.check_prompt(prompt_ids)
+
+    def drain(self, grace_s: float) -> None:
+        """Wait up to grace_s for the requests in flight, then cancel the rest (each stops within
+        one step) and wait for their answers to be sent."""
+        with self.idle:
+            if not self.idle.wait_for(lambda: self.active == 0, timeout=grace_s):
+                log.warning("grace period over: cancelling %d request(s)", self.active)
+                self.cancel_all.set()
+                self.idle.wait_for(lambda: self.active == 0, timeout=grace_s)
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -167,10 +208,48 @@ class EngineService:
         ignore_eos: bool = False,
         on_text=None,
         seed: int | None = None,
+        cancel: threading.Event | None = None,
     ) -> Reply:
         """Decode under the lock; on_text(delta) streams text as steps commit, never text a stop
-        string may still remove. seed: this request's own sampling generator (same seed, same text)."""
-        self.decoder.check_prompt(prompt_ids)
+        string may still remove. seed: this request's own sampling generator (same seed, same text).
+        cancel: set it (a disconnected client) and decoding stops after the current step."""
+        self.check_request(prompt_ids, max_new_tokens, stop_token_ids)
+        with self.idle:
+            self.active += 1
+        try:
+            return self._generate(
+                prompt_ids,
+                max_new_tokens,
+                temperature,
+                top_p,
+                stop,
+                stop_token_ids,
+                ignore_eos,
+                on_text,
+                seed,
+                cancel or threading.Event(),
+            )
+        finally:
+            with self.idle:
+                self.active -= 1
+                self.idle.notify_all()
+
+    def cancelled(self, cancel: threading.Event) -> bool:
+        return cancel.is_set() or self.cancel_all.is_set()
+
+    def _generate(
+        self,
+        prompt_ids,
+        max_new_tokens,
+        temperature,
+        top_p,
+        stop,
+        stop_token_ids,
+        ignore_eos,
+        on_text,
+        seed,
+        cancel: threading.Event,
+    ) -> Reply:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         stop_ids = set(stop_token_ids or ())
         if not ignore_eos and self.tokenizer.eos_token_id is not None:
@@ -184,12 +263,15 @@ class EngineService:
             if on_text is not None and len(text) > len(sent[0]):
                 on_text(text[len(sent[0]) :])
                 sent[0] = text
-            return hit
+            return hit or self.cancelled(cancel)
 
         started = time.perf_counter()
         # a SpecDecoder decodes one request at a time; a BatchScheduler takes concurrent callers
         serial = not getattr(self.decoder, "concurrent", False)
         with self.lock if serial else nullcontext():
+            if self.cancelled(cancel):  # gone while queued: nothing decoded
+                stats = RequestStats(prompt_tokens=len(prompt_ids))
+                return Reply([], "abort", GenerationResult([], "abort", stats), 0.0)
             result = self.decoder.generate(
                 prompt_ids,
                 max_new_tokens or self.scfg.default_max_tokens,
@@ -201,6 +283,8 @@ class EngineService:
             )
         with self.lock if not serial else nullcontext():
             self.counters.add(result)
+        if self.cancelled(cancel):
+            result.finish_reason = "abort"
         text, _ = cut_at_stop(self.decode(result.tokens), stops)
         if on_text is not None and len(text) > len(sent[0]):
             on_text(text[len(sent[0]) :])
@@ -243,12 +327,71 @@ def streamable(text: str, stops: list[str]) -> tuple[str, bool]:
 # ---------------------------------------------------------------- the FastAPI app
 
 
+class Gate:
+    """ASGI middleware in front of every route: 503 while draining (SIGTERM), 401 without the
+    API key (compared in constant time; /health stays open so a supervisor can poll it)."""
+
+    def __init__(self, app, service: EngineService):
+        self.app, self.service = app, service
+
+    async def __call__(self, scope, receive, send):
+        from fastapi.responses import JSONResponse
+
+        refusal = None
+        if scope["type"] == "http":
+            refusal = self.refusal(scope)
+        if refusal is None:
+            return await self.app(scope, receive, send)
+        status, kind, message = refusal
+        headers = {"Connection": "close"} if status == 503 else {}
+        body = {"error": {"message": message, "type": kind}}
+        await JSONResponse(body, status, headers=headers)(scope, receive, send)
+
+    def refusal(self, scope) -> tuple[int, str, str] | None:
+        if self.service.draining:
+            return 503, "unavailable", "the server is shutting down"
+        key = self.service.api_key
+        if key is None or scope["path"] == "/health":
+            return None
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
+        given = given or headers.get(b"x-api-key", b"")
+        if not hmac.compare_digest(given, key.encode()):
+            return 401, "unauthorized", "missing or wrong API key (Authorization: Bearer <key>)"
+        return None
+
+
+async def watch_disconnect(request, cancel: threading.Event, poll_s: float) -> None:
+    """Set cancel as soon as the client has gone (checked every poll_s)."""
+    while not cancel.is_set():
+        if await request.is_disconnected():
+            cancel.set()
+            return
+        await asyncio.sleep(poll_s)
+
+
+async def answer(request, run, poll_s: float):
+    """run(on_text=None, cancel=event) in a worker thread; a client that disconnects meanwhile
+    cancels it."""
+    from starlette.concurrency import run_in_threadpool
+
+    cancel = threading.Event()
+    watcher = asyncio.ensure_future(watch_disconnect(request, cancel, poll_s))
+    try:
+        return await run_in_threadpool(lambda: run(cancel=cancel))
+    finally:
+        cancel.set()
+        watcher.cancel()
+
+
 def create_app(service: EngineService):
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
 
     api = FastAPI(title="eagle3 local engine")
+    api.add_middleware(Gate, service=service)
+    poll_s = service.scfg.disconnect_poll_s
 
     @api.exception_handler(RequestValidationError)
     async def bad_request(_request: Request, err: RequestValidationError):
@@ -263,6 +406,12 @@ def create_app(service: EngineService):
     @api.exception_handler(Eagle3Error)
     async def engine_refused(_request: Request, err: Eagle3Error):
         return JSONResponse({"error": {"message": str(err), "type": "invalid_request"}}, 400)
+
+    @api.exception_handler(Exception)
+    async def engine_failed(_request: Request, err: Exception):
+        log.exception("request failed")
+        message = f"internal error: {type(err).__name__}: {err}"
+        return JSONResponse({"error": {"message": message, "type": "internal"}}, 500)
 
     @api.get("/health")
     def health():
@@ -280,12 +429,13 @@ def create_app(service: EngineService):
         }
 
     @api.post("/generate")
-    def generate(req: GenerateRequest):
+    async def generate(req: GenerateRequest, request: Request):
         if (req.text is None) == (req.input_ids is None):
             raise Eagle3Error("give exactly one of text or input_ids")
         ids = req.input_ids if req.input_ids is not None else service.encode_text(req.text)
         sp = req.sampling_params
-        run = lambda on_text=None: service.generate(
+        service.check_request(ids, sp.max_new_tokens, sp.stop_token_ids)
+        run = lambda on_text=None, cancel=None: service.generate(
             ids,
             sp.max_new_tokens,
             sp.temperature,
@@ -295,22 +445,25 @@ def create_app(service: EngineService):
             sp.ignore_eos,
             on_text,
             sp.seed,
+            cancel,
         )
         if req.stream:
             return stream(
+                request,
                 run,
                 lambda delta, reply: {
                     "text": delta,
                     **({"meta_info": meta(reply)} if reply else {}),
                 },
             )
-        reply = run()
+        reply = await answer(request, run, poll_s)
         return {"text": reply.text, "output_ids": reply.tokens, "meta_info": meta(reply)}
 
     @api.post("/v1/completions")
-    def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         ids = req.prompt if isinstance(req.prompt, list) else service.encode_text(req.prompt)
-        run = lambda on_text=None: service.generate(
+        service.check_request(ids, req.max_tokens, ())
+        run = lambda on_text=None, cancel=None: service.generate(
             ids,
             req.max_tokens,
             req.temperature,
@@ -319,10 +472,12 @@ def create_app(service: EngineService):
             ignore_eos=req.ignore_eos,
             on_text=on_text,
             seed=req.seed,
+            cancel=cancel,
         )
         make = lambda choices: openai_body("text_completion", service.model_name, choices)
         if req.stream:
             return stream(
+                request,
                 run,
                 lambda delta, reply: make(
                     [
@@ -335,7 +490,7 @@ def create_app(service: EngineService):
                 ),
                 done=True,
             )
-        reply = run()
+        reply = await answer(request, run, poll_s)
         body = make(
             [
                 {
@@ -349,10 +504,11 @@ def create_app(service: EngineService):
         return {**body, "usage": usage(reply)}
 
     @api.post("/v1/chat/completions")
-    def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         ids = service.encode_chat(req.messages)
         limit = req.max_completion_tokens or req.max_tokens
-        run = lambda on_text=None: service.generate(
+        service.check_request(ids, limit, ())
+        run = lambda on_text=None, cancel=None: service.generate(
             ids,
             limit,
             req.temperature,
@@ -361,9 +517,11 @@ def create_app(service: EngineService):
             ignore_eos=req.ignore_eos,
             on_text=on_text,
             seed=req.seed,
+            cancel=cancel,
         )
         if req.stream:
             return stream(
+                request,
                 run,
                 lambda delta, reply: openai_body(
                     "chat.completion.chunk",
@@ -378,7 +536,7 @@ def create_app(service: EngineService):
                 ),
                 done=True,
             )
-        reply = run()
+        reply = await answer(request, run, poll_s)
         body = openai_body(
             "chat.completion",
             service.model_name,
@@ -392,32 +550,41 @@ def create_app(service: EngineService):
         )
         return {**body, "usage": usage(reply)}
 
-    def stream(run, chunk, done: bool = False):
-        """Server-sent events: one chunk per committed step's text, then a final chunk."""
-        events: queue.Queue = queue.Queue()
+    def stream(request, run, chunk, done: bool = False):
+        """Server-sent events: one chunk per committed step's text, then a final chunk. A client
+        that disconnects (or a closed stream) cancels the generation within one step."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        put = lambda item: loop.call_soon_threadsafe(events.put_nowait, item)
 
         def work():
             try:
-                reply = run(lambda delta: events.put(("delta", delta)))
-                events.put(("end", reply))
+                reply = run(lambda delta: put(("delta", delta)), cancel)
+                put(("end", reply))
             except Exception as err:  # reported in-band: the status line has been sent
-                events.put(("error", err))
+                put(("error", err))
 
         threading.Thread(target=work, daemon=True).start()
 
-        def lines():
-            while True:
-                kind, value = events.get()
-                if kind == "delta":
-                    yield f"data: {json.dumps(chunk(value, None))}\n\n"
-                elif kind == "end":
-                    yield f"data: {json.dumps(chunk('', value))}\n\n"
-                    break
-                else:
-                    yield f"data: {json.dumps({'error': {'message': str(value)}})}\n\n"
-                    break
-            if done:
-                yield "data: [DONE]\n\n"
+        async def lines():
+            watcher = asyncio.ensure_future(watch_disconnect(request, cancel, poll_s))
+            try:
+                while True:
+                    kind, value = await events.get()
+                    if kind == "delta":
+                        yield f"data: {json.dumps(chunk(value, None))}\n\n"
+                    elif kind == "end":
+                        yield f"data: {json.dumps(chunk('', value))}\n\n"
+                        break
+                    else:
+                        yield f"data: {json.dumps({'error': {'message': str(value)}})}\n\n"
+                        break
+                if done:
+                    yield "data: [DONE]\n\n"
+            finally:
+                cancel.set()
+                watcher.cancel()
 
         return StreamingResponse(lines(), media_type="text/event-stream")
 
@@ -571,16 +738,42 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def graceful_server(config, service: EngineService, grace_s: float):
+    """A uvicorn server whose SIGTERM drains (503 to new requests, in-flight ones finish or are
+    cancelled after grace_s) and then exits 0; SIGINT keeps uvicorn's behaviour."""
+    import uvicorn
+
+    class Graceful(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if sig != signal.SIGTERM:
+                return super().handle_exit(sig, frame)
+            if not service.draining:
+                log.warning("SIGTERM: refusing new requests, draining (grace %.0fs)", grace_s)
+                service.draining = True
+                threading.Thread(target=self.drain, daemon=True).start()
+
+        def drain(self):
+            service.drain(grace_s)
+            self.should_exit = True
+
+    return Graceful(config)
+
+
 @app
 def main(cfg: DictConfig) -> None:
     import uvicorn
 
     service = build_service(cfg)
+    service.api_key = api_key(cfg.serve)
     sock = bind(cfg.serve.host, int(cfg.serve.port))
     host, port = sock.getsockname()[:2]
     print(f"eagle3 local engine serving on http://{host}:{port}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level=cfg.serve.log_level))
-    server.run(sockets=[sock])
+    config = uvicorn.Config(
+        create_app(service),
+        log_level=cfg.serve.log_level,
+        timeout_graceful_shutdown=cfg.serve.grace_s,
+    )
+    graceful_server(config, service, cfg.serve.grace_s).run(sockets=[sock])
 
 
 if __name__ == "__main__":

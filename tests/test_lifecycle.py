@@ -1,0 +1,261 @@
+"""Nothing left running, nothing shared: real `eagle3.serve` / `eagle3.bench` processes stopped by
+SIGINT, SIGTERM, SIGHUP and SIGKILL take their engine servers with them (and the MLflow run is
+marked KILLED); two runs started in the same second get separate folders."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from eagle3.lifecycle import process_alive, process_identity, start_time
+
+# Runs an eagle3 app with Hydra's clock pinned: the fault to show is two runs started in the
+# same second, which a real clock produces only by chance.
+SAME_SECOND = """
+import datetime, runpy, sys
+import hydra.core.utils
+
+class Pinned(datetime.datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return cls(2026, 1, 2, 3, 4, 5)
+
+hydra.core.utils.datetime = Pinned
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+SERVING = re.compile(r"serving .* at (http://\S+);")
+
+
+def pid_alive(pid: int) -> bool:
+    return start_time(pid) is not None
+
+
+def wait_until(condition, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if condition():
+            return time.monotonic() - start
+        time.sleep(0.1)
+    raise AssertionError(f"{what} after {timeout_s}s")
+
+
+def app_argv(module: str, *overrides: str, pinned: bool = True) -> list[str]:
+    head = [sys.executable, "-c", SAME_SECOND, module] if pinned else [sys.executable, "-m", module]
+    return [*head, *overrides]
+
+
+def common_overrides(artifacts: Path, root: Path) -> list[str]:
+    return [
+        f"paths.root={root}",
+        f"paths.artifacts={artifacts}",
+        f"tracking.uri=sqlite:///{root}/mlruns/mlflow.db",
+        f"tracking.artifact_location={root}/mlruns/artifacts",
+        "target=tiny-llama",
+        "engine.cpu_threads=1",
+        "serve.drafter_fallback=untrained",
+        "serve.stop_timeout_s=10",
+    ]
+
+
+def start_serve(test_root, root, *overrides, pinned: bool = True):
+    """`python -m eagle3.serve` (clock pinned unless told)."""
+    argv = app_argv(
+        "eagle3.serve", *common_overrides(test_root / "artifacts", root), *overrides, pinned=pinned
+    )
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def serving(proc) -> tuple[str, int]:
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        match = SERVING.search(line)
+        if match:
+            folder = Path(re.search(r"; log (\S+)engine.log", line).group(1))
+            return match.group(1), int((folder / "engine.pid").read_text())
+    raise AssertionError("serve exited: " + "".join(lines[-20:]))
+
+
+def test_two_serves_in_the_same_second_stay_apart_and_stop_their_engines(test_root, tmp_path):
+    """Same clock second, different specs: each serves its own spec from its own folder; SIGINT and
+    SIGHUP of the serve processes stop both engine servers."""
+    procs = [start_serve(test_root, tmp_path, f"spec.depth={d}", "spec.topk=1") for d in (3, 5)]
+    try:
+        served = [serving(p) for p in procs]
+        for (url, _), label in zip(served, ("d3", "d5")):
+            assert httpx.get(url + "/stats", timeout=30).json()["spec"] == label
+        runs = sorted((tmp_path / "outputs").glob("*/*"))
+        assert len(runs) == 2 and all(r.name.startswith("03-04-05-") for r in runs)
+        for proc, sig in zip(procs, (signal.SIGINT, signal.SIGHUP)):
+            proc.send_signal(sig)
+        for proc, (_, engine_pid), code in zip(procs, served, (0, 128 + signal.SIGHUP)):
+            assert proc.wait(30) == code
+            assert not pid_alive(engine_pid)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killed_serve_takes_its_engine_along(test_root, tmp_path, sig):
+    proc = start_serve(test_root, tmp_path, "spec=off", pinned=False)
+    try:
+        url, engine_pid = serving(proc)
+        proc.send_signal(sig)
+        code = proc.wait(30)
+        assert code == (128 + sig if sig != signal.SIGKILL else -sig)
+        # SIGKILL: the watchdog notices within serve.watchdog_poll_s and the engine drains at once
+        wait_until(lambda: not pid_alive(engine_pid), 15, "engine server still running")
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health", timeout=5)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def bench_argv(artifacts, root, *overrides) -> list[str]:
+    return app_argv(
+        "eagle3.bench",
+        *common_overrides(artifacts, root),
+        "bench.suite=vicuna",
+        "bench.limit=1",
+        "bench.warmup=0",
+        "bench.max_new_tokens=4",
+        *overrides,
+    )
+
+
+def runs_by_status(root: Path) -> dict[str, list[str]]:
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlruns/mlflow.db")
+    experiment = client.get_experiment_by_name("eagle3")
+    out: dict[str, list[str]] = {}
+    for run in mlflow.search_runs([experiment.experiment_id], output_format="list"):
+        out.setdefault(run.info.status, []).append(run.info.run_name)
+    return out
+
+
+def engine_pid_of(root: Path) -> int:
+    found = []
+    wait_until(
+        lambda: found.extend(root.glob("outputs/*/*/**/engine.pid")) or found, 240, "no engine"
+    )
+    pid_file = found[0]
+    wait_until(lambda: pid_file.read_text().strip(), 10, "empty pid file")
+    return int(pid_file.read_text())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_stopped_bench_stops_its_engine_and_its_run_is_killed(own_artifacts, tmp_path, sig):
+    root = tmp_path
+    argv = bench_argv(own_artifacts, root, "spec.depth=3", "spec.topk=1") + [
+        "bench.max_new_tokens=2000",
+        "bench.ignore_eos=true",
+        "engine.max_context=2048",
+    ]
+    log = open(tmp_path / "bench.log", "w")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        engine_pid = engine_pid_of(root)
+        wait_until(lambda: runs_by_status(root).get("RUNNING"), 120, "no MLflow run")
+        time.sleep(1)
+        proc.send_signal(sig)
+        proc.wait(60)
+        wait_until(lambda: not pid_alive(engine_pid), 20, "engine server still running")
+        if sig == signal.SIGKILL:  # nothing ran in the bench: the next run of the store ends it
+            from eagle3.common import compose
+            from eagle3.tracking import end_dead_runs, setup
+
+            cfg = compose([f"tracking.uri=sqlite:///{root}/mlruns/mlflow.db"])
+            assert len(end_dead_runs(cfg, setup(cfg))) == 1
+        assert list(runs_by_status(root)) == ["KILLED"], (tmp_path / "bench.log").read_text()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_process_identity_tells_a_live_process_from_a_dead_one():
+    assert process_alive(process_identity()) is True
+    child = subprocess.Popen([sys.executable, "-c", "import os; print(os.getpid())"])
+    child.wait()
+    gone = {**process_identity(), "eagle3.pid": str(child.pid)}
+    assert process_alive(gone) is False
+    assert process_alive({**process_identity(), "eagle3.host": "elsewhere"}) is None
+    reused = {**process_identity(), "eagle3.pid_start": "1"}  # same pid, another start time
+    assert process_alive(reused) is False
+
+
+def test_engine_group_dies_when_its_starter_is_killed_outright(tmp_path):
+    """EngineProcess (every engine goes through it) with a grandchild; SIGKILL of the starter."""
+    starter = f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_serve import http_server_launch
+from eagle3.serve import EngineProcess, free_port
+launch = http_server_launch(free_port("127.0.0.1"), prefix="sleep 300 & echo $! > {tmp_path}/child.pid; ")
+launch.stop_timeout_s, launch.watchdog_poll_s = 3, 0.2
+engine = EngineProcess(launch, __import__("pathlib").Path({str(tmp_path)!r})).start()
+engine.wait_healthy(60)
+print(engine.proc.pid, flush=True)
+time.sleep(300)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
+    try:
+        server = int(proc.stdout.readline())
+        child = int((tmp_path / "child.pid").read_text())
+        assert pid_alive(server) and pid_alive(child)
+        proc.kill()
+        proc.wait()
+        took = wait_until(
+            lambda: not pid_alive(server) and not pid_alive(child), 10, "engine group alive"
+        )
+        assert took < 4  # poll 0.2 s; http.server and sleep die on SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def sweep_results(root: Path) -> list[tuple[str, list[str]]]:
+    out = []
+    for sweep in sorted((root / "multirun").glob("*/*")):
+        specs = [
+            json.loads(p.read_text())["spec"] for p in sorted(sweep.glob("*/bench_result.json"))
+        ]
+        out.append((sweep.name, specs))
+    return out
+
+
+@pytest.mark.slow
+def test_two_sweeps_in_the_same_second_stay_apart(own_artifacts, tmp_path):
+    """Two `eagle3.bench -m` sweeps with one clock second: separate folders, summaries and
+    parent runs, every job in its own sweep."""
+    procs = []
+    for depths in ("3,4", "5,6"):
+        argv = bench_argv(own_artifacts, tmp_path, "-m", f"spec.depth={depths}")
+        argv += ["spec.topk=1", "bench.reuse_baseline=false"]
+        log = open(tmp_path / f"sweep-{depths}.log", "w")
+        procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+    for proc in procs:
+        assert proc.wait(900) == 0
+    results = sweep_results(tmp_path)
+    assert [specs for _, specs in results] in (
+        [["d3", "d4"], ["d5", "d6"]],
+        [["d5", "d6"], ["d3", "d4"]],
+    )
+    assert all(name.startswith("03-04-05-") for name, _ in results)
+    for sweep in (tmp_path / "multirun").glob("*/*"):
+        assert (sweep / "summary.md").read_text().count("| local |") == 2
+    statuses = runs_by_status(tmp_path)
+    assert list(statuses) == ["FINISHED"] and len(statuses["FINISHED"]) == 6

@@ -1,0 +1,128 @@
+"""Secrets never reach a file: MLflow params and artifacts, Hydra's saved configs, the engine's
+command.json and config, stage manifests. And a brand-new MLflow store is created once when
+several processes start on it together."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from eagle3.redact import MASK, mask, mask_argv, mask_text
+
+SECRETS = ("hf_s3cr3tvalue", "sk-0penai0000", "p4ssw0rd!x", "bench-k3y-xyz", "hf_f1ag")
+
+
+def test_mask_rules():
+    tree = {
+        "serve": {
+            "env": {"HF_TOKEN": "hf_x", "VLLM_CPU_KVCACHE_SPACE": 2, "MY_SECRET": 12345},
+            "api_key_env": "EAGLE3_API_KEY",
+            "default_max_tokens": 128,
+            "extra_args": ["--hf-token", "hf_y", "--api-key=abc", "--dtype", "auto"],
+        },
+        "data": {"regen": {"api_key": "sk-1", "max_new_tokens": 512, "db_password": "pw"}},
+        "extract": {"batch_tokens": 16384},
+        "speculative_tokens": 3,
+    }
+    assert mask(tree) == {
+        "serve": {
+            "env": {"HF_TOKEN": MASK, "VLLM_CPU_KVCACHE_SPACE": 2, "MY_SECRET": MASK},
+            "api_key_env": "EAGLE3_API_KEY",
+            "default_max_tokens": 128,
+            "extra_args": ["--hf-token", MASK, f"--api-key={MASK}", "--dtype", "auto"],
+        },
+        "data": {"regen": {"api_key": MASK, "max_new_tokens": 512, "db_password": MASK}},
+        "extract": {"batch_tokens": 16384},
+        "speculative_tokens": 3,
+    }
+    assert mask_argv(["serve.env.HF_TOKEN=hf_x", "bench.max_new_tokens=64", "+a.secret=s"]) == [
+        f"serve.env.HF_TOKEN={MASK}",
+        "bench.max_new_tokens=64",
+        f"+a.secret={MASK}",
+    ]
+    assert (
+        mask_text("serve.env.HF_TOKEN=hf_x,spec.depth=3")
+        == f"serve.env.HF_TOKEN={MASK},spec.depth=3"
+    )
+    assert mask_text("x --api-key abc --port 1") == f"x --api-key {MASK} --port 1"
+
+
+def files_containing(root: Path, needles) -> list[str]:
+    hits = []
+    for path in root.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            hits += [f"{path}: {n}" for n in needles if n.encode() in data]
+    return hits
+
+
+def test_no_secret_reaches_any_file(test_root, tmp_path):
+    """A bench run given secrets on the command line and in the environment (refused before
+    launch, so it is fast) writes none of them: Hydra's .hydra files, the MLflow store (params,
+    tags, config.yaml artifact) and the job's files all hold *** instead."""
+    env = {**os.environ, "EAGLE3_API_KEY": SECRETS[3]}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eagle3.bench",
+            f"paths.root={tmp_path}",
+            f"paths.artifacts={test_root / 'artifacts'}",
+            f"tracking.uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
+            f"tracking.artifact_location={tmp_path}/mlruns/artifacts",
+            "serve=vllm",
+            "spec=d10s5",
+            f"+serve.env.HF_TOKEN={SECRETS[0]}",
+            f"+data.regen.api_key={SECRETS[1]}",
+            f"+tracking.db_password='{SECRETS[2]}'",
+            f"serve.extra_args=[--hf-token,{SECRETS[4]}]",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 1 and "is a tree" in out.stderr, out.stderr[-2000:]
+    saved = list(tmp_path.rglob(".hydra/*.yaml"))
+    assert {p.name for p in saved} == {"config.yaml", "hydra.yaml", "overrides.yaml"}
+    assert "HF_TOKEN=***" in (saved[0].parent / "overrides.yaml").read_text()
+    assert (tmp_path / "mlruns" / "mlflow.db").exists()
+    assert files_containing(tmp_path, SECRETS) == []
+    assert SECRETS[0] not in out.stdout + out.stderr
+
+
+STORE_USER = """
+import sys, time
+from eagle3.common import compose
+from eagle3.tracking import stage_run
+cfg = compose([f"tracking.uri=sqlite:///{sys.argv[1]}/mlflow.db",
+               f"tracking.artifact_location={sys.argv[1]}/artifacts"])
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # all processes start together
+with stage_run(cfg, "probe"):
+    pass
+print("ok")
+"""
+
+
+def test_processes_starting_on_a_new_store_at_once_all_succeed(tmp_path):
+    start = time.time() + 8  # after every interpreter has imported eagle3
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", STORE_USER, str(tmp_path), str(start)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [o.strip().splitlines()[-1] for o in outputs] == ["ok"] * 3, outputs
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    assert len(client.search_experiments()) == 2  # Default + eagle3, created once
+    experiment = client.get_experiment_by_name("eagle3")
+    assert len(client.search_runs([experiment.experiment_id])) == 3
