@@ -136,13 +136,14 @@ def bench_argv(artifacts, root, *overrides) -> list[str]:
 
 
 def runs_by_status(root: Path) -> dict[str, list[str]]:
-    import mlflow
     from mlflow.tracking import MlflowClient
 
+    if not (root / "mlruns" / "mlflow.db").exists():
+        return {}
     client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlruns/mlflow.db")
     experiment = client.get_experiment_by_name("eagle3")
     out: dict[str, list[str]] = {}
-    for run in mlflow.search_runs([experiment.experiment_id], output_format="list"):
+    for run in client.search_runs([experiment.experiment_id] if experiment else []):
         out.setdefault(run.info.status, []).append(run.info.run_name)
     return out
 

@@ -161,9 +161,12 @@ def _counts(body: dict) -> dict:
 def run_requests(
     engine: EngineProcess, requests: list[list[int]], bcfg, timeout_s: float, model: str, desc: str
 ) -> tuple[list[dict], float]:
-    """All requests with bench.batch_size in flight; (records in prompt order, wall seconds)."""
+    """All requests with bench.batch_size in flight; (records in prompt order, wall seconds).
+    Interrupted (Ctrl-C, SIGTERM), it returns at once: the caller stops the engine, which ends
+    the requests still in flight."""
     api = "openai" if engine.launch.engine == "vllm" else "generate"
     limits = httpx.Limits(max_connections=bcfg.batch_size)
+    pool = ThreadPoolExecutor(bcfg.batch_size)
     with (
         httpx.Client(
             base_url=engine.base_url,
@@ -171,27 +174,25 @@ def run_requests(
             limits=limits,
             headers=engine.launch.headers,
         ) as client,
-        ThreadPoolExecutor(bcfg.batch_size) as pool,
         tqdm(total=len(requests), desc=desc, leave=False) as bar,
     ):
-        start = time.perf_counter()
-        futures = [pool.submit(send, client, api, ids, bcfg, model) for ids in requests]
-        records = []
-        for future in futures:
-            try:
-                records.append(future.result())
-            except (httpx.HTTPError, json.JSONDecodeError, KeyError) as err:
-                for other in futures:
-                    other.cancel()
-                engine.check_alive(
-                    grace_s=5
-                )  # raises EngineFailed with the log when the server died
-                raise EngineFailed(
-                    f"request to {engine.launch.engine} failed: {type(err).__name__}: {err}",
-                    engine.log_tail(),
-                ) from err
-            bar.update()
-        return records, time.perf_counter() - start
+        try:
+            start = time.perf_counter()
+            futures = [pool.submit(send, client, api, ids, bcfg, model) for ids in requests]
+            records = []
+            for future in futures:
+                try:
+                    records.append(future.result())
+                except (httpx.HTTPError, json.JSONDecodeError, KeyError) as err:
+                    engine.check_alive(grace_s=5)  # raises EngineFailed with the log if it died
+                    raise EngineFailed(
+                        f"request to {engine.launch.engine} failed: {type(err).__name__}: {err}",
+                        engine.log_tail(),
+                    ) from err
+                bar.update()
+            return records, time.perf_counter() - start
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 # ---------------------------------------------------------------- measuring one engine
