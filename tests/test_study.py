@@ -136,3 +136,74 @@ def _with(cfg, gsm8k: Path) -> list[str]:
         "study.max_new_tokens=6",
         "spec.depth=3",
     ]
+
+
+def _result(hash_: str, epochs: int, sizes: list[tuple[int, float]], spec: str = "d8") -> dict:
+    """A study.json as the study writes it: points at `sizes` (rows, engine tau)."""
+    return {
+        "hash": hash_,
+        "data_hash": "0123456789ab",
+        "spec": spec,
+        "title": f"tiny: drafters from scratch, {epochs} epoch(s) each",
+        "suites": ["vicuna"],
+        "epochs": epochs,
+        "points": [
+            {
+                "rows": rows,
+                "train_limit": rows,
+                "train_hash": f"{hash_}{rows}",
+                "train_tokens": rows * 100 * epochs,
+                "train_flops": rows * 100 * epochs * 1e6,
+                "val_tau_hat": tau + 0.1,
+                "engine_tau": tau,
+                "suite_tau": {"vicuna": tau},
+            }
+            for rows, tau in sizes
+        ],
+    }
+
+
+def test_log_from_pools_study_files_and_draws_references(make_cfg, tmp_path):
+    import mlflow
+
+    from eagle3 import study
+
+    one, two = tmp_path / "a" / "study.json", tmp_path / "b" / "study.json"
+    for path, result in (
+        (one, _result("aaa", 1, [(10, 1.2), (40, 1.5)])),
+        (two, _result("bbb", 2, [(10, 1.3), (15, 1.45)])),
+    ):
+        path.parent.mkdir()
+        path.write_text(json.dumps(result))
+    cfg = make_cfg(
+        f"paths.artifacts={tmp_path / 'artifacts'}",
+        "study.references=[{label: other, train_tokens: 50000, engine_tau: 2.5}]",
+    )
+    folder = study.log_from(cfg, [one, two])
+    pooled = json.loads((folder / "study.json").read_text())
+    assert [(p["rows"], p["epochs"]) for p in pooled["points"]] == [
+        (10, 1),
+        (10, 2),
+        (15, 2),
+        (40, 1),
+    ]
+    xs = [p["train_tokens"] for p in pooled["points"]]
+    fit = {k: v for k, v in pooled["fits"]["engine_tau~train_tokens"].items() if k != "needed"}
+    assert fit == pytest.approx(fit_log(xs, [1.2, 1.3, 1.45, 1.5]))
+    assert (folder / "study.png").stat().st_size > 10_000 and folder.name.startswith("pooled-")
+    parent = mlflow.search_runs(
+        experiment_names=[cfg.tracking.experiment],
+        filter_string="tags.stage = 'study'",
+        output_format="list",
+    )
+    children = mlflow.search_runs(
+        experiment_names=[cfg.tracking.experiment],
+        filter_string=f"tags.mlflow.parentRunId = '{parent[0].info.run_id}'",
+        output_format="list",
+    )
+    assert len(parent) == 1 and len(children) == 4
+    two.write_text(json.dumps(_result("bbb", 2, [(10, 1.3)], spec="d32s4k8")))
+    with pytest.raises(Eagle3Error, match="measured spec d32s4k8 on"):
+        study.log_from(cfg, [one, two])
+    with pytest.raises(Eagle3Error, match="give train_tokens and engine_tau or val_tau_hat"):
+        study.reference_points([{"label": "x", "train_tokens": 1}], pooled["points"])

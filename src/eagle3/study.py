@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from eagle3 import data as data_stage
 from eagle3 import tracking, train
-from eagle3.artifacts import StageOutput, stage_output, to_plain
+from eagle3.artifacts import StageOutput, config_hash, stage_output, to_plain
 from eagle3.common import Eagle3Error, app, log
 from eagle3.data import load_splits
 from eagle3.drafter_io import load_trained_drafter
@@ -61,7 +61,7 @@ def size_cfg(cfg: DictConfig, rows: int, n_train: int) -> DictConfig:
 
 
 def study_output(cfg: DictConfig, data_hash: str) -> StageOutput:
-    study = {k: v for k, v in to_plain(cfg.study).items() if k != "log_from"}
+    study = {k: v for k, v in to_plain(cfg.study).items() if k not in ("log_from", "references")}
     sections = {
         "study": study,
         "train": to_plain(cfg.train),
@@ -204,16 +204,46 @@ def fits_for(points: list[dict], goals) -> dict:
     return fits
 
 
-def plot(points: list[dict], fits: dict, extrapolate: float, title: str, path: Path) -> Path:
+def reference_points(references, points: list[dict]) -> list[dict]:
+    """study.references as points: each names train_tokens (token passes) and engine_tau and/or
+    val_tau_hat; its FLOPs follow the study's own FLOPs per token (same drafter and target shapes)."""
+    per_token = points[0]["train_flops"] / points[0]["train_tokens"]
+    refs = []
+    for ref in references or []:
+        if "train_tokens" not in ref or not ({"engine_tau", "val_tau_hat"} & set(ref)):
+            raise Eagle3Error(
+                f"study.references entry {dict(ref)}: give train_tokens and engine_tau or val_tau_hat"
+            )
+        refs.append(
+            {
+                "label": str(ref.get("label", "reference")),
+                "train_tokens": float(ref["train_tokens"]),
+                "train_flops": float(ref["train_tokens"]) * per_token,
+                **{k: float(ref[k]) for k in ("engine_tau", "val_tau_hat") if k in ref},
+            }
+        )
+    return refs
+
+
+def plot(
+    points: list[dict],
+    fits: dict,
+    extrapolate: float,
+    title: str,
+    path: Path,
+    references: list[dict] = (),
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    epochs = sorted({p.get("epochs", 1) for p in points})
     for ax, (axis, label) in zip(axes, FIT_AXES):
         xs = [p[axis] for p in points]
-        grid = [min(xs) * (max(xs) * extrapolate / min(xs)) ** (i / 60) for i in range(61)]
+        top = max([max(xs) * extrapolate, *(r[axis] * 1.5 for r in references)])
+        grid = [min(xs) * (top / min(xs)) ** (i / 60) for i in range(61)]
         for measure, name, color in (
             ("engine_tau", "engine τ", "tab:blue"),
             ("val_tau_hat", "val τ̂", "tab:orange"),
@@ -221,7 +251,15 @@ def plot(points: list[dict], fits: dict, extrapolate: float, title: str, path: P
             fit = fits.get(f"{measure}~{axis}")
             if fit is None:
                 continue
-            ax.plot(xs, [p[measure] for p in points], "o", color=color, label=name)
+            for epoch, marker in zip(epochs, "osD^v"):
+                group = [p for p in points if p.get("epochs", 1) == epoch]
+                ax.plot(
+                    [p[axis] for p in group],
+                    [p[measure] for p in group],
+                    marker,
+                    color=color,
+                    label=f"{name}, {epoch} epoch(s)",
+                )
             ax.plot(
                 grid,
                 [fit["a"] + fit["b"] * math.log(x) for x in grid],
@@ -229,12 +267,23 @@ def plot(points: list[dict], fits: dict, extrapolate: float, title: str, path: P
                 color=color,
                 label=f"{name} = {fit['a']:.2f} + {fit['b']:.3f} ln x (R² {fit['r2']:.2f})",
             )
+        for ref in references:
+            for measure, color in (("engine_tau", "tab:blue"), ("val_tau_hat", "tab:orange")):
+                if measure in ref:
+                    ax.plot(ref[axis], ref[measure], "*", color=color, markersize=12)
+                    ax.annotate(
+                        f"{ref['label']}: {ref[measure]:.2f}",
+                        (ref[axis], ref[measure]),
+                        fontsize=7,
+                        xytext=(-150, -3),
+                        textcoords="offset points",
+                    )
         ax.axvline(max(xs), color="grey", lw=0.8, ls=":")
         ax.set_xscale("log")
         ax.set_xlabel(f"{label} (log; dotted: largest measured)")
         ax.set_ylabel("acceptance length τ")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -243,11 +292,12 @@ def plot(points: list[dict], fits: dict, extrapolate: float, title: str, path: P
 
 
 def table(points: list[dict], suites: list[str]) -> str:
-    head = ["rows", "tokens", "FLOPs", "val τ̂", "engine τ", *suites, "train s"]
+    head = ["rows", "epochs", "tokens", "FLOPs", "val τ̂", "engine τ", *suites, "train s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in points:
         cells = [
             f"{p['rows']:,}",
+            str(p.get("epochs", "–")),
             f"{p['train_tokens']:,}",
             f"{p['train_flops']:.3g}",
             _num(p.get("val_tau_hat")),
@@ -339,6 +389,7 @@ def train_sizes(cfg: DictConfig, data) -> list[dict]:
                 "train_limit": sized.train.limit,
                 "train_hash": out.hash,
                 "train_dir": str(out.path),
+                "epochs": cfg.train.epochs,
                 "train_tokens": tokens * cfg.train.epochs,
                 "trained_tokens": trained * cfg.train.epochs,
                 "val_tau_hat": counts.get("tau_hat"),
@@ -377,7 +428,15 @@ def study_title(cfg: DictConfig, spec_label: str) -> str:
 
 def write_outputs(cfg: DictConfig, result: dict, folder: Path) -> list[Path]:
     title, suites = result["title"], result["suites"]
-    png = plot(result["points"], result["fits"], cfg.study.extrapolate, title, folder / "study.png")
+    references = reference_points(cfg.study.get("references"), result["points"])
+    png = plot(
+        result["points"],
+        result["fits"],
+        cfg.study.extrapolate,
+        title,
+        folder / "study.png",
+        references,
+    )
     (folder / "study.json").write_text(json.dumps(result, indent=2))
     md = folder / "study.md"
     md.write_text(
@@ -413,13 +472,47 @@ def run(cfg: DictConfig) -> StageOutput:
     return out
 
 
-def log_from(cfg: DictConfig, path: Path) -> Path:
-    """Log a study.json written elsewhere and redraw its outputs beside it."""
-    if not path.exists():
-        raise Eagle3Error(f"study.log_from={path} does not exist (a study.json)")
-    result = json.loads(path.read_text())
+def pooled(paths: list[Path]) -> dict:
+    """One result from several study.json files of one recipe (other sizes or epochs): their points
+    together, sorted by training tokens; the first file's spec and suites."""
+    results = []
+    for path in paths:
+        if not path.exists():
+            raise Eagle3Error(f"study.log_from: {path} does not exist (a study.json)")
+        results.append(json.loads(path.read_text()))
+    first = results[0]
+    for path, other in zip(paths[1:], results[1:]):
+        if (other["spec"], other["suites"], other["data_hash"]) != (
+            first["spec"],
+            first["suites"],
+            first["data_hash"],
+        ):
+            raise Eagle3Error(
+                f"study.log_from: {path} measured spec {other['spec']} on {other['suites']} with data "
+                f"{other['data_hash']}, {paths[0]} spec {first['spec']} on {first['suites']} with "
+                f"data {first['data_hash']}: not one study"
+            )
+    points = sorted(
+        ({"epochs": r.get("epochs", 1), **p} for r in results for p in r["points"]),
+        key=lambda p: p["train_tokens"],
+    )
+    if len(results) == 1:
+        return {**first, "points": points}
+    epochs = sorted({p["epochs"] for p in points})
+    title = first["title"].replace(f"{first.get('epochs', 1)} epoch(s) each", f"{epochs} epochs")
+    hash_ = config_hash(sorted(r["hash"] for r in results))
+    return {**first, "hash": hash_, "title": title, "epochs": epochs, "points": points}
+
+
+def log_from(cfg: DictConfig, paths: list[Path]) -> Path:
+    """Log study.json files written elsewhere (pooled when several) and redraw their outputs: beside
+    a single file, in <artifacts>/study/pooled-<hash> for several."""
+    result = pooled(paths)
     result["fits"] = fits_for(result["points"], cfg.study.goal_tau)
-    folder = path.parent
+    folder = paths[0].parent
+    if len(paths) > 1:
+        folder = Path(cfg.paths.artifacts) / "study" / f"pooled-{result['hash']}"
+        folder.mkdir(parents=True, exist_ok=True)
     files = write_outputs(cfg, result, folder)
     parent = log_mlflow(cfg, result, files)
     print(table(result["points"], result["suites"]))
@@ -431,7 +524,9 @@ def log_from(cfg: DictConfig, path: Path) -> Path:
 @app
 def main(cfg: DictConfig) -> None:
     if cfg.study.log_from:
-        log_from(cfg, Path(str(cfg.study.log_from)))
+        sources = cfg.study.log_from
+        sources = [sources] if isinstance(sources, str) else list(sources)
+        log_from(cfg, [Path(str(p)) for p in sources])
         return
     out = run(cfg)
     print(f"study: {out.path}")
