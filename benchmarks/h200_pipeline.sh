@@ -20,6 +20,11 @@
 #                 (DRAFTER, an export's sglang folder; default: the shipped one), once per E2E_VARIANTS
 #                 entry ("name=flags;name=flags", e2e_<name>.json; default prefill with cuDNN attention
 #                 off, then on)
+#   step load   : after the SmolLM2 wheel's parts are in /tmp/carry (any layout: .carry/*/whl.part.* and
+#                 wheels in .whl/ or .carry/*/whl/): benchmarks/load_bench.py, continuous batching at
+#                 BATCHES (default 1,4,16,64) for SPECS (default off,d8,d32s4k8) with the shipped drafter,
+#                 HF generate at HF_BATCHES and the fused batch-1 decoder, on the carried suites; stops
+#                 taking new rows LOAD_DEADLINE s after it starts (default 330)
 #   step study  : python -m eagle3.study with EXPERIMENT's recipe (EXTRA: study.sizes=...), engine tau on the
 #                 carried suites; study.json/png/md come back
 #   step ddp    : the same training on 1 GPU, then on all GPUs, each for DDP_TIMEOUT s from the
@@ -39,7 +44,7 @@
 # carry .snap and start each command with
 # `for d in src benchmarks conf experiments; do rm -rf $d; cp -a .snap/$d .; done;`.
 set -euo pipefail
-step=${1:?wheels|stash|part-a|train|bench|e2e|study|ddp|ddp-random}
+step=${1:?wheels|stash|part-a|train|bench|e2e|load|study|ddp|ddp-random}
 root=${E3_ROOT:-/tmp/e3}
 out=${OUT:-/tmp/e3-out}
 logs=$root/logs/$step
@@ -154,6 +159,20 @@ resolve_target_path(cfg.target, Path(cfg.paths.artifacts))"
         --specs "${SPECS:-off,d4,d6s3k2,d10s5k4,d16s6k4}" --baselines "" --json "$out/e2e_$name.json" \
         $flags ${BENCH_ARGS:-}
     done ;;
+  load)
+    python3 -c "import hydra" 2>/dev/null || {
+      wheels=$(ls .whl/*.whl "$carried"/whl/*.whl 2>/dev/null || true)
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site $wheels; }
+    install
+    [ -n "${DRAFTER:-}" ] || shipped_drafter
+    python3 -c "from pathlib import Path; from eagle3.common import compose; from eagle3.target import resolve_target_path
+cfg = compose(['experiment=${EXPERIMENT:-smollm2-h200}', 'paths.root=$root'])
+resolve_target_path(cfg.target, Path(cfg.paths.artifacts))"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" || true
+    timed load python3 benchmarks/load_bench.py --target "$root/artifacts/targets/smollm2-135m" \
+      --drafter "${DRAFTER:-$shipped/sglang}" --suites "$suites" --specs "${SPECS:-off,d8,d32s4k8}" \
+      --batch-sizes "${BATCHES:-1,4,16,64}" --hf-batch-sizes "${HF_BATCHES-1,4,16,64}" \
+      --deadline "${LOAD_DEADLINE:-330}" --json "$out/load.json" ${BENCH_ARGS:-} ;;
   study)  # python -m eagle3.study (EXPERIMENT's recipe from scratch on nested slices of its data; answers from
     # benchmarks/assets), engine tau on the carried suites, cut at STUDY_TIMEOUT s (a rerun resumes it)
     install
@@ -188,5 +207,5 @@ torch.manual_seed(0); LlamaForCausalLM(LlamaConfig.from_pretrained('.carry/ddp/s
         "paths.artifacts=$root/d$devices" "trainer.devices=$devices" trainer.strategy=ddp || true
       grep -h "train: step" "$logs/train_${devices}gpu.log" > "$out/ddp_${devices}gpu.txt" || true
     done ;;
-  *) echo "unknown step '$step': wheels|stash|part-a|train|bench|e2e|study|ddp|ddp-random" >&2; exit 2 ;;
+  *) echo "unknown step '$step': wheels|stash|part-a|train|bench|e2e|load|study|ddp|ddp-random" >&2; exit 2 ;;
 esac
