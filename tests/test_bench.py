@@ -201,10 +201,10 @@ def test_summary_lists_failed_jobs_and_best(make_cfg, tmp_path, capsys):
         rows[0]["speedup"]
     ) == pytest.approx(1.9)
     assert (tmp_path / "summary.md").read_text().count("\n") == 2 + 3
-    for plot in ("tokens_per_s.png", "accept_length.png"):
+    for plot in ("tokens_per_s.png", "speedup.png", "accept_length.png"):
         assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
-    assert "best: serve=local spec d4" in printed and "1 of 3 jobs failed" in printed
+    assert "winner: d4 at 1.90x spec=off" in printed and "1 of 3 jobs failed" in printed
 
 
 def test_baseline_key_shared_across_specs_not_across_batch_sizes(make_cfg):
@@ -315,15 +315,14 @@ def test_vllm_sweep_reads_counters_and_refuses_trees(test_root, tmp_path, vllm_d
         for r in failed
     )
     for r in ok:
-        requests = json.loads((Path(r["folder"]) / "spec" / "requests.json").read_text())
-        assert len(requests) == 3 and r["output_tokens"] == sum(
-            q["output_tokens"] for q in requests
-        )
+        passes = json.loads((Path(r["folder"]) / "spec" / "requests.json").read_text())
+        assert len(passes) == r["repeats"] == 3 and all(len(p) == 3 for p in passes)
+        assert r["output_tokens"] == sum(q["output_tokens"] for q in passes[0])
         assert r["num_drafts"] > 0 and len(r["accept_per_pos"]) == r["depth"] - 1  # vLLM's counters
         assert r["accept_length"] == pytest.approx(1 + sum(r["accept_per_pos"]))
         assert r["baseline_tokens_per_s"] == ok[0]["baseline_tokens_per_s"]  # measured once, reused
         assert "--speculative-config" in (Path(r["folder"]) / "spec" / "command.json").read_text()
-    assert ok[1]["baseline_reused"]
+    assert ok[1]["baseline_run_id"] == ok[0]["run_id"] and not ok[1]["baseline_reused"]
     client, parent, children = sweep_runs(tmp_path)
     assert [c.info.status for c in children] == ["FINISHED", "FINISHED", "FAILED", "FAILED"]
     assert children[0].data.metrics["accept_pos_0"] == ok[0]["accept_per_pos"][0]
@@ -335,7 +334,10 @@ def test_vllm_sweep_reads_counters_and_refuses_trees(test_root, tmp_path, vllm_d
         "cost_model.md",
     } <= {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert parent.info.status == "FINISHED" and parent.data.tags["failed_jobs"] == "2"
-    assert "best: serve=vllm" in out.stdout and "2 of 4 jobs failed" in out.stdout
+    assert (
+        "vllm, vicuna, batch 1, 24 new tokens:" in out.stdout and "2 of 4 jobs failed" in out.stdout
+    )
+    assert out.stdout.strip().splitlines()[-1].startswith("cost model: ")
 
 
 # ---------------------------------------------------------------- the local engine
@@ -379,7 +381,7 @@ def test_local_sweep_one_job_refused(test_root, tmp_path, tiny_drafter):
         children[0].data.params["spec.depth"] == "10"
         and children[0].data.metrics["tokens_per_s"] > 0
     )
-    assert "best: serve=local spec d10s5k4" in out.stdout and "1 of 2 jobs failed" in out.stdout
+    assert "\n  d10s5k4: " in out.stdout and "1 of 2 jobs failed" in out.stdout
 
 
 def test_killed_server_marks_the_job_failed(make_cfg, tmp_path, tiny_drafter):

@@ -51,12 +51,8 @@ def test_vllm_command(make_cfg):
     cfg = make_cfg("serve=vllm", "spec=d16")
     launch = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321)
     argv = launch.argv
-    assert argv[:3] == [
-        str(REPO / ".venv-vllm/bin/python"),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-    ]
-    assert argv[argv.index("--model") + 1] == TARGET and argv[argv.index("--port") + 1] == "4321"
+    assert argv[:3] == [str(REPO / ".venv-vllm/bin/vllm"), "serve", TARGET]  # vLLM's own CLI
+    assert "--model" not in argv and argv[argv.index("--port") + 1] == "4321"
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--enforce-eager" in argv
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
         "method": "eagle3",

@@ -23,7 +23,10 @@ def make_sweep(cfg, tmp_path):
         with tracking.stage_run(
             cfg, "bench", run_name=f"d{depth}", parent_run_id=parent.info.run_id
         ) as child:
-            mlflow.log_metrics({"tokens_per_s": tps, "accept_length": depth / 4})
+            mlflow.log_param("job.spec", f"d{depth}")
+            mlflow.log_metrics(
+                {"tokens_per_s": tps, "accept_length": depth / 4, "speedup": tps / 100}
+            )
             children.append(child.info.run_id)
     return parent.info.run_id, children, parent.info.experiment_id
 
@@ -47,7 +50,13 @@ def test_mlflow_ui_rest_and_screenshot(make_cfg, tmp_path):
         assert metrics["d16"]["tokens_per_s"] == 150.0 and metrics["d10"]["accept_length"] == 2.5
         assert ui.list_artifacts(url, parent, "plots") == ["plots/tokens_per_s.png"]
         shot = ui.screenshot(ui.compare_url(url, experiment, children), tmp_path / "compare.png")
-    image = Image.open(shot).convert("RGB")
-    assert image.size == (1600, 1000)
-    colours = image.getcolors(maxcolors=1_000_000)
-    assert colours is not None and len(colours) > 50  # a rendered page, not a blank canvas
+        # typed in as a user would: job.spec against tok/s, tau and speedup (waits for the plot)
+        chart = ui.comparison_screenshot(url, experiment, children, tmp_path / "chart.png")
+        assert sorted(ui.newest_sweep(url, experiment)) == sorted(children)
+    for path in (shot, chart):
+        image = Image.open(path).convert("RGB")
+        assert image.size == (1600, 1000)
+        colours = image.getcolors(maxcolors=1_000_000)
+        assert colours is not None and len(colours) > 50  # a rendered page, not a blank canvas
+    kind = mlflow.MlflowClient(cfg.tracking.uri).get_experiment(experiment).tags
+    assert kind["mlflow.experimentKind"] == "custom_model_development"  # opens in the runs view

@@ -58,7 +58,7 @@ log "removing torchvision / torchaudio / torchcodec (break import vllm on CPU)"
 log "verifying"
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
 "$VENV/bin/python" -c "import torch; assert not torch.version.cuda, torch.version.cuda; print('torch', torch.__version__)"
-"$VENV/bin/python" -m vllm.entrypoints.openai.api_server --help >/dev/null
+"$VENV/bin/vllm" serve --help >/dev/null
 check_ready || { log "verification failed"; exit 1; }
 
 finish_cpu_venv

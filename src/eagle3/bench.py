@@ -37,8 +37,11 @@ from eagle3.serve import (
 from eagle3.spec import OFF, Spec, resolve_spec
 from eagle3.suites import load_suite, suite_name
 from eagle3.tracking import stage_run
+from eagle3.verdict import against_off, combine_repeats, speedup_fields
 
 RESULT_FILE = "bench_result.json"
+# the spec=off measurement's metrics a job carries as baseline_<key>
+BASELINE_KEYS = ("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "step_s")
 PERCENTILES = (50, 90, 99)
 LOG_EXCERPT_LINES = 40
 # serve settings that do not change a measurement: not part of the baseline's identity
@@ -255,40 +258,52 @@ def acceptance_for(engine: str, delta: dict, records: list[dict], spec: Spec) ->
     )
 
 
+def measure_pass(
+    engine: EngineProcess, cfg: DictConfig, spec: Spec, requests, model: str, desc: str
+) -> dict:
+    """One pass of the suite on a warm engine: its metrics and request records."""
+    bcfg, scfg = cfg.bench, cfg.serve
+    headers = engine.launch.headers
+    before = read_counters(scfg.engine, engine.base_url, headers=headers)
+    records, wall_s = run_requests(engine, requests, bcfg, scfg.request_timeout_s, model, desc)
+    engine.check_alive()
+    delta = counter_delta(before, read_counters(scfg.engine, engine.base_url, headers=headers))
+    metrics = aggregate(records, wall_s, acceptance_for(scfg.engine, delta, records, spec))
+    return {**metrics, "records": records}
+
+
 def measure(
     cfg: DictConfig, spec: Spec, drafter_path, target_path, requests: list[list[int]], folder: Path
 ) -> dict:
-    """Start the engine with `spec`, warm up, run the suite, stop it; the suite's metrics."""
+    """Start the engine with `spec`, warm up, run the suite bench.repeats times, stop it; the
+    median of the passes with the spread of their tok/s (eagle3.verdict.combine_repeats)."""
     bcfg, scfg = cfg.bench, cfg.serve
     engine = start_engine(cfg, spec, drafter_path, target_path, folder)
+    model = str(target_path)
+    repeats = max(int(bcfg.repeats), 1)
+    passes = []
     try:
-        model = str(target_path)
         if bcfg.warmup:
-            run_requests(
-                engine, requests[: bcfg.warmup], bcfg, scfg.request_timeout_s, model, "warmup"
-            )
-        headers = engine.launch.headers
-        before = read_counters(scfg.engine, engine.base_url, headers=headers)
-        records, wall_s = run_requests(
-            engine, requests, bcfg, scfg.request_timeout_s, model, f"{scfg.engine} {spec.label}"
-        )
-        engine.check_alive()
-        delta = counter_delta(before, read_counters(scfg.engine, engine.base_url, headers=headers))
+            warm = requests[: bcfg.warmup]
+            run_requests(engine, warm, bcfg, scfg.request_timeout_s, model, "warmup")
+        for index in range(repeats):
+            desc = f"{scfg.engine} {spec.label} {index + 1}/{repeats}"
+            passes.append(measure_pass(engine, cfg, spec, requests, model, desc))
     except httpx.HTTPError as err:
         engine.check_alive(grace_s=5)
         raise EngineFailed(f"{scfg.engine} stats request failed: {err}", engine.log_tail()) from err
     finally:
         engine.stop(scfg.stop_timeout_s)
-    metrics = aggregate(records, wall_s, acceptance_for(scfg.engine, delta, records, spec))
-    (folder / "requests.json").write_text(json.dumps(records, indent=1))
-    return metrics
+    (folder / "requests.json").write_text(json.dumps([p.pop("records") for p in passes], indent=1))
+    return combine_repeats(passes)
 
 
 # ---------------------------------------------------------------- the baseline, cached
 
 
-def baseline_output(cfg: DictConfig):
-    """Where the spec=off measurement for this (engine, target, suite, batch size, max tokens) lives."""
+def baseline_output(cfg: DictConfig, scope: str | None = None):
+    """Where the spec=off measurement for this (engine, target, suite, batch size, max tokens)
+    lives; `scope` (a sweep folder) keeps each sweep's own measurement apart."""
     serve = {k: v for k, v in to_plain(cfg.serve).items() if k not in BASELINE_IGNORES}
     bench = {
         k: v
@@ -303,19 +318,61 @@ def baseline_output(cfg: DictConfig):
         "suite": suite,
         "machine": platform.node(),
     }
+    if scope:
+        sections["scope"] = str(scope)
     return stage_output(cfg.paths.artifacts, "bench_baseline", sections)
 
 
-def baseline(cfg: DictConfig, target_path, requests, folder: Path) -> dict:
-    out = baseline_output(cfg)
-    if cfg.bench.reuse_baseline and out.complete:
-        log.info("reusing the spec=off baseline %s", out.path)
-        return {**json.loads((out.path / "metrics.json").read_text()), "baseline_reused": True}
+def earlier_baseline(cfg: DictConfig):
+    """The newest complete spec=off measurement of this configuration from any sweep, or None."""
+    wanted = json.loads(json.dumps(baseline_output(cfg).config, default=str))
+    found = []
+    for manifest_path in Path(cfg.paths.artifacts, "bench_baseline").glob("*/manifest.json"):
+        manifest = json.loads(manifest_path.read_text())
+        config = {k: v for k, v in manifest.get("config", {}).items() if k != "scope"}
+        if manifest.get("complete") and config == wanted:
+            found.append((manifest.get("measured_at", 0.0), manifest_path.parent, manifest))
+    return max(found, key=lambda item: item[0], default=None)
+
+
+def baseline(cfg: DictConfig, target_path, requests, folder: Path, scope: str) -> dict:
+    """spec=off for this job: measured once per sweep (`scope`), or with bench.reuse_baseline the
+    newest earlier measurement, whose run id and age the result then carries."""
+    if cfg.bench.reuse_baseline:
+        earlier = earlier_baseline(cfg)
+        if earlier:
+            measured_at, path, manifest = earlier
+            log.info("reusing the spec=off baseline %s (run %s)", path, manifest.get("run_id"))
+            return {
+                **json.loads((path / "metrics.json").read_text()),
+                "baseline_reused": True,
+                "baseline_run_id": manifest.get("run_id"),
+                "baseline_age_s": time.time() - measured_at,
+            }
+    out = baseline_output(cfg, scope)
+    if out.complete:
+        manifest = out.manifest()
+        return {
+            **json.loads((out.path / "metrics.json").read_text()),
+            "baseline_reused": False,
+            "baseline_run_id": manifest.get("run_id"),
+        }
     metrics = measure(cfg, OFF, None, target_path, requests, folder / "baseline")
     out.start()
     (out.path / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    out.finish({"requests": metrics["requests"], "output_tokens": metrics["output_tokens"]})
-    return {**metrics, "baseline_reused": False}
+    run_id = active_run_id()
+    counts = {"requests": metrics["requests"], "output_tokens": metrics["output_tokens"]}
+    out.finish(counts, run_id=run_id, measured_at=time.time())
+    return {**metrics, "baseline_reused": False, "baseline_run_id": run_id}
+
+
+def active_run_id() -> str | None:
+    """The MLflow run this job logs to (None with tracking off)."""
+    import sys
+
+    mlflow = sys.modules.get("mlflow")
+    run = mlflow.active_run() if mlflow else None
+    return run.info.run_id if run else None
 
 
 # ---------------------------------------------------------------- one job
@@ -343,8 +400,9 @@ def job_identity(cfg: DictConfig) -> dict:
     return ident
 
 
-def measure_job(cfg: DictConfig, folder: Path) -> dict:
-    """Validate, find drafter and prompts, measure (baseline first), compute speedup."""
+def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict:
+    """Validate, find drafter and prompts, measure (baseline first), compute speedup. The
+    baseline is shared by the jobs of one `scope` (a sweep folder; a lone job's own folder)."""
     from transformers import AutoTokenizer
 
     spec = resolve_spec(cfg.spec)
@@ -353,23 +411,24 @@ def measure_job(cfg: DictConfig, folder: Path) -> dict:
     target_path = target_path_for(cfg)
     prompts = load_suite(cfg.bench)
     requests = tokenize_prompts(AutoTokenizer.from_pretrained(target_path), prompts)
-    base = baseline(cfg, target_path, requests, folder)
+    base = baseline(cfg, target_path, requests, folder, str(scope or folder))
     metrics = (
         measure(cfg, spec, drafter_path, target_path, requests, folder / "spec")
         if spec.enabled
-        else dict(base)
+        else {k: v for k, v in base.items() if not k.startswith("baseline_")}
     )
+    metrics.update({f"baseline_{k}": base.get(k) for k in BASELINE_KEYS})
+    metrics.update({k: v for k, v in base.items() if k.startswith("baseline_")})
+    metrics.update(speedup_fields(metrics, base))
     metrics.update(
-        baseline_tokens_per_s=base["tokens_per_s"],
-        baseline_step_s=base["step_s"],
-        baseline_reused=base["baseline_reused"],
-        speedup=metrics["tokens_per_s"] / base["tokens_per_s"],
-        drafter=str(drafter_path) if drafter_path else None,
+        drafter=str(drafter_path) if drafter_path else None, drafter_hash=drafter_hash(drafter_path)
     )
     return metrics
 
 
-def run_job(cfg: DictConfig, folder: Path, parent_run_id: str | None = None) -> dict:
+def run_job(
+    cfg: DictConfig, folder: Path, parent_run_id: str | None = None, sweep_dir: Path | None = None
+) -> dict:
     """One job, never raising for an engine or spec failure: the result says ok or failed."""
     folder.mkdir(parents=True, exist_ok=True)
     result = {**job_identity(cfg), "folder": str(folder)}
@@ -382,7 +441,7 @@ def run_job(cfg: DictConfig, folder: Path, parent_run_id: str | None = None) -> 
         tags={"engine": result["engine"], "spec": result["spec"]},
     ) as run:
         try:
-            result.update(measure_job(cfg, folder), status="ok")
+            result.update(measure_job(cfg, folder, sweep_dir), status="ok")
         except (Eagle3Error, OSError, httpx.HTTPError) as err:
             result.update(
                 status="failed",
@@ -392,16 +451,99 @@ def run_job(cfg: DictConfig, folder: Path, parent_run_id: str | None = None) -> 
             log.error("bench job %s failed: %s", name, err)
         if run is not None:
             result["run_id"] = run.info.run_id
-            log_job(result)
+            log_job(cfg, result)
     (folder / RESULT_FILE).write_text(json.dumps(result, indent=1, default=str))
     return result
 
 
-def log_job(result: dict) -> None:
-    """Metrics (per-position acceptance as accept_pos_i) or the failure, on the active child run."""
+# settings of a job, logged as params (MLflow compares runs on them); measurements are metrics
+JOB_PARAMS = ("engine", "spec", "depth", "steps", "topk", "batch_size", "max_new_tokens", "suite")
+NOT_METRICS = frozenset((*JOB_PARAMS, "repeats", "spec_enabled", "baseline_reused"))
+
+
+def job_params(cfg: DictConfig, result: dict) -> dict:
+    """What a job ran: its shape, load and suite, the target, drafter, hardware, engine version."""
+    params = {k: result.get(k) for k in JOB_PARAMS}
+    params.update(
+        target=cfg.target.name,
+        drafter=result.get("drafter_hash"),
+        hardware=hardware(),
+        engine_version=engine_version(cfg),
+        repeats=cfg.bench.repeats,
+    )
+    return {k: "" if v is None else str(v) for k, v in params.items()}
+
+
+def job_metrics(result: dict) -> dict:
+    """The numbers a job measured (per-position acceptance as accept_pos_i)."""
+    numbers = {
+        k: float(v)
+        for k, v in result.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in NOT_METRICS
+    }
+    numbers.update({f"accept_pos_{i}": p for i, p in enumerate(result.get("accept_per_pos", []))})
+    return numbers
+
+
+def hardware() -> str:
+    """The accelerator this machine measures on: the GPU's name, else the CPU's model and cores."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [
+        line.split(":", 1)[1].strip()
+        for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+        if line.startswith("model name")
+    ]
+    return f"{os.cpu_count()} CPU cores ({names[0] if names else platform.processor()})"
+
+
+def drafter_hash(path) -> str | None:
+    """The export hash of a drafter folder (its manifest, or the parent export's), else its name."""
+    if not path:
+        return None
+    for folder in (Path(path), Path(path).parent):
+        manifest = folder / "manifest.json"
+        if manifest.exists():
+            return json.loads(manifest.read_text()).get("hash") or folder.name
+    return Path(path).name
+
+
+def engine_version(cfg: DictConfig) -> str:
+    """The serving engine's package version (read from its own interpreter for vLLM / SGLang)."""
+    import subprocess
+
+    from eagle3 import __version__
+    from eagle3.serve import engine_python
+
+    if cfg.serve.engine == "local":
+        return f"eagle3 {__version__}"
+    code = (
+        "import importlib.metadata as m\n"
+        f"for name in ('{cfg.serve.engine}', '{cfg.serve.engine}-cpu'):\n"
+        "    try: print(m.version(name)); break\n"
+        "    except m.PackageNotFoundError: pass"
+    )
+    try:
+        done = subprocess.run(
+            [engine_python(cfg.serve), "-c", code], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return f"{cfg.serve.engine} {done.stdout.strip() or 'unknown'}"
+
+
+def log_job(cfg: DictConfig, result: dict) -> None:
+    """Settings as params, measurements as metrics (tok/s per pass as steps of tokens_per_s_pass),
+    or the failure, on the active child run."""
     import mlflow
 
     mlflow.set_tag("status", result["status"])
+    mlflow.log_params({f"job.{k}": v for k, v in job_params(cfg, result).items()})
     if result["status"] != "ok":
         mlflow.set_tag("error", result["error"][:5000])
         mlflow.log_text(
@@ -411,16 +553,20 @@ def log_job(result: dict) -> None:
         )
         mlflow.end_run(status="FAILED")
         return
-    numbers = {
-        k: float(v)
-        for k, v in result.items()
-        if isinstance(v, (int, float))
-        and not isinstance(v, bool)
-        and k not in ("depth", "steps", "topk")
-    }
-    numbers.update({f"accept_pos_{i}": p for i, p in enumerate(result.get("accept_per_pos", []))})
-    mlflow.log_metrics(numbers)
+    mlflow.set_tag("vs_spec_off", against_off(result, baseline_of(result)))
+    if result.get("baseline_run_id"):
+        mlflow.set_tag("baseline_run_id", result["baseline_run_id"])
+    mlflow.log_metrics(job_metrics(result))
+    for step, value in enumerate(result.get("tokens_per_s_runs", [])):
+        mlflow.log_metric("tokens_per_s_pass", value, step=step)
     mlflow.log_dict(result, "bench_result.json")
+
+
+def baseline_of(result: dict) -> dict:
+    """A job's spec=off measurement as the verdict reads it."""
+    return {
+        k.removeprefix("baseline_"): result.get(k) for k in map("baseline_{}".format, BASELINE_KEYS)
+    }
 
 
 # ---------------------------------------------------------------- the app
@@ -435,7 +581,8 @@ def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     folder = Path(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        run_job(cfg, folder, sweep.parent_run_id(Path(hydra_cfg.sweep.dir)))
+        sweep_dir = Path(hydra_cfg.sweep.dir)
+        run_job(cfg, folder, sweep.parent_run_id(sweep_dir), sweep_dir)
         return
     result = run_job(cfg, folder)
     sweep.summarize(cfg, [result], folder)

@@ -136,13 +136,17 @@ def print_summary(cfg: DictConfig, sweep_dir: Path) -> None:
     for path in sorted(sweep_dir.glob("*/bench_result.json")):
         r = json.loads(path.read_text())
         print(
-            f"  {r.get('spec', '?'):>8} {r.get('engine', '?'):>6}: {r.get('status')}, tokens/s {_fmt(r.get('tokens_per_s'))}"
-            f", accept length {_fmt(r.get('accept_length'))}, speedup {_fmt(r.get('speedup'))}"
-            f" (spec=off {_fmt(r.get('baseline_tokens_per_s'))} tok/s)"
+            f"  {r.get('spec', '?'):>8} {r.get('engine', '?'):>6} drafter "
+            f"{Path(str(r.get('drafter'))).parent.name or '-'}: {r.get('status')}, tokens/s "
+            f"{_fmt(r.get('tokens_per_s'))} ({_fmt(r.get('tokens_per_s_min'))}-"
+            f"{_fmt(r.get('tokens_per_s_max'))}), accept length {_fmt(r.get('accept_length'))}, "
+            f"speedup {_fmt(r.get('speedup'))} (spec=off {_fmt(r.get('baseline_tokens_per_s'))} tok/s)"
         )
-    summary = sweep_dir / "summary.md"
-    if summary.exists():
-        print(f"  table: {summary}")
+    for name in ("summary.md", "verdict.txt"):
+        if (sweep_dir / name).exists():
+            print(f"  {name}: {sweep_dir / name}")
+    if (sweep_dir / "verdict.txt").exists():
+        print((sweep_dir / "verdict.txt").read_text().rstrip())
     print(
         f"  MLflow: {cfg.tracking.uri}  (python -m eagle3.ui, or mlflow ui --backend-store-uri {cfg.tracking.uri})"
     )

@@ -25,9 +25,11 @@ import httpx
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3.common import CONF_DIR, Eagle3Error, api_key, app, log
+from eagle3.drafter_io import engine_folder
 from eagle3.lifecycle import spawn
 from eagle3.outputs import resolve_drafter_path
 from eagle3.redact import mask, mask_argv, masked_config
+from eagle3.shipped import shipped_drafter, wanted
 from eagle3.spec import Spec, resolve_spec
 from eagle3.target import resolve_target_path
 
@@ -155,13 +157,16 @@ def local_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
     )
 
 
+def vllm_cli(scfg) -> str:
+    """vLLM's own command-line entry point (`vllm serve`), installed beside serve.python."""
+    return str(Path(engine_python(scfg)).with_name("vllm"))
+
+
 def vllm_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
     v = cfg.serve
     argv = [
-        engine_python(v),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
+        vllm_cli(v),
+        "serve",
         str(target_path),
         "--host",
         v.host,
@@ -549,10 +554,11 @@ def drafter_for(cfg: DictConfig, spec: Spec) -> Path | None:
     if not spec.enabled:
         return None
     # each engine reads custom aux-layer ids in its own convention; local reads either
+    engine = "vllm" if cfg.serve.engine == "vllm" else "sglang"
+    if wanted(cfg):
+        return engine_folder(shipped_drafter(cfg), engine)
     try:
-        return Path(
-            resolve_drafter_path(cfg, engine="vllm" if cfg.serve.engine == "vllm" else "sglang")
-        )
+        return Path(resolve_drafter_path(cfg, engine=engine))
     except Eagle3Error:
         if untrained_fallback(cfg):
             return None

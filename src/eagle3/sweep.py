@@ -1,6 +1,8 @@
 """The bench sweep around Hydra multirun: a parent MLflow run per sweep (a Hydra callback
-registered in conf/hydra), then a summary of the jobs' results: markdown + CSV table, plots of
-tok/s and tau against depth per engine and batch size, the cost model, the best config.
+registered in conf/hydra), then a summary of the jobs' results: markdown + CSV table (medians of
+bench.repeats passes with their ranges), plots of tok/s, speedup and tau against depth per engine
+and batch size, the cost model, and a verdict (eagle3.verdict) that names a winner only when it
+beat spec=off beyond noise.
 
 The callback acts only for `python -m eagle3.bench`; other apps' sweeps pass through.
 """
@@ -33,10 +35,19 @@ COLUMNS = (
     "batch_size",
     "suite",
     "status",
+    "repeats",
     "tokens_per_s",
+    "tokens_per_s_min",
+    "tokens_per_s_max",
     "baseline_tokens_per_s",
+    "baseline_tokens_per_s_min",
+    "baseline_tokens_per_s_max",
     "speedup",
+    "speedup_min",
+    "speedup_max",
+    "vs_spec_off",
     "accept_length",
+    "drafter_hash",
     "ttft_p50_ms",
     "itl_p50_ms",
     "error",
@@ -105,8 +116,14 @@ def _job_number(name: str) -> int:
 def summarize(
     cfg: DictConfig, results: list[dict], out_dir: Path, run_id: str | None = None
 ) -> dict:
-    """Write summary.md / summary.csv / plots / cost_model.md into out_dir, log them to the parent
-    run, print the table and the best config; returns {"best": result | None, "files": [...]}."""
+    """Write summary.md / summary.csv / plots / cost_model.md / verdict.txt into out_dir, log them
+    to the parent run, print the table and the verdict; returns {"best": the winning job, or None
+    when no shape beat spec=off beyond noise, "verdict": [lines], "files": [...]}."""
+    from eagle3.verdict import against_off, baseline_row, verdict_lines, winner
+
+    for r in results:
+        if r.get("status") == "ok":
+            r["vs_spec_off"] = against_off(r, baseline_row([r]))
     rows = [{c: _cell(r.get(c)) for c in COLUMNS} for r in results]
     files = [write_markdown(rows, out_dir / "summary.md"), write_csv(rows, out_dir / "summary.csv")]
     files += write_plots(results, out_dir)
@@ -115,11 +132,17 @@ def summarize(
         write_markdown(
             model_rows,
             out_dir / "cost_model.md",
-            ("engine", "suite", "batch_size", "depth", "predicted_tok_s", "measured_tok_s"),
+            (
+                "engine",
+                "suite",
+                "batch_size",
+                "drafter",
+                "depth",
+                "predicted_tok_s",
+                "measured_tok_s",
+            ),
         )
     )
-    ok = [r for r in results if r.get("status") == "ok"]
-    best = max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
     print((out_dir / "summary.md").read_text())
     if model_rows:
         print(
@@ -127,20 +150,31 @@ def summarize(
             + (out_dir / "cost_model.md").read_text()
         )
     failed = [r for r in results if r.get("status") != "ok"]
-    if best:
-        print(
-            f"best: serve={best['engine']} spec {best['spec']} (depth {best['depth']}, steps {best['steps']}, "
-            f"topk {best['topk']}) batch {best['batch_size']}: {best['tokens_per_s']:.1f} tok/s, "
-            f"speedup {best['speedup']:.2f}x, tau {best['accept_length']:.2f}"
-        )
     if failed:
         print(
             f"{len(failed)} of {len(results)} jobs failed: "
             + "; ".join(f"{r['engine']} {r['spec']}: {r.get('error', '?')[:200]}" for r in failed)
         )
+    verdict, winners = [], []
+    for key, jobs in sorted(groups(results).items()):
+        engine, suite, batch, max_tokens, drafter = key
+        named = f", drafter {drafter}" if drafter else ""
+        verdict.append(f"{engine}, {suite}, batch {batch}, {max_tokens} new tokens{named}:")
+        verdict += verdict_lines(jobs, [m for m in model_rows if _model_key(m) == key])
+        chosen = winner(jobs)[0]
+        if chosen["spec"] != "off":
+            winners.append(chosen)
+    files.append(out_dir / "verdict.txt")
+    files[-1].write_text("\n".join(verdict) + "\n")
+    print("\n".join(verdict))
+    best = max(winners, key=lambda r: r["speedup"]) if winners else None
     if run_id:
-        log_to_parent(cfg, run_id, files, best, len(failed))
-    return {"best": best, "files": files}
+        log_to_parent(cfg, run_id, files, best, len(failed), verdict)
+    return {"best": best, "verdict": verdict, "files": files}
+
+
+def _model_key(row: dict) -> tuple:
+    return (row["engine"], row["suite"], row["batch_size"], row["max_new_tokens"], row["drafter"])
 
 
 def _cell(value):
@@ -172,44 +206,45 @@ def write_csv(rows: list[dict], path: Path) -> Path:
 
 
 def groups(results: list[dict]) -> dict[tuple, list[dict]]:
-    """Successful jobs per (engine, suite, batch size, max tokens)."""
+    """Successful speculative jobs per (engine, suite, batch size, max tokens, drafter); each
+    group's spec=off is the baseline its jobs carry."""
     out: dict[tuple, list[dict]] = {}
     for r in results:
-        if r.get("status") == "ok":
-            out.setdefault(
-                (r["engine"], r["suite"], r["batch_size"], r["max_new_tokens"]), []
-            ).append(r)
+        if r.get("status") == "ok" and r["spec"] != "off":
+            key = (r["engine"], r["suite"], r["batch_size"], r["max_new_tokens"])
+            out.setdefault((*key, r.get("drafter_hash") or ""), []).append(r)
     return out
 
 
 def write_plots(results: list[dict], out_dir: Path) -> list[Path]:
-    """tokens_per_s.png and accept_length.png: one line per (engine, batch size), depth on x;
-    the baseline is depth 1."""
+    """tokens_per_s.png, speedup.png and accept_length.png: one line per (engine, batch size),
+    depth on x (spec=off is depth 1), the median of the repeats with a bar over their range."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from eagle3.verdict import baseline_row
+
     paths = []
     for metric, label in (
-        ("tokens_per_s", "output tok/s"),
+        ("tokens_per_s", "output tok/s (median, min-max bar)"),
+        ("speedup", "speedup over spec=off (median, min-max bar)"),
         ("accept_length", "accept length (tau)"),
     ):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for (engine, suite, batch, _), jobs in sorted(groups(results).items()):
-            points = sorted(
-                {(1, jobs[0]["baseline_tokens_per_s"] if metric == "tokens_per_s" else 1.0)}
-                | {
-                    (r["depth"] if r["spec"] != "off" else 1, r[metric])
-                    for r in jobs
-                    if r["topk"] == 1
-                }
-            )
-            if points:
-                ax.plot(*zip(*points), marker="o", label=f"{engine} bs{batch} ({suite})")
-            trees = [(r["depth"], r[metric]) for r in jobs if r["topk"] > 1]
-            if trees:
-                ax.scatter(*zip(*trees), marker="^", label=f"{engine} bs{batch} trees")
+        for (engine, suite, batch, _, drafter), jobs in sorted(groups(results).items()):
+            rows = [baseline_row(jobs), *jobs]
+            for name, marker, chosen in (
+                ("", "o", [r for r in rows if r["topk"] == 1]),
+                (" trees", "^", [r for r in rows if r["topk"] > 1]),
+            ):
+                chosen = sorted(chosen, key=lambda r: r["depth"])
+                if chosen:
+                    label = f"{engine} bs{batch} {drafter} ({suite}){name}"
+                    _errorbar(ax, chosen, metric, marker, label)
+        if metric == "speedup":
+            ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
         ax.set_xlabel("depth (tokens verified per step)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -223,12 +258,21 @@ def write_plots(results: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
+def _errorbar(ax, rows: list[dict], metric: str, marker: str, label: str) -> None:
+    xs = [r["depth"] for r in rows]
+    ys = [r[metric] for r in rows]
+    low = [y - r.get(f"{metric}_min", y) for r, y in zip(rows, ys)]
+    high = [r.get(f"{metric}_max", y) - y for r, y in zip(rows, ys)]
+    line = "-" if marker == "o" else "none"
+    ax.errorbar(xs, ys, yerr=[low, high], marker=marker, linestyle=line, capsize=3, label=label)
+
+
 def cost_model_rows(results: list[dict], depths: list[int]) -> list[dict]:
     """Per group: fit step cost on (depth, step time) incl. the baseline, per-position acceptance
     from the deepest chain; predicted decode tok/s for the configured and measured depths."""
     rows = []
-    for (engine, suite, batch, _), jobs in sorted(groups(results).items()):
-        chains = [r for r in jobs if r["topk"] == 1 and r["spec"] != "off"]
+    for (engine, suite, batch, max_tokens, drafter), jobs in sorted(groups(results).items()):
+        chains = [r for r in jobs if r["topk"] == 1]
         with_pos = [r for r in chains if r.get("accept_per_pos")]
         if not with_pos:
             continue
@@ -245,6 +289,8 @@ def cost_model_rows(results: list[dict], depths: list[int]) -> list[dict]:
                     "engine": engine,
                     "suite": suite,
                     "batch_size": batch,
+                    "max_new_tokens": max_tokens,
+                    "drafter": drafter,
                     "depth": depth,
                     "predicted_tok_s": round(tok_s, 2),
                     "measured_tok_s": round(measured[depth], 2) if depth in measured else "",
@@ -254,14 +300,24 @@ def cost_model_rows(results: list[dict], depths: list[int]) -> list[dict]:
 
 
 def log_to_parent(
-    cfg: DictConfig, run_id: str, files: list[Path], best: dict | None, failed: int
+    cfg: DictConfig,
+    run_id: str,
+    files: list[Path],
+    best: dict | None,
+    failed: int,
+    verdict: list[str],
 ) -> None:
     client = tracking.client(cfg)
     for path in files:
         client.log_artifact(run_id, str(path))
     client.set_tag(run_id, "failed_jobs", str(failed))
+    client.set_tag(run_id, "verdict", "\n".join(verdict)[:5000])
+    client.set_tag(
+        run_id,
+        "winner",
+        f"{best['engine']} {best['spec']} bs{best['batch_size']}" if best else "spec=off",
+    )
     if best:
-        client.set_tag(run_id, "best", f"{best['engine']} {best['spec']} bs{best['batch_size']}")
-        client.log_metric(run_id, "best_tokens_per_s", best["tokens_per_s"])
-        client.log_metric(run_id, "best_speedup", best["speedup"])
+        client.log_metric(run_id, "winner_tokens_per_s", best["tokens_per_s"])
+        client.log_metric(run_id, "winner_speedup", best["speedup"])
     client.set_terminated(run_id, "FINISHED")

@@ -17,6 +17,7 @@ from eagle3.artifacts import git_commit
 from eagle3.lifecycle import Stopped, process_alive, process_identity
 from eagle3.redact import masked_config
 
+KIND_TAG = "mlflow.experimentKind"  # read by the MLflow 3 UI to pick the experiment's view
 MAX_PARAM_CHARS = 500  # MLflow rejects longer param values; the full YAML is an artifact
 
 
@@ -59,8 +60,17 @@ def _setup(cfg: DictConfig) -> str:
             Path(location).resolve().as_uri() if location and not uri.startswith("http") else None
         )
         experiment_id = mlflow.create_experiment(name, artifact_location=location)
+    set_experiment_kind(experiment_id, cfg.tracking.get("experiment_kind"), experiment)
     mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
+
+
+def set_experiment_kind(experiment_id: str, kind: str | None, experiment=None) -> None:
+    """Tag the experiment with the kind the MLflow UI opens it as (once; a user's choice stays)."""
+    import mlflow
+
+    if kind and not (experiment and KIND_TAG in experiment.tags):
+        mlflow.MlflowClient().set_experiment_tag(experiment_id, KIND_TAG, kind)
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -113,16 +113,100 @@ def screenshot(page_url: str, out: Path, size: str = "1600,1000", budget_ms: int
     return out
 
 
+SCROLL_TO_TOP = (
+    "document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; });"
+    " window.scrollTo(0, 0)"
+)
+COMPARED_METRICS = ("tokens_per_s", "accept_length", "speedup")  # tok/s, tau, speedup
+
+
+def select_by_typing(label: str) -> str:
+    """JS: the search box of the multi-select that follows the text `label` (e.g. 'Metrics:')."""
+    return (
+        "[...document.querySelectorAll('div')].find(d => d.textContent === "
+        f"{label!r} && d.nextElementSibling)?.nextElementSibling"
+        ".querySelector('.du-bois-light-select-selector')"
+    )
+
+
+def comparison_screenshot(
+    url: str,
+    experiment_id: str,
+    run_ids: list[str],
+    out: Path,
+    param: str = "job.spec",
+    metrics: tuple[str, ...] = COMPARED_METRICS,
+    size: str = "1600,1000",
+) -> Path:
+    """The runs comparison as a user sets it up: the model-training view, the assistant panel
+    closed, a parallel-coordinates plot of `param` against `metrics`; a PNG of the page."""
+    import asyncio
+
+    from eagle3.uidriver import drive
+
+    page_url = compare_url(url, experiment_id, run_ids)
+
+    async def script(page) -> None:
+        await page.call("Page.navigate", url=page_url)
+        await page.wait_for("document.body.innerText.includes('Clear All')")
+        close = (
+            "document.querySelector('[data-component-id=\"mlflow.assistant.chat_panel.close\"]')"
+        )
+        if await page.evaluate(f"!!{close}"):
+            await page.click(close)
+        training = "[...document.querySelectorAll('[role=button]')].find(b => b.textContent === 'Model training')"
+        if await page.evaluate(f"!!{training}"):
+            await page.click(training)
+            await page.wait_for("document.body.innerText.includes('Clear All')")
+        await page.click("document.querySelector('[data-testid=clear-button]')")
+        await page.click(select_by_typing("Parameters:"))
+        await page.type(param)
+        await page.click(select_by_typing("Metrics:"))
+        for metric in metrics:
+            await page.type(metric)
+        await page.call("Input.dispatchKeyEvent", type="keyDown", key="Escape", code="Escape")
+        await page.wait_for("document.querySelector('.parcoords') !== null", timeout_s=120)
+        await page.evaluate(SCROLL_TO_TOP)
+        await asyncio.sleep(2)
+        await page.screenshot(out)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    drive(script, size)
+    return out
+
+
+def newest_sweep(url: str, experiment_id: str) -> list[str]:
+    """The child run ids of the newest bench sweep in the experiment."""
+    runs = search_runs(url, [experiment_id])
+    tags = {
+        r["info"]["run_id"]: {t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs
+    }
+    parents = sorted(
+        (r for r in runs if tags[r["info"]["run_id"]].get("stage") == "bench-sweep"),
+        key=lambda r: int(r["info"]["start_time"]),
+    )
+    if not parents:
+        raise Eagle3Error(
+            f"no bench sweep in experiment {experiment_id}: run `python -m eagle3.bench -m ...`"
+        )
+    parent = parents[-1]["info"]["run_id"]
+    return [run for run, tag in tags.items() if tag.get("mlflow.parentRunId") == parent]
+
+
 @app
 def main(cfg: DictConfig) -> None:
-    """Serve the configured MLflow store in the foreground until Ctrl-C."""
-    tracking.setup(cfg)
-    cmd = server_command(
-        cfg.tracking.uri,
-        str(Path(cfg.tracking.artifact_location).resolve().as_uri()),
-        cfg.tracking.ui_host,
-        cfg.tracking.ui_port,
-    )
+    """Serve the configured MLflow store in the foreground until Ctrl-C; with
+    tracking.ui_screenshot=<png>, screenshot the newest sweep's comparison instead and exit."""
+
+    experiment_id = tracking.setup(cfg)
+    artifacts = str(Path(cfg.tracking.artifact_location).resolve().as_uri())
+    if cfg.tracking.get("ui_screenshot"):
+        out = Path(cfg.tracking.ui_screenshot).resolve()
+        with mlflow_server(cfg.tracking.uri, artifacts, out.with_suffix(".log")) as url:
+            comparison_screenshot(url, experiment_id, newest_sweep(url, experiment_id), out)
+        print(f"screenshot: {out}")
+        return
+    cmd = server_command(cfg.tracking.uri, artifacts, cfg.tracking.ui_host, cfg.tracking.ui_port)
     print(f"MLflow UI on http://{cfg.tracking.ui_host}:{cfg.tracking.ui_port} (Ctrl-C stops it)")
     run_child(cmd, cfg.serve.stop_timeout_s, cfg.serve.watchdog_poll_s)
 

@@ -1,0 +1,199 @@
+"""Repeated measurements and what a sweep may say about them.
+
+A job runs its prompt suite `bench.repeats` times on one warm engine. Its tok/s is the median of
+those passes, its spread the min-max range. Speedup is median over median; its range divides the
+job's extremes by the baseline's opposite extremes. Two measurements whose ranges overlap are a
+tie, and a tie goes to the cheaper shape (fewer tokens verified per step; spec=off verifies one).
+
+The verdict of a group of jobs (same engine, suite, batch size, max tokens, baseline) names the
+winner only when it beat spec=off beyond noise, and always states the fastest shape's ratio and the
+cost model's predicted best shape with its predicted ratio.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+SPREAD_KEYS = ("tokens_per_s", "decode_tokens_per_s")  # metrics reported with a min-max range
+OFF_LABEL = "spec=off"
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The median of repeated measurements and their min-max range."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Spread:
+        return cls(statistics.median(values), min(values), max(values))
+
+    @classmethod
+    def from_result(cls, result: dict, key: str) -> Spread:
+        value = result[key]
+        return cls(value, result.get(f"{key}_min", value), result.get(f"{key}_max", value))
+
+    def overlaps(self, other: Spread) -> bool:
+        return self.low <= other.high and other.low <= self.high
+
+    def over(self, base: Spread) -> Spread:
+        """This / base: the ratio of medians, the range from the extremes."""
+        return Spread(self.median / base.median, self.low / base.high, self.high / base.low)
+
+
+# ---------------------------------------------------------------- one job's repeats
+
+
+def combine_repeats(passes: list[dict]) -> dict:
+    """One job's metrics from its passes: every number is the median over passes, tok/s also gets
+    `_min`, `_max` and the per-pass values; lists (per-position acceptance) come from the pass with
+    the median tok/s."""
+    ranked = sorted(passes, key=lambda p: p["tokens_per_s"])
+    middle = ranked[(len(ranked) - 1) // 2]
+    combined = dict(middle)
+    for key, value in middle.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            combined[key] = statistics.median(p[key] for p in passes if key in p)
+    for key in SPREAD_KEYS:
+        values = [p[key] for p in passes if key in p]
+        if values:
+            combined.update({f"{key}_min": min(values), f"{key}_max": max(values)})
+            combined[f"{key}_runs"] = values
+    combined["repeats"] = len(passes)
+    return combined
+
+
+def speedup_fields(metrics: dict, base: dict) -> dict:
+    """speedup (median / median) and its range against the baseline's spread."""
+    ratio = Spread.from_result(metrics, "tokens_per_s").over(
+        Spread.from_result(base, "tokens_per_s")
+    )
+    return {"speedup": ratio.median, "speedup_min": ratio.low, "speedup_max": ratio.high}
+
+
+# ---------------------------------------------------------------- comparing jobs
+
+
+def cost(result: dict) -> tuple:
+    """What a shape spends per step: tokens verified, then draft forwards."""
+    if result["spec"] == "off":
+        return (1, 0)
+    return (result["depth"], result.get("steps") or 0)
+
+
+def baseline_row(jobs: list[dict]) -> dict:
+    """The group's spec=off measurement as a row like a job's."""
+    first = jobs[0]
+    return {
+        "spec": "off",
+        "depth": 1,
+        "steps": 0,
+        "topk": 1,
+        "tokens_per_s": first["baseline_tokens_per_s"],
+        "tokens_per_s_min": first.get("baseline_tokens_per_s_min", first["baseline_tokens_per_s"]),
+        "tokens_per_s_max": first.get("baseline_tokens_per_s_max", first["baseline_tokens_per_s"]),
+        "speedup": 1.0,
+        "speedup_min": 1.0,
+        "speedup_max": 1.0,
+        "accept_length": 1.0,
+    }
+
+
+def against_off(result: dict, base: dict) -> str:
+    """faster | slower | tie: this job's tok/s range against spec=off's."""
+    mine, off = Spread.from_result(result, "tokens_per_s"), Spread.from_result(base, "tokens_per_s")
+    if mine.overlaps(off):
+        return "tie"
+    return "faster" if mine.low > off.high else "slower"
+
+
+def winner(jobs: list[dict]) -> tuple[dict, dict, list[dict]]:
+    """(winner, fastest, tied): the fastest shape by median tok/s and every row (spec=off
+    included) whose range overlaps it. The winner is spec=off unless the fastest beat it beyond
+    noise; then the cheapest of the tied shapes."""
+    base = baseline_row(jobs)
+    shapes = [j for j in jobs if j["spec"] != "off"] or [base]
+    fastest = max(shapes, key=lambda r: r["tokens_per_s"])
+    top = Spread.from_result(fastest, "tokens_per_s")
+    tied = [r for r in [base, *shapes] if Spread.from_result(r, "tokens_per_s").overlaps(top)]
+    if against_off(fastest, base) != "faster":
+        return base, fastest, tied
+    return min(tied, key=cost), fastest, tied
+
+
+def describe(result: dict) -> str:
+    tok = Spread.from_result(result, "tokens_per_s")
+    name = OFF_LABEL if result["spec"] == "off" else result["spec"]
+    text = f"{name}: {tok.median:.1f} tok/s ({tok.low:.1f}-{tok.high:.1f})"
+    if result["spec"] == "off":
+        return text
+    return f"{text} = {ratio_text(result, ' spec=off')}, tau {result['accept_length']:.2f}"
+
+
+def ratio_text(result: dict, of: str = "") -> str:
+    """'0.65x spec=off (0.60-0.70x)': the speedup's median and its range."""
+    ratio = Spread.from_result(result, "speedup")
+    return f"{ratio.median:.2f}x{of} ({ratio.low:.2f}-{ratio.high:.2f}x)"
+
+
+def predicted_best(model_rows: list[dict], baseline_step_s: float) -> tuple[int, float] | None:
+    """(depth, predicted ratio to spec=off) of the cost model's fastest chain for one group."""
+    if not model_rows:
+        return None
+    best = max(model_rows, key=lambda r: r["predicted_tok_s"])
+    return best["depth"], best["predicted_tok_s"] * baseline_step_s
+
+
+def verdict_lines(jobs: list[dict], model_rows: list[dict]) -> list[str]:
+    """What one group's sweep showed, in plain words; every ratio is against spec=off measured as
+    the jobs' baseline (reused from an earlier sweep only when asked, and then said so)."""
+    base = baseline_row(jobs)
+    lines = [f"  {describe(base)}{reuse_note(jobs[0])}"]
+    shapes = [r for r in jobs if r["spec"] != "off"]
+    lines += [f"  {describe(r)}: {verdict_word(against_off(r, base))}" for r in shapes]
+    chosen, fastest, tied = winner(jobs)
+    if chosen["spec"] == "off":
+        how = "all slower" if against_off(fastest, base) == "slower" else "within noise"
+        lines.append(
+            f"no shape beat spec=off on this machine ({how}): the fastest, {fastest['spec']}, "
+            f"ran at {ratio_text(fastest)} of spec=off"
+        )
+    else:
+        lines.append(f"winner: {chosen['spec']} at {ratio_text(chosen, ' spec=off')}")
+        if chosen is not fastest:
+            others = ", ".join(r["spec"] for r in tied if r is not chosen)
+            lines[-1] += (
+                f"; it ties with {others} (overlapping tok/s ranges) and verifies fewer tokens"
+            )
+    predicted = predicted_best(model_rows, jobs[0].get("baseline_step_s") or 0.0)
+    if predicted:
+        depth, ratio_hat = predicted
+        lines.append(
+            f"cost model: depth {depth} predicted fastest here at {ratio_hat:.2f}x spec=off "
+            f"(try spec.depth={depth})"
+            if ratio_hat > 1
+            else f"cost model: no chain predicted to beat spec=off here (the best, depth {depth}, "
+            f"at {ratio_hat:.2f}x)"
+        )
+    return lines
+
+
+def verdict_word(relation: str) -> str:
+    return {
+        "faster": "faster than spec=off",
+        "slower": "slower than spec=off",
+        "tie": "a tie with spec=off (ranges overlap)",
+    }[relation]
+
+
+def reuse_note(job: dict) -> str:
+    if not job.get("baseline_reused"):
+        return ", measured in this sweep"
+    age_min = (job.get("baseline_age_s") or 0.0) / 60
+    return (
+        f", REUSED from run {job.get('baseline_run_id')} measured {age_min:.0f} min ago "
+        "(bench.reuse_baseline=true)"
+    )
