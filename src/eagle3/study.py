@@ -31,7 +31,10 @@ from eagle3.spec import resolve_spec
 from eagle3.suites import load_suite
 from eagle3.target import load_target
 
-FIT_AXES = (("train_tokens", "training tokens"), ("train_flops", "training FLOPs"))
+FIT_AXES = (
+    ("train_tokens", "training tokens, every epoch counted"),
+    ("train_flops", "training FLOPs"),
+)
 
 
 # ---------------------------------------------------------------- sizes and their configs
