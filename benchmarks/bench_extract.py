@@ -4,6 +4,7 @@
     python benchmarks/bench_extract.py extract --target smollm2-shape   # random weights, SmolLM2's shape:
                                                                         # same speed, no weights to ship
     python benchmarks/bench_extract.py data --limit 2000                # ShareGPT -> tokenized dataset, CPU
+    python benchmarks/bench_extract.py backends --batch 8x256 --shards 4  # extract.backend hf vs vllm
 
 `extract` times (a) `model.model(ids)` over every batch (the bare forward, no lm_head) and (b) the
 real extraction path (`eagle3.extract.extract_shards`: capture, gather, host copy, safetensors write,
@@ -161,6 +162,68 @@ def bench_extract(args) -> dict:
     }
 
 
+def bench_backends(args) -> dict:
+    """The hf and vllm extract backends over the same shards of random tokens (SmolLM2 float32 on
+    the CPU by default): each writes real verified shards; vLLM's start-up is timed apart."""
+    from eagle3.common import compose
+    from eagle3.extract_vllm import VllmCapture, target_shape
+    from eagle3.target import load_target, resolve_target_path
+
+    rows, length = map(int, args.batch.split("x"))
+    cfg = compose(
+        [
+            f"target={args.target}",
+            "target.dtype=float32",
+            "extract.backend=vllm",
+            f"data.max_length={length}",
+            f"extract.concurrency={args.concurrency}",
+            f"extract.engine.max_num_seqs={args.concurrency}",
+            f"extract.batch_tokens={rows * length}",
+        ]
+    )
+    target = load_target(cfg)
+    plans = synthetic_plans(rows, length, args.shards + 1, target.vocab_size)
+    warm, plans = plans[:1], plans[1:]
+    tokens = args.shards * rows * length
+    dtype = torch.bfloat16
+    with tempfile.TemporaryDirectory(dir=".") as root:
+        (Path(root) / "train").mkdir()
+        extract.extract_shard(target, warm[0], rows * length, dtype)
+        started = time.perf_counter()
+        extract.extract_shards(target, plans, Path(root), rows * length, dtype, True, writers=2)
+        hf_s = time.perf_counter() - started
+        del target
+        shape = target_shape(cfg.target, resolve_target_path(cfg.target, Path(cfg.paths.artifacts)))
+        started = time.perf_counter()
+        with VllmCapture(cfg, shape, Path(root) / "engine") as capture:
+            startup_s = time.perf_counter() - started
+            capture.shard(warm[0], dtype)
+            started = time.perf_counter()
+            extract.extract_shards(
+                capture,
+                plans,
+                Path(root),
+                rows * length,
+                dtype,
+                True,
+                writers=2,
+                compute=lambda plan: capture.shard(plan, dtype),
+            )
+            vllm_s = time.perf_counter() - started
+    return {
+        "bench": "backends",
+        "target": args.target,
+        "batch": args.batch,
+        "shards": args.shards,
+        "tokens": tokens,
+        "hf_tok_s": round(tokens / hf_s, 1),
+        "vllm_tok_s": round(tokens / vllm_s, 1),
+        "vllm_over_hf": round(hf_s / vllm_s, 3),
+        "vllm_startup_s": round(startup_s, 1),
+        "vllm_concurrency": args.concurrency,
+    }
+
+
 def bench_data(args) -> dict:
     from eagle3 import data
     from eagle3.common import compose
@@ -214,6 +277,11 @@ def main() -> None:
     ext.add_argument(
         "--writers", type=int, default=2, help="shard-writing threads (extract.writers)"
     )
+    back = sub.add_parser("backends")
+    back.add_argument("--target", default="smollm2-135m")
+    back.add_argument("--batch", default="8x256", help="ROWSxLENGTH per shard")
+    back.add_argument("--shards", type=int, default=4, help="timed shards (after one warm-up)")
+    back.add_argument("--concurrency", type=int, default=8, help="vLLM requests in flight")
     dat = sub.add_parser("data")
     dat.add_argument("--target", default="tiny-llama")
     dat.add_argument(
@@ -223,7 +291,8 @@ def main() -> None:
         "--targets-from", default=None, help="an artifacts/targets folder with converted targets"
     )
     args = parser.parse_args()
-    print(json.dumps(bench_extract(args) if args.bench == "extract" else bench_data(args)))
+    run = {"extract": bench_extract, "backends": bench_backends, "data": bench_data}[args.bench]
+    print(json.dumps(run(args)))
 
 
 if __name__ == "__main__":

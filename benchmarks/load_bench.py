@@ -183,7 +183,9 @@ def main() -> None:
         rows.append({**common, **row})
         keys = ("tok_per_s", "tok_per_s_per_request", "tau", "step_ms", "mean_batch")
         shown = "  ".join(f"{k} {row[k]:.2f}" for k in keys if row.get(k) is not None)
-        print(f"{row['suite']:>10} {row['method']:>12} bs{row['batch_size']:<3} {shown}", flush=True)
+        print(
+            f"{row['suite']:>10} {row['method']:>12} bs{row['batch_size']:<3} {shown}", flush=True
+        )
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 
     def late() -> bool:
@@ -252,7 +254,9 @@ def add_speedups(rows: list[dict]) -> None:
     """speedup: tok/s over spec=off's on the same path, suite and batch size (HF rows: over the
     batched engine's spec=off)."""
     off = {
-        (r["path"], r["suite"], r["batch_size"]): r["tok_per_s"] for r in rows if r["method"] == "off"
+        (r["path"], r["suite"], r["batch_size"]): r["tok_per_s"]
+        for r in rows
+        if r["method"] == "off"
     }
     for r in rows:
         path = "batched" if r["path"] == "generate" else r["path"]

@@ -30,12 +30,29 @@ def test_kimi_dry_run_prints_a_valid_plan(test_root):
         in out
     )
     assert "serve the target first" in out  # regeneration through the SGLang endpoint
+    # hidden states from a vLLM server over 8 GPUs capturing the aux ids [2, 30, 58] and L = 61
+    assert "-m vllm.entrypoints.openai.api_server --model moonshotai/Kimi-K2.5" in out
+    assert "--tensor-parallel-size 8" in out and '"method": "extract_hidden_states"' in out
+    assert '"eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]' in out
+    # 4 x 7168 x 2 B + 5 B per token, over at most 100,000 x 4096 tokens
+    assert "57.3 kB per token; at most 409,600,000 tokens" in out and "23.490 TB" in out
     assert out.rstrip().endswith(
         "plan valid: every bench job's spec and engine command passed validation"
     )
     assert not (test_root / "multirun").exists() or not any(
         (test_root / "multirun").glob("pipeline-*/0")
     )
+
+
+def test_dry_run_refuses_a_2_tb_target_in_one_process_naming_the_setting(test_root):
+    proc = run_pipeline(
+        test_root, "experiment=kimi-k2.5", "pipeline.dry_run=true", "extract.backend=hf"
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert (
+        "extract.backend=hf captures hidden states with the HF target in one process" in proc.stderr
+    )
+    assert "2,000 GB of weights" in proc.stderr and "pipeline.process_memory_gb=120" in proc.stderr
 
 
 def test_dry_run_rejects_an_impossible_spec_naming_the_rule(test_root):

@@ -10,9 +10,11 @@ is written to a temporary name, verified, then renamed: a rerun skips shards alr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +30,15 @@ from tqdm import tqdm
 from eagle3 import data
 from eagle3.artifacts import StageOutput
 from eagle3.common import Eagle3Error, app, log
+from eagle3.extract_vllm import VllmCapture, target_shape
 from eagle3.outputs import extract_output
-from eagle3.target import load_target
+from eagle3.target import load_target, resolve_target_path
+from eagle3.tokens import load_tokenizer
 from eagle3.tracking import stage_run
 
 FORMAT = "eagle3-hidden-shard-v1"
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+BACKENDS = ("hf", "vllm")
 
 
 # ---------------------------------------------------------------- capture (shared with online training)
@@ -172,14 +177,21 @@ def extract_shards(
     verify: bool,
     progress: tqdm | None = None,
     writers: int = 1,
+    compute=None,
 ) -> int:
     """Compute and write `plans`: shards compute while up to `writers` earlier ones are saved
-    (disk is the bottleneck on a fast GPU). Returns bytes written."""
+    (disk is the bottleneck on a fast GPU). `compute(plan)` gives a shard's tensors (default: the
+    HF capture of `target`; the vllm backend passes its server's). Returns bytes written."""
+    if compute is None:
+
+        def compute(plan):
+            return extract_shard(target, plan, batch_tokens, dtype, progress)
+
     written = 0
     with ThreadPoolExecutor(max_workers=writers) as pool:
         pending: list[Future] = []
         for plan in plans:
-            tensors = extract_shard(target, plan, batch_tokens, dtype, progress)
+            tensors = compute(plan)
             if len(pending) >= writers:  # bound host memory: at most `writers` shards in flight
                 written += pending.pop(0).result()
             pending.append(
@@ -344,6 +356,7 @@ def check_disk(
 
 def run(cfg: DictConfig) -> StageOutput:
     """Extract every configured split (a no-op when complete; resumes at shard granularity)."""
+    check_backend(cfg)
     data_out = data.run(cfg)
     out = extract_output(cfg)
     if out.complete:
@@ -351,15 +364,15 @@ def run(cfg: DictConfig) -> StageOutput:
         return out
     with stage_run(cfg, "extract", artifact_hash=out.hash) as mlflow_run:
         out.start()
-        target = load_target(cfg)
-        check_tokenizer(target, data_out)
         splits = data.load_splits(data_out.path)
         plans = [
             p
             for name in cfg.extract.splits
             for p in plan_shards(name, splits[name][:], cfg.extract.shard_tokens)
         ]
-        stats = extract_all(cfg, target, plans, out.path)
+        with capture_source(cfg, out.path, plans) as target:
+            check_tokenizer(target.tokenizer, data_out)
+            stats = extract_all(cfg, target, plans, out.path)
         write_index(out.path, cfg, target, plans)
         if mlflow_run is not None:
             import mlflow
@@ -369,9 +382,34 @@ def run(cfg: DictConfig) -> StageOutput:
     return out
 
 
-def check_tokenizer(target, data_out: StageOutput) -> None:
+def check_backend(cfg: DictConfig) -> None:
+    if cfg.extract.backend not in BACKENDS:
+        raise Eagle3Error(
+            f"extract.backend={cfg.extract.backend}: use one of {', '.join(BACKENDS)} "
+            "(hf = the target in this process, vllm = a vLLM server the stage starts)"
+        )
+
+
+@contextlib.contextmanager
+def capture_source(cfg: DictConfig, root: Path, plans: list[ShardPlan]) -> Iterator[Any]:
+    """The HF target loaded here, or (extract.backend=vllm) a started vLLM capture server, stopped
+    on exit; both give hidden_size, aux_layer_ids, tokenizer and device."""
+    if cfg.extract.backend == "hf":
+        yield load_target(cfg)
+        return
+    path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
+    capture = VllmCapture(cfg, target_shape(cfg.target, path), root / "engine")
+    capture.tokenizer = load_tokenizer(cfg)[0]
+    if all(shard_in_place(root, p, capture.hidden_size) for p in plans):  # no server needed
+        yield capture
+        return
+    with capture:
+        yield capture
+
+
+def check_tokenizer(tokenizer, data_out: StageOutput) -> None:
     expected = data_out.manifest().get("counts", {}).get("tokenizer_hash")
-    if expected and expected != data.tokenizer_hash(target.tokenizer):
+    if expected and expected != data.tokenizer_hash(tokenizer):
         raise Eagle3Error(
             f"the target's tokenizer differs from the one that tokenized {data_out.path}"
         )
@@ -397,8 +435,14 @@ def extract_all(cfg: DictConfig, target, plans: list[ShardPlan], root: Path) -> 
     )
     started = time.time()
     progress = tqdm(total=sum(p.tokens for p in todo), desc="extract", unit=" tok", unit_scale=True)
+    compute = None
+    if ecfg.backend == "vllm":
+
+        def compute(plan):
+            return target.shard(plan, dtype, progress)
+
     written = extract_shards(
-        target, todo, root, ecfg.batch_tokens, dtype, ecfg.verify, progress, ecfg.writers
+        target, todo, root, ecfg.batch_tokens, dtype, ecfg.verify, progress, ecfg.writers, compute
     )
     progress.close()
     seconds = time.time() - started

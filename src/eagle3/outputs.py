@@ -57,16 +57,29 @@ def answer_sections(cfg: DictConfig) -> dict:
 
 
 # How fast extraction runs, not what it writes: outside the hash.
-EXECUTION_ONLY = ("batch_tokens", "verify", "disk_margin", "writers")
+EXECUTION_ONLY = (
+    "batch_tokens",
+    "verify",
+    "disk_margin",
+    "writers",
+    "concurrency",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "engine",
+)
 
 
 def extract_output(cfg: DictConfig) -> StageOutput:
     """The extract stage's folder for this config (located, not run)."""
     section = {k: v for k, v in to_plain(cfg.extract).items() if k not in EXECUTION_ONLY}
+    if section.get("backend") == "hf":  # the hash of an HF extraction predates the backends
+        del section["backend"]
     # the precision the target runs in changes the states (target_key leaves it out)
-    compute = str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))).removeprefix(
-        "torch."
-    )
+    if cfg.extract.backend == "vllm":
+        compute = str(cfg.extract.engine.dtype)
+    else:
+        compute = str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device)))
+    compute = compute.removeprefix("torch.")
     return stage_output(
         cfg.paths.artifacts,
         "extract",

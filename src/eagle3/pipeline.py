@@ -21,10 +21,13 @@ from omegaconf import DictConfig
 from eagle3 import data, export, extract, train
 from eagle3.artifacts import StageOutput
 from eagle3.common import Eagle3Error, app, compose, unique_suffix
+from eagle3.extract_vllm import capture_launch, target_shape
 from eagle3.lifecycle import run_child
 from eagle3.outputs import STAGE_OUTPUTS
+from eagle3.plan import check_process_fit, disk_lines
 from eagle3.serve import compose_launch
 from eagle3.spec import resolve_spec
+from eagle3.target import resolve_target_path
 
 STAGE_RUNS = {"data": data.run, "extract": extract.run, "train": train.run, "export": export.run}
 
@@ -74,6 +77,11 @@ def bench_command(cfg: DictConfig, sweep_dir: Path) -> list[str]:
 def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
     """Every stage's command, output folder and status; every bench job's engine command, validated."""
     overrides = " ".join(user_overrides())
+    weights = check_process_fit(cfg)
+    size = "unknown size" if weights is None else f"{weights:,.1f} GB of weights"
+    print(
+        f"target {cfg.target.name} ({size}; one process holds {cfg.pipeline.process_memory_gb} GB)"
+    )
     for index, stage in enumerate(planned_stages(cfg), 1):
         if stage == "bench":
             print(f"[{index}] bench: {' '.join(bench_command(cfg, sweep_dir))}")
@@ -83,6 +91,10 @@ def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
         print(
             f"[{index}] {stage}: python -m eagle3.{stage} {overrides}\n      -> {out.path} ({status})"
         )
+        if stage == "extract":
+            print("\n".join(disk_lines(cfg)))
+            if cfg.extract.backend == "vllm":
+                print(f"    extract starts: {' '.join(capture_command(cfg, out.path))}")
     target = cfg.target.path or cfg.target.name
     if cfg.data.regenerate and cfg.data.regen.backend == "openai":
         launch = compose_launch(
@@ -109,6 +121,14 @@ def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
             f"    bench job {' '.join(job)} ({spec.label}, {job_cfg.serve.engine}): {' '.join(launch.argv)}"
         )
     print("plan valid: every bench job's spec and engine command passed validation")
+
+
+def capture_command(cfg: DictConfig, extract_dir: Path) -> list[str]:
+    """The vLLM capture server's command as the extract stage will start it (the plan's port)."""
+    path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
+    shape = target_shape(cfg.target, path)
+    launch = capture_launch(cfg, shape, extract_dir / "engine" / "states", cfg.pipeline.plan_port)
+    return [f"{k}={v}" for k, v in launch.env.items()] + launch.argv
 
 
 def run_stage(cfg: DictConfig, stage: str) -> str:
@@ -163,6 +183,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.pipeline.dry_run:
         print_plan(cfg, sweep_dir)
         return
+    check_process_fit(cfg)
     stages = planned_stages(cfg)
     for index, stage in enumerate(stages, 1):
         started = time.monotonic()

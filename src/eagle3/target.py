@@ -114,11 +114,11 @@ def capture_hidden_states(model, input_ids, layer_ids, attention_mask=None):
 
 def target_key(tcfg: DictConfig) -> dict:
     """The target fields that decide its weights and tokenizer (what artifact hashes depend on):
-    everything but where and in which precision it runs."""
+    everything but where and in which precision it runs, and the size hints used for planning."""
     return {
         k: v
         for k, v in OmegaConf.to_container(tcfg, resolve=True).items()
-        if k not in ("device", "dtype")
+        if k not in ("device", "dtype", "plan")
     }
 
 
