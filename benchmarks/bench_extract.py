@@ -26,7 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from eagle3 import extract  # noqa: E402
-from eagle3.target import Target  # noqa: E402
+from eagle3.common import compose  # noqa: E402
+from eagle3.extract_vllm import VllmCapture, target_shape  # noqa: E402
+from eagle3.target import Target, load_target, resolve_target_path  # noqa: E402
 
 SMOLLM2_SHAPE = dict(
     vocab_size=49152,
@@ -56,8 +58,6 @@ def load_bench_target(name: str, device: str, dtype: str) -> Target:
             Path("random"),
             [2, layers // 2, layers - 3],
         )
-    from eagle3.common import compose
-    from eagle3.target import load_target
 
     return load_target(
         compose([f"target={name}", f"target.dtype={dtype}", f"target.device={device}"])
@@ -165,10 +165,6 @@ def bench_extract(args) -> dict:
 def bench_backends(args) -> dict:
     """The hf and vllm extract backends over the same shards of random tokens (SmolLM2 float32 on
     the CPU by default): each writes real verified shards; vLLM's start-up is timed apart."""
-    from eagle3.common import compose
-    from eagle3.extract_vllm import VllmCapture, target_shape
-    from eagle3.target import load_target, resolve_target_path
-
     rows, length = map(int, args.batch.split("x"))
     cfg = compose(
         [
