@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle3.common import Eagle3Error
-from eagle3.serve import EngineProcess, free_port, vllm_launch
+from eagle3.serve import EngineProcess, compose_launch
 from eagle3.spec import OFF
 from eagle3.target import default_aux_layer_ids
 
@@ -134,7 +134,7 @@ def capture_launch(cfg: DictConfig, shape: TargetShape, states_dir: Path, port: 
     """The vLLM command (serve.Launch) that captures `shape.capture_ids` into `states_dir`."""
     ecfg = cfg.extract
     engine = engine_config(cfg, int(cfg.data.max_length) + 1)  # the prompt + the one token sampled
-    launch = vllm_launch(engine, OFF, None, shape.path, port or free_port(engine.serve.host))
+    launch = compose_launch(engine, OFF, None, shape.path, port)
     speculative = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
@@ -232,7 +232,9 @@ class VllmCapture:
     async def _capture_rows(self, plan, progress) -> list[torch.Tensor]:
         gate = asyncio.Semaphore(int(self.cfg.extract.concurrency))
         timeout = httpx.Timeout(float(self.cfg.extract.engine.request_timeout_s))
-        async with httpx.AsyncClient(base_url=self.engine.base_url, timeout=timeout) as client:
+        async with httpx.AsyncClient(
+            base_url=self.engine.base_url, timeout=timeout, headers=self.launch.headers
+        ) as client:
 
             async def one(row: int, ids: list[int]) -> torch.Tensor:
                 async with gate:
