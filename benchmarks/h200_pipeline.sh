@@ -22,7 +22,7 @@
 #                 off, then on)
 #   step load   : after the SmolLM2 wheel's parts are in /tmp/carry (any layout: .carry/*/whl.part.* and
 #                 wheels in .whl/ or .carry/*/whl/): benchmarks/load_bench.py, continuous batching at
-#                 BATCHES (default 1,4,16,64) for SPECS (default off,d8,d32s4k8) with the shipped drafter,
+#                 BATCHES (default 64,16,4,1) for SPECS (default off,d8,d32s4k8) with the shipped drafter,
 #                 HF generate at HF_BATCHES and the fused batch-1 decoder, on the carried suites; stops
 #                 taking new rows LOAD_DEADLINE s after it starts (default 330)
 #   step study  : python -m eagle3.study with EXPERIMENT's recipe (EXTRA: study.sizes=...), engine tau on the
@@ -171,7 +171,7 @@ resolve_target_path(cfg.target, Path(cfg.paths.artifacts))"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" || true
     timed load python3 benchmarks/load_bench.py --target "$root/artifacts/targets/smollm2-135m" \
       --drafter "${DRAFTER:-$shipped/sglang}" --suites "$suites" --specs "${SPECS:-off,d8,d32s4k8}" \
-      --batch-sizes "${BATCHES:-1,4,16,64}" --hf-batch-sizes "${HF_BATCHES-1,4,16,64}" \
+      --batch-sizes "${BATCHES:-64,16,4,1}" --hf-batch-sizes "${HF_BATCHES-64,16,4,1}" \
       --deadline "${LOAD_DEADLINE:-330}" --json "$out/load.json" ${BENCH_ARGS:-} ;;
   study)  # python -m eagle3.study (EXPERIMENT's recipe from scratch on nested slices of its data; answers from
     # benchmarks/assets), engine tau on the carried suites, cut at STUDY_TIMEOUT s (a rerun resumes it)

@@ -4,7 +4,7 @@ the same size and the fused batch-1 decoder. Plain argparse (runs on a bare GPU 
 
     python benchmarks/load_bench.py --target TARGET_DIR --drafter EXPORT_DIR/sglang \
         --suites suite_vicuna.jsonl,suite_humaneval.jsonl,suite_gsm8k.jsonl \
-        --specs off,d8,d32s4k8 --batch-sizes 1,4,16,64 --json load.json
+        --specs off,d8,d32s4k8 --batch-sizes 64,16,4,1 --json load.json
 
 At batch size B a suite's first max(--min-prompts, --waves * B) prompts (at most the suite) are
 decoded with B requests in flight: a new request joins as soon as one finishes (HF: batches of B,
@@ -142,8 +142,8 @@ def main() -> None:
     parser.add_argument("--drafter", required=True, help="exported drafter folder")
     parser.add_argument("--suites", required=True, help="comma-separated JSONL files")
     parser.add_argument("--specs", default="off,d8,d32s4k8")
-    parser.add_argument("--batch-sizes", default="1,4,16,64")
-    parser.add_argument("--hf-batch-sizes", default="1,4,16,64", help="empty = no HF rows")
+    parser.add_argument("--batch-sizes", default="64,16,4,1", help="measured in this order")
+    parser.add_argument("--hf-batch-sizes", default="64,16,4,1", help="empty = no HF rows")
     parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--waves", type=int, default=2, help="prompts = waves * batch size")
     parser.add_argument("--min-prompts", type=int, default=8)
@@ -191,57 +191,57 @@ def main() -> None:
     def late() -> bool:
         return time.perf_counter() - started > args.deadline
 
-    for label in args.specs.split(","):
-        spec = parse_spec(label)
-        decoder = BatchDecoder(
-            target,
-            drafter if spec.enabled else None,
-            spec,
-            max(batches),
-            max_context=args.max_context,
+    specs = [parse_spec(label) for label in args.specs.split(",")]
+    decoders = {
+        spec.label: BatchDecoder(
+            target, drafter if spec.enabled else None, spec, max(batches), args.max_context
         )
-        warm = [decoder.add(p, 16, stop_ids=[eos]) for p in prompts[next(iter(prompts))][:4]]
-        decoder.generate_all(warm)
-        for batch in batches:
-            for suite, ids in prompts.items():
+        for spec in specs
+    }
+    for decoder in decoders.values():  # warm-up
+        first = prompts[next(iter(prompts))][:4]
+        decoder.generate_all([decoder.add(p, 16, stop_ids=[eos]) for p in first])
+    for batch in batches:  # in the order given: a deadline cuts the batch sizes listed last
+        for suite, ids in prompts.items():
+            for label, decoder in decoders.items():
                 if late():
                     break
                 chosen = ids[: count(batch, args.min_prompts)]
                 row = engine_load(decoder, chosen, batch, args.max_new_tokens, eos)
                 record(
-                    {"suite": suite, "method": spec.label, "path": "batched", "batch_size": batch}
+                    {"suite": suite, "method": label, "path": "batched", "batch_size": batch}
                     | {"prompts": len(chosen)}
                     | row
                 )
-        del decoder
-        if args.fused and 1 in batches and not late():
-            single = SpecDecoder(
-                target,
-                drafter if spec.enabled else None,
-                spec,
-                max_context=args.max_context,
-                cuda_graphs=args.device == "cuda",
-                compile_layers=False,
-                compile_draft=False,
-                compile_prefill=False,
-            )
-            for suite, ids in prompts.items():
-                chosen = ids[: args.min_prompts]
-                row = fused_batch1(single, chosen, args.max_new_tokens, eos)
+            if batch in hf_batches and not late():
+                chosen = ids[: count(batch, args.hf_min_prompts)]
+                row = hf_load(
+                    target.model, target.tokenizer, chosen, batch, args.max_new_tokens, eos
+                )
                 record(
-                    {"suite": suite, "method": spec.label, "path": "fused", "batch_size": 1}
+                    {"suite": suite, "method": "hf", "path": "generate", "batch_size": batch}
                     | {"prompts": len(chosen)}
                     | row
                 )
-            del single
-    for batch in hf_batches:
+    decoders.clear()
+    for spec in specs if args.fused else []:
+        if late():
+            break
+        single = SpecDecoder(
+            target,
+            drafter if spec.enabled else None,
+            spec,
+            max_context=args.max_context,
+            cuda_graphs=args.device == "cuda",
+            compile_layers=False,
+            compile_draft=False,
+            compile_prefill=False,
+        )
         for suite, ids in prompts.items():
-            if late():
-                break
-            chosen = ids[: count(batch, args.hf_min_prompts)]
-            row = hf_load(target.model, target.tokenizer, chosen, batch, args.max_new_tokens, eos)
+            chosen = ids[: args.min_prompts]
+            row = fused_batch1(single, chosen, args.max_new_tokens, eos)
             record(
-                {"suite": suite, "method": "hf", "path": "generate", "batch_size": batch}
+                {"suite": suite, "method": spec.label, "path": "fused", "batch_size": 1}
                 | {"prompts": len(chosen)}
                 | row
             )
