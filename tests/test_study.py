@@ -207,3 +207,29 @@ def test_log_from_pools_study_files_and_draws_references(make_cfg, tmp_path):
         study.log_from(cfg, [one, two])
     with pytest.raises(Eagle3Error, match="give train_tokens and engine_tau or val_tau_hat"):
         study.reference_points([{"label": "x", "train_tokens": 1}], pooled["points"])
+
+
+def test_train_limit_takes_a_prefix_and_names_the_split_size():
+    import torch
+
+    from eagle3.datamodule import TokenDataset, first_rows
+
+    rows = [
+        {"id": str(i), "input_ids": [1] * (i + 2), "loss_mask": [1] * (i + 2)} for i in range(5)
+    ]
+    split = {key: [r[key] for r in rows] for key in rows[0]}
+
+    class Split(list):  # the datasets split's two access paths: by column and by row
+        def __getitem__(self, key):
+            return split[key] if isinstance(key, str) else list.__getitem__(self, key)
+
+    dataset = TokenDataset(Split(rows))
+    prefix = first_rows(dataset, 3)
+    assert len(prefix) == 3 and prefix.lengths == [2, 3, 4]
+    assert [prefix[i]["id"] for i in range(3)] == ["0", "1", "2"]
+    assert torch.equal(prefix[2]["input_ids"], torch.ones(4, dtype=torch.long))
+    assert first_rows(dataset, None) is dataset
+    with pytest.raises(
+        Eagle3Error, match=r"train.limit=6: the data's train split holds 5 rows \(use 1..5\)"
+    ):
+        first_rows(dataset, 6)
