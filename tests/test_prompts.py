@@ -49,6 +49,32 @@ def test_a_bench_suite_is_refused_as_a_training_source(make_cfg):
     check_not_a_suite(OmegaConf.create({**source, "where": {"dataset": "oasst"}}), suites)
 
 
+def test_self_prompts_name_their_missing_keys():
+    from eagle3.prompts import self_prompt_requests
+
+    with pytest.raises(Eagle3Error, match="data.self_prompts lacks seed, instruction"):
+        self_prompt_requests(
+            OmegaConf.create({"count": 2, "temperature": 1.0, "max_new_tokens": 8, "topics": ["a"]})
+        )
+    requests = self_prompt_requests(
+        OmegaConf.create(
+            {
+                "count": 3,
+                "temperature": 1.0,
+                "max_new_tokens": 8,
+                "seed": 0,
+                "topics": ["chess", "tea"],
+                "instruction": "Ask about {topic}.",
+            }
+        )
+    )
+    assert [(r[0], r[2][0]["content"]) for r in requests] == [
+        ("self:0", "Ask about chess."),
+        ("self:1", "Ask about tea."),
+        ("self:2", "Ask about chess."),
+    ]
+
+
 def test_data_stage_adds_copies_packaged_and_self_written_prompts(make_cfg, own_artifacts):
     from eagle3 import data
 

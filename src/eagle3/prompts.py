@@ -91,8 +91,17 @@ def packaged_prompts(sources, suites: DictConfig, counts: dict) -> list[dict]:
     return conversations
 
 
+SELF_PROMPT_KEYS = ("count", "temperature", "max_new_tokens", "seed", "topics", "instruction")
+
+
 def self_prompt_requests(scfg: DictConfig) -> list[tuple[str, int, list[dict]]]:
     """(id, turn, messages) asking the target to write scfg.count prompts, topics in rotation."""
+    missing = [key for key in SELF_PROMPT_KEYS if key not in scfg]
+    if missing:
+        raise Eagle3Error(
+            f"data.self_prompts lacks {', '.join(missing)} (it needs {', '.join(SELF_PROMPT_KEYS)}; "
+            "conf/data/sharegpt.yaml shows one)"
+        )
     topics = list(scfg.topics)
     if not topics:
         raise Eagle3Error("data.self_prompts.topics is empty: name at least one topic")
