@@ -29,7 +29,10 @@ def test_kimi_dry_run_prints_a_valid_plan(test_root):
         "--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 10"
         in out
     )
-    assert "serve the target first" in out  # regeneration through the SGLang endpoint
+    # regeneration through the SGLang server the data stage starts (no speculation)
+    regen = next(line for line in out.splitlines() if "data regeneration starts" in line)
+    assert "sglang.launch_server --model-path moonshotai/Kimi-K2.5" in regen
+    assert "--tp-size 8" in regen and "--speculative" not in regen
     # hidden states from a vLLM server over 8 GPUs capturing the aux ids [2, 30, 58] and L = 61
     assert "-m vllm.entrypoints.openai.api_server --model moonshotai/Kimi-K2.5" in out
     assert "--tensor-parallel-size 8" in out and '"method": "extract_hidden_states"' in out

@@ -53,6 +53,8 @@ def answer_sections(cfg: DictConfig) -> dict:
     ):  # absent when null: the hashes of answers from before these keys
         if data["regen"].get(key) is None:
             data["regen"].pop(key, None)
+    if data["regen"].get("backend") == "engine":  # the engine and its precision write the answers
+        data["regen"]["served_by"] = {"engine": cfg.serve.engine, "dtype": cfg.serve.get("dtype")}
     return {"target": target_key(cfg.target), "data": data}
 
 

@@ -96,7 +96,7 @@ def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
             if cfg.extract.backend == "vllm":
                 print(f"    extract starts: {' '.join(capture_command(cfg, out.path))}")
     target = cfg.target.path or cfg.target.name
-    if cfg.data.regenerate and cfg.data.regen.backend == "openai":
+    if cfg.data.regenerate and cfg.data.regen.backend in ("openai", "engine"):
         launch = compose_launch(
             cfg,
             resolve_spec(compose([*user_overrides(), "spec=off"]).spec),
@@ -104,10 +104,15 @@ def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
             target,
             port=cfg.pipeline.plan_port,
         )
-        print(
-            f"    data regeneration talks to {cfg.data.regen.base_url}; serve the target first with "
-            f"`python -m eagle3.serve {overrides} spec=off`: {' '.join(launch.argv)}"
-        )
+        if cfg.data.regen.backend == "engine":
+            print(
+                f"    data regeneration starts (spec=off, then stops it): {' '.join(launch.argv)}"
+            )
+        else:
+            print(
+                f"    data regeneration talks to {cfg.data.regen.base_url}; serve the target first "
+                f"with `python -m eagle3.serve {overrides} spec=off`: {' '.join(launch.argv)}"
+            )
     drafter = stage_output(cfg, "export").path / (
         "vllm" if cfg.serve.engine == "vllm" else "sglang"
     )

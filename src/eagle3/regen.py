@@ -23,6 +23,8 @@ from eagle3.artifacts import config_hash
 from eagle3.common import Eagle3Error, log
 from eagle3.conversations import user_turns
 from eagle3.outputs import answer_sections
+from eagle3.serve import start_engine, target_path_for
+from eagle3.spec import OFF
 from eagle3.target import load_target
 from eagle3.tokens import end_of_turn, render
 
@@ -185,27 +187,34 @@ def answer_turns(
             turn_log, Path(rcfg.reuse_answers), conversations
         )
     counts["regen_turns_resumed"] = sum(len(a) for a in turn_log.answers.values())
-    if rcfg.backend not in ("local", "openai"):
-        raise Eagle3Error(f"data.regen.backend={rcfg.backend}: use local or openai")
     generator = generator_for(cfg)
     failed: dict[str, str] = {}
-    for turn in range(max(map(user_turns, conversations), default=0)):
-        items = []
-        for c in conversations:
-            answers = turn_log.answers.get(c["id"], {})
-            if c["id"] not in failed and pending_turn(c, answers, turn):
-                items.append((c["id"], turn, turn_prompt(c, answers, turn)))
-        items = skip_long_prompts(items, tokenizer, cfg.data, turn_log)
-        if items:
-            failed.update(generator.run(items, turn_log, desc=f"regenerate turn {turn + 1}"))
+    try:
+        for turn in range(max(map(user_turns, conversations), default=0)):
+            items = []
+            for c in conversations:
+                answers = turn_log.answers.get(c["id"], {})
+                if c["id"] not in failed and pending_turn(c, answers, turn):
+                    items.append((c["id"], turn, turn_prompt(c, answers, turn)))
+            items = skip_long_prompts(items, tokenizer, cfg.data, turn_log)
+            if items:
+                failed.update(generator.run(items, turn_log, desc=f"regenerate turn {turn + 1}"))
+    finally:
+        if isinstance(generator, EngineGenerator):
+            generator.close()
     return turn_log, failed
+
+
+BACKENDS = ("local", "openai", "engine")
 
 
 def generator_for(cfg: DictConfig):
     """The configured answer generator (data.regen.backend)."""
-    if cfg.data.regen.backend not in ("local", "openai"):
-        raise Eagle3Error(f"data.regen.backend={cfg.data.regen.backend}: use local or openai")
-    return LocalGenerator(cfg) if cfg.data.regen.backend == "local" else OpenAIGenerator(cfg)
+    backend = cfg.data.regen.backend
+    if backend not in BACKENDS:
+        raise Eagle3Error(f"data.regen.backend={backend}: use one of {', '.join(BACKENDS)}")
+    generators = {"local": LocalGenerator, "openai": OpenAIGenerator, "engine": EngineGenerator}
+    return generators[backend](cfg)
 
 
 def reuse_answers(turn_log: TurnLog, source: Path, conversations: list[dict]) -> int:
@@ -429,6 +438,33 @@ class OpenAIGenerator:
             if response.status_code < 500 and response.status_code != 429:
                 break  # a request the server rejects will not succeed on retry
         raise RequestFailed(error)
+
+
+class EngineGenerator:
+    """data.regen.backend=engine: the configured engine (serve=vllm, serve=sglang, serve=local)
+    started with spec=off on the first batch of turns, answering through its OpenAI chat endpoint
+    like the openai backend (same concurrency, retries and turn log), stopped by close() and on
+    error, Ctrl-C or a kill of this process (the engine's own process group and watchdog)."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.folder = regen_log_path(cfg).parent / "engine"
+        self.engine = None
+        self.client = OpenAIGenerator(cfg)
+
+    def run(self, items: list[tuple], turn_log: TurnLog, desc: str) -> dict[str, str]:
+        if self.engine is None:
+            self.engine = start_engine(
+                self.cfg, OFF, None, target_path_for(self.cfg), self.folder, "regen"
+            )
+            self.client.url = f"{self.engine.base_url}/v1"
+            self.client.headers = self.engine.launch.headers
+        return self.client.run(items, turn_log, desc)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.stop(self.cfg.serve.stop_timeout_s)
+            self.engine = None
 
 
 def sampling_params(dcfg: DictConfig) -> dict | None:
