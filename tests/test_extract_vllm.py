@@ -32,7 +32,7 @@ def test_capture_command_asks_vllm_for_the_aux_ids_and_the_last_layer(make_cfg, 
     shape = target_shape(cfg.target, path)
     launch = capture_launch(cfg, shape, tmp_path / "states", port=30123)
     argv = launch.argv
-    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[0].endswith("/vllm") and argv[1:3] == ["serve", str(path)]
     assert argv[argv.index("--tensor-parallel-size") + 1] == "4"
     assert argv[argv.index("--pipeline-parallel-size") + 1] == "2"
     assert argv[argv.index("--max-model-len") + 1] == "301"  # the prompt + the one token sampled

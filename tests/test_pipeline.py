@@ -34,7 +34,7 @@ def test_kimi_dry_run_prints_a_valid_plan(test_root):
     assert "sglang.launch_server --model-path moonshotai/Kimi-K2.5" in regen
     assert "--tp-size 8" in regen and "--speculative" not in regen
     # hidden states from a vLLM server over 8 GPUs capturing the aux ids [2, 30, 58] and L = 61
-    assert "-m vllm.entrypoints.openai.api_server --model moonshotai/Kimi-K2.5" in out
+    assert "/vllm serve moonshotai/Kimi-K2.5" in out
     assert "--tensor-parallel-size 8" in out and '"method": "extract_hidden_states"' in out
     assert '"eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]' in out
     # 4 x 7168 x 2 B + 5 B per token, over at most 100,000 x 4096 tokens
