@@ -18,7 +18,7 @@ run of step-k hits at position v-1, then moves on by accepted + 1. Its acceptanc
 
     python benchmarks/acc_by_position.py --data /tmp/d5/data/cf7c4fc8fa47 \
         --drafter .h200/export-s4/export/df3d3646650e/sglang \
-        --json benchmarks/results/h200-2026-11-30c/val_acc_by_position.json
+        --json results/smollm2-135m_h200_2026-11-30c/val_acc_by_position.json
 
 Runs on CPU in float32 (target via eagle3.target.load_target, drafter via eagle3.export).
 """

@@ -1,4 +1,4 @@
-"""Export the newest checkpoint of an unfinished training run (a lease ran out mid-training)
+"""Export the newest checkpoint of an unfinished training run (training cut by a time limit)
 as an SGLang/vLLM drafter folder, so it can still be benchmarked:
 
     python benchmarks/ckpt_export.py TRAIN_DIR OUT_DIR

@@ -1,5 +1,5 @@
-"""All suites together, per method, from e2e_bench.py JSONs of one lease: what the engine's aim
-(tok/s and its ratio to spec=off over the three suites) is judged on. Rows are summed, not their
+"""All suites together, per method, from e2e_bench.py JSONs of one run: the engine's
+headline figures (tok/s and its ratio to spec=off over the three suites). Rows are summed, not their
 rates averaged: tok/s = Σ tokens / Σ wall, τ = Σ tokens / Σ verify steps, step = Σ wall / Σ verify
 steps (prefill included); draft, verify and prefill times are weighted by steps and prompts.
 

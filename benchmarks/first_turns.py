@@ -6,7 +6,7 @@
 
 --all-turns writes whole conversations instead (`{"id", "messages"}`) with every user turn and a
 one-character placeholder for each assistant turn: regeneration replaces every answer, and the
-source's own answers would make the file too large to carry (experiment=smollm2-h200-turns3);
+source's own answers would make the file too large to copy to a GPU machine (experiment=smollm2-h200-turns3);
 --max-turns N cuts each conversation after its Nth user turn (regeneration is one batched pass per
 turn index, so a long tail of deep conversations costs many small, slow passes).
 
@@ -18,7 +18,7 @@ to every first turn; experiment=smollm2-h200-turns3-sampled).
 --suites writes the shipped bench suites instead, as suite_<name>.jsonl (`{"id", "messages"}`) in the
 folder --out, for benchmarks/e2e_bench.py on a machine without the suites' packages:
 
-    python benchmarks/first_turns.py --suites --out .carry/s
+    python benchmarks/first_turns.py --suites --out suites
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Bring a GPU machine's results into the MLflow store, so the UI shows them beside local runs.
 
-The lent GPU machines run the stages with tracking off (no mlflow there); what comes back is
-a folder of JSON and log files (benchmarks/results/<name>/: e2e.json or e2e_<variant>.json from
+GPU machines without network run the stages with tracking off (no mlflow there); what comes back is
+a folder of JSON and log files (results/<run>/: e2e.json or e2e_<variant>.json from
 e2e_bench.py (one engine setting per file; the run names end with the variant), engine_*.json from
 bench_engine.py, *_progress.log from the train stage's progress and validation lines,
 *_manifest.json from the stage outputs, gpu.txt, *.png plots made from them). This logs one parent
 run named after the folder, with the plots as its artifacts, and a child run per bench row, per
-method over all suites of an e2e file ("all <method>", e2e_totals.py: the figures the aim is judged on),
+method over all suites of an e2e file ("all <method>", e2e_totals.py: the headline figures),
 engine-step row, training and DDP run:
 
-    python benchmarks/import_results.py benchmarks/results/h200-2026-11-30 [hydra overrides]
+    python benchmarks/import_results.py results/smollm2-135m_h200_2026-11-30 [hydra overrides]
 
 Importing a folder again replaces its earlier import (runs tagged import_source=<folder name>).
 """
@@ -101,8 +101,8 @@ def e2e_runs(data: dict) -> list[tuple[str, dict, dict, dict]]:
 
 
 def all_suites_runs(data: dict, off_rows: list[dict]) -> list[tuple[str, dict, dict, dict]]:
-    """(name, params, metrics, no curve) per method with its suites summed (e2e_totals.py): the figures the
-    engine's aim is judged on. A file without spec=off rows (a variant of the same lease) borrows off_rows."""
+    """(name, params, metrics, no curve) per method with its suites summed (e2e_totals.py): the headline
+    figures. A file without spec=off rows (a variant of the same run) borrows off_rows."""
     own_off = any(r["method"] == "off" for r in data["rows"])
     runs = []
     for total in totals(data["rows"] + ([] if own_off else off_rows)):

@@ -1,6 +1,6 @@
 """Microseconds per draft-step top-k over a drafter vocab, replayed from a CUDA graph.
 
-Compares torch's topk of the log-softmax (the engine up to the seventh session) with
+Compares torch's topk of the log-softmax (the engine before commit 6fee78b) with
 tree.top_children (the k chunks with the largest maxima, two short sorts), eager and torch.compile'd:
 
     python benchmarks/topk_bench.py --vocab 32768 --rows 1,8,16 --k 2,8,16 --json topk.json

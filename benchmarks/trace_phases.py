@@ -1,6 +1,6 @@
 """Where a decode step's GPU time goes, per CUDA graph replay, from bench_engine's profiler trace.
 
-bench_engine.py --profile LABEL --json X.json writes X.trace_LABEL.json (gzip it to carry it back)
+bench_engine.py --profile LABEL --json X.json writes X.trace_LABEL.json (gzip it to copy it back)
 and this report as X.phases_LABEL.txt. Every kernel a replayed graph runs shares the replay's
 correlation id, so replays group by phase (kernel count), each with its replays, busy time (kernels)
 and span (first start to last end); --kernels N (or --all) lists one replay's kernels:

@@ -505,7 +505,7 @@ def test_local_regeneration_answers_every_turn_with_the_targets_greedy_output(
 def test_another_draft_vocab_reuses_the_regenerated_answers(make_cfg, own_artifacts, monkeypatch):
     """The answers depend on the target and data config only: data outputs for other
     drafter.draft_vocab_size values take every answer from the shared log and generate nothing; without
-    the shared log (a data output from before it, or carried in alone) a sibling output's copy seeds it.
+    the shared log (a data output from before it, or copied in alone) a sibling output's copy seeds it.
     The generator's generate is swapped for a recorder: any call would be a regeneration."""
     first = data.run(regen_cfg(make_cfg, own_artifacts))
     turns = first.manifest()["counts"]["regen_answers"]
@@ -1020,7 +1020,7 @@ def test_shipped_answers_are_the_ones_their_experiments_ask_for(answer_hash):
     """benchmarks/assets/regen-<hash>.tgz: the hash is the regen log path that its experiments compute
     for h200_pipeline.sh's prompt file, and every answered turn belongs to a conversation of the
     shipped slice or to a first-turn copy of one (<id>~n): a config change that moves the hash makes
-    this fail, and the lease would silently regenerate again."""
+    this fail, and a GPU run would silently regenerate again."""
     from eagle3.common import compose
 
     experiments, prompt_file, count, turns = SHIPPED_ANSWERS[answer_hash]

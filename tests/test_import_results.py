@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-11-30"
+RESULTS = ROOT / "results" / "smollm2-135m_h200_2026-11-30"
 
 
 def run_import(tmp_path: Path, folder: Path = RESULTS) -> str:
@@ -92,7 +92,7 @@ def test_import_logs_the_per_ttt_step_accuracies(tmp_path):
 def test_import_takes_every_e2e_and_engine_file_of_a_folder(tmp_path):
     """A folder with several engine settings (e2e_<variant>.json, engine_<variant>.json): a child run
     per row of every file, the variant in the run name and params, the phase times as metrics."""
-    folder = ROOT / "benchmarks" / "results" / "h200-2026-11-30c"
+    folder = ROOT / "results" / "smollm2-135m_h200_2026-11-30c"
     e2e = {p.stem: json.loads(p.read_text())["rows"] for p in folder.glob("e2e*.json")}
     engine = sum(len(json.loads(p.read_text())["rows"]) for p in folder.glob("engine_*.json"))
     methods = sum(
@@ -134,7 +134,7 @@ def test_import_keeps_the_last_line_of_a_repeated_step_and_the_validations(tmp_p
     import shutil
 
     folder = tmp_path / "h200-resumed"
-    shutil.copytree(ROOT / "benchmarks" / "results" / "h200-2026-12-01", folder)
+    shutil.copytree(ROOT / "results" / "smollm2-135m_h200_2026-12-01", folder)
     log = folder / "train_progress.log"
     lines = log.read_text().splitlines()
     repeated = lines[100].replace(
@@ -167,9 +167,9 @@ def test_import_keeps_the_last_line_of_a_repeated_step_and_the_validations(tmp_p
 
 
 def test_import_attaches_the_folders_plots_to_the_parent_run(tmp_path):
-    """The seventh session's folder: a child run per bench row and all-suites method plus the train run, and its
+    """Run 2026-12-01b's folder: a child run per bench row and all-suites method plus the train run, and its
     tree_shapes.png as an artifact of the parent run, byte for byte."""
-    folder = ROOT / "benchmarks" / "results" / "h200-2026-12-01b"
+    folder = ROOT / "results" / "smollm2-135m_h200_2026-12-01b"
     files = [json.loads(p.read_text())["rows"] for p in folder.glob("e2e*.json")]
     rows, methods = sum(map(len, files)), sum(len({r["method"] for r in f}) for f in files)
     out = run_import(tmp_path, folder)
@@ -184,11 +184,11 @@ def test_import_attaches_the_folders_plots_to_the_parent_run(tmp_path):
     assert Path(copy).read_bytes() == (folder / "tree_shapes.png").read_bytes()
 
 
-def test_import_sums_each_methods_suites_against_off_of_the_same_lease(tmp_path):
+def test_import_sums_each_methods_suites_against_off_of_the_same_run(tmp_path):
     """An "all <method>" run per method and e2e file: tokens over wall time summed over the suites, τ over
     the summed verify steps, the ratio to spec=off's sums; a file without off rows (e2e_deeper.json) takes
     e2e.json's."""
-    folder = ROOT / "benchmarks" / "results" / "h200-2026-12-02c"
+    folder = ROOT / "results" / "smollm2-135m_h200_2026-12-02c"
     run_import(tmp_path, folder)
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     runs = {
@@ -217,5 +217,5 @@ def test_import_sums_each_methods_suites_against_off_of_the_same_lease(tmp_path)
         assert runs[name].data.params["bench.suite"] == "all"
     assert (
         round(runs["all d32s4k8"].data.metrics["speedup_vs_off"], 3) == 2.498
-    )  # the thirteenth session's figure
+    )  # results/smollm2-135m_h200_2026-12-02c.md
     assert "all off deeper" not in runs and runs["all off"].data.metrics["speedup_vs_off"] == 1.0

@@ -7,7 +7,7 @@
 # sglang's own requirements pull CUDA-only packages and a different torch, so
 # it is installed with --no-deps next to the CPU torch and the few light
 # packages that `from sglang.srt.server_args import prepare_server_args`
-# actually imports (found by trial in a bare venv).  A marker file
+# actually imports (found one missing module at a time in a bare venv).  A marker file
 # VENV/.eagle3-ready is written only after the import and a parse have been
 # verified, so an interrupted install is redone on the next run.
 #

@@ -38,7 +38,7 @@ def regen_log_path(cfg: DictConfig) -> Path:
 
 def seed_regen_log(cfg: DictConfig, shared: Path) -> None:
     """A data output written before the shared log existed (this run's own, cut short, or one
-    carried from another machine) keeps its answers in its regen/turns.jsonl: the first one with the
+    copied from another machine) keeps its answers in its regen/turns.jsonl: the first one with the
     same answer_sections starts the shared log."""
     wanted = json.loads(json.dumps(answer_sections(cfg), default=str))
     for manifest in sorted(Path(cfg.paths.artifacts, "data").glob("*/manifest.json")):
