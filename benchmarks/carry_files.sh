@@ -37,17 +37,17 @@ if [ ! -f .carry/4/whl.part.ad ]; then
   mv "$scratch/whl.part.ac" .carry/3/ && mv "$scratch/whl.part.ad" .carry/4/ && rm -r "$scratch"
 fi
 export PYTHONPATH=src:benchmarks
-[ -f .carry/2/suite_gsm8k.jsonl ] || "$py" benchmarks/first_turns.py --suites --out .carry/2
+[ -f .carry/2/suite_gsm8k.jsonl ] || "$py" -m eagle3.prompt_files --suites --out .carry/2
 if [ ! -f .carry/2/turns3s.jsonl.gz ]; then
-  "$py" benchmarks/first_turns.py --all-turns --max-turns 3 --first-turn-copies 1 --limit 100000 --out .carry/2/turns3s.jsonl
+  "$py" -m eagle3.prompt_files --all-turns --max-turns 3 --first-turn-copies 1 --limit 100000 --out .carry/2/turns3s.jsonl
   gzip -n .carry/2/turns3s.jsonl
 fi
 if [ ! -f .carry/3/turns3.jsonl.gz ]; then
-  "$py" benchmarks/first_turns.py --all-turns --max-turns 3 --limit 100000 --out .carry/3/turns3.jsonl
+  "$py" -m eagle3.prompt_files --all-turns --max-turns 3 --limit 100000 --out .carry/3/turns3.jsonl
   gzip -n .carry/3/turns3.jsonl
 fi
 if [ ! -f .carry/4/turns3s2.jsonl.gz ]; then
-  "$py" benchmarks/first_turns.py --all-turns --max-turns 3 --first-turn-copies 2 --limit 100000 --out .carry/4/turns3s2.jsonl
+  "$py" -m eagle3.prompt_files --all-turns --max-turns 3 --first-turn-copies 2 --limit 100000 --out .carry/4/turns3s2.jsonl
   gzip -n .carry/4/turns3s2.jsonl
 fi
 du -sh .whl .devsite .carry/1 .carry/2 .carry/3 .carry/4

@@ -10,7 +10,7 @@ tok/s = completion tokens / wall time over the suite (EOS stops every method ali
 completion tokens / verify steps; `match` (match_hf) is the share of prompts whose output equals the
 first method's on that suite (`match_reference`): HF greedy by default, the engine's spec=off with
 --baselines "" (a run of spec shapes only compares with its first). At the end it prints every
-method's totals over all suites (e2e_totals.py, which also sums the files of one run).
+method's totals over all suites (`python -m eagle3.results totals` sums the files of one run).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 from bench_engine import add_engine_options, engine_options, load, load_drafter, parse_spec, sync
-from e2e_totals import report, totals
 
 from eagle3.engine import SpecDecoder, summarize
+from eagle3.totals import report, totals
 
 
 def read_suite(path: Path, tokenizer, limit: int) -> list[list[int]]:

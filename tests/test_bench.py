@@ -5,6 +5,7 @@ import csv
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,8 +23,10 @@ from mlflow.tracking import MlflowClient
 from eagle3.bench import aggregate, baseline_output, job_identity, percentile, tokenize_prompts
 from eagle3.common import Eagle3Error
 from eagle3.costmodel import StepCost, accept_length, fit_step_cost, predict
+from eagle3.results import main as results_main
 from eagle3.suites import load_suite
 from eagle3.sweep import cost_model_rows, summarize
+from eagle3.totals import totals
 
 # ---------------------------------------------------------------- suites
 
@@ -558,8 +561,8 @@ def test_tree_shapes_predicts_from_gpu_step_costs(tmp_path):
     assert "gpu_tau" not in predicted["d24s6k8"]
 
 
-def test_e2e_totals_sums_the_suites_of_each_method(tmp_path):
-    """benchmarks/e2e_totals.py over two e2e_bench-shaped files: tok/s is the sum of tokens over the sum of
+def test_totals_sum_the_suites_of_each_method(tmp_path, capsys):
+    """python -m eagle3.results totals over two e2e_bench-shaped files: tok/s is the sum of tokens over the sum of
     wall time (not the mean of the suites' rates), τ and the step over the summed verify steps, the phase
     times weighted by steps (prefill by prompts), the ratio against off's totals; a method measured twice
     on one suite is refused."""
@@ -586,20 +589,16 @@ def test_e2e_totals_sums_the_suites_of_each_method(tmp_path):
     second = [row("a", "d16", 90, 0.5, 30, 0.3)]
     for name, rows in (("first", first), ("second", second)):
         (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_totals.py"
-    run = subprocess.run(
+    results_main(
         [
-            sys.executable,
-            str(script),
+            "totals",
             str(tmp_path / "first.json"),
             str(tmp_path / "second.json"),
             "--json",
             str(tmp_path / "totals.json"),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
+        ]
     )
+    printed = capsys.readouterr().out
     out = {t["method"]: t for t in json.loads((tmp_path / "totals.json").read_text())}
     assert list(out) == ["off", "d8", "d16"]
     assert out["off"]["tok_per_s"] == pytest.approx(400 / 3.0) and out["d8"][
@@ -612,14 +611,9 @@ def test_e2e_totals_sums_the_suites_of_each_method(tmp_path):
     )
     assert out["d8"]["draft_ms_per_step"] == pytest.approx((0.2 * 25 + 0.5 * 50) / 75)
     assert out["d8"]["prefill_ms_per_prompt"] == pytest.approx((2.0 * 4 + 4.0 * 12) / 16)
-    assert "d8:    533.3 tok/s (4.000x off)" in run.stdout
-    (tmp_path / "twice.json").write_text(
-        json.dumps({"rows": first + [row("b", "d8", 1, 1.0, 1, 0.1)]})
-    )
-    twice = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "twice.json")], capture_output=True, text=True
-    )
-    assert twice.returncode != 0 and "d8: suite measured twice (['a', 'b', 'b'])" in twice.stderr
+    assert "d8:    533.3 tok/s (4.000x off)" in printed
+    with pytest.raises(SystemExit, match=re.escape("d8: suite measured twice (['a', 'b', 'b'])")):
+        totals(first + [row("b", "d8", 1, 1.0, 1, 0.1)])
 
 
 def test_trace_phases_groups_kernels_by_graph_replay(tmp_path):

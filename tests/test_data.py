@@ -18,6 +18,7 @@ from eagle3.common import Eagle3Error
 from eagle3.conversations import conversations_for, normalise, user_turns
 from eagle3.drafter import build_drafter
 from eagle3.drafter_io import export_sglang
+from eagle3.prompt_files import write_prompts, write_suites
 from eagle3.vocab import build_vocab_map, load_vocab_map
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -878,27 +879,12 @@ def test_report_loops_counts_every_answer_of_every_split():
 
 
 def test_prompt_file_keeps_the_first_user_turns(tmp_path):
-    """benchmarks/first_turns.py --all-turns --max-turns 2: each conversation of the shipped slice
+    """write_prompts(all_turns, max_turns=2) (python -m eagle3.prompt_files --all-turns --max-turns 2): each conversation of the shipped slice
     up to (not including) its third user turn, every assistant answer a '.' placeholder."""
     from eagle3.common import compose
 
     out = tmp_path / "turns2.jsonl"
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_turns.py"
-    subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "--all-turns",
-            "--max-turns",
-            "2",
-            "--limit",
-            "300",
-            "--out",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    assert write_prompts(out, limit=300, max_chars=2000, all_turns=True, max_turns=2) == 300
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     conversations = conversations_for(
         compose(["data=sharegpt", "data.val_fraction=0"]).data, Counter()
@@ -920,24 +906,7 @@ def test_prompt_file_with_first_turn_copies(tmp_path):
     """--first-turn-copies 2: after each conversation (its first three user turns) two rows <id>~1, <id>~2
     holding its first user turn alone, the same messages up to and including that turn's placeholder."""
     out = tmp_path / "turns3s.jsonl"
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_turns.py"
-    subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "--all-turns",
-            "--max-turns",
-            "3",
-            "--first-turn-copies",
-            "2",
-            "--limit",
-            "40",
-            "--out",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    write_prompts(out, 40, 2000, all_turns=True, max_turns=3, first_turn_copies=2)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 120
     for original, *copies in zip(rows[0::3], rows[1::3], rows[2::3]):
@@ -950,17 +919,12 @@ def test_prompt_file_with_first_turn_copies(tmp_path):
 
 
 def test_suite_files_hold_every_prompt_of_the_shipped_suites(tmp_path):
-    """benchmarks/first_turns.py --suites: one suite_<name>.jsonl per configured suite, every prompt
+    """write_suites (python -m eagle3.prompt_files --suites): one suite_<name>.jsonl per configured suite, every prompt
     in the suite's order with the messages the bench stage would send."""
     from eagle3.common import compose
     from eagle3.suites import load_suite
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_turns.py"
-    subprocess.run(
-        [sys.executable, str(script), "--suites", "--out", str(tmp_path)],
-        check=True,
-        capture_output=True,
-    )
+    written = write_suites(tmp_path)
     suites = (
         ("vicuna", 80),
         ("humaneval", 164),
@@ -968,6 +932,9 @@ def test_suite_files_hold_every_prompt_of_the_shipped_suites(tmp_path):
         ("koala", 156),
         ("arena-hard", 750),
     )
+    assert {path.name: n for path, n in written.items()} == {
+        f"suite_{name}.jsonl": count for name, count in suites
+    }
     for name, count in suites:
         rows = [
             json.loads(line) for line in (tmp_path / f"suite_{name}.jsonl").read_text().splitlines()

@@ -1,34 +1,23 @@
-"""benchmarks/import_results.py: a GPU machine's result folder lands in a real MLflow store
+"""python -m eagle3.results import: a GPU machine's result folder lands in a real MLflow store
 (sqlite), one child run per result row, with values equal to the files'."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+
+from eagle3.results import import_folder, imported_line
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results" / "smollm2-135m_h200_2026-11-30"
 
 
 def run_import(tmp_path: Path, folder: Path = RESULTS) -> str:
-    """import_results.py on `folder` into a sqlite store under tmp_path; its stdout."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "import_results.py"),
-            str(folder),
-            f"paths.root={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return done.stdout
+    """import_folder on `folder` into a sqlite store under tmp_path; the line the command prints."""
+    return imported_line(folder, import_folder(folder, [f"paths.root={tmp_path}"]))
 
 
 def test_import_logs_every_row_and_replaces_on_reimport(tmp_path):

@@ -22,7 +22,7 @@ SELF_PROMPT_LOG = "self_prompts.jsonl"
 
 def first_turn_copies(splits: dict[str, list[dict]], copies: int) -> dict[str, list[dict]]:
     """After each conversation, `copies` rows holding its system prompt and first user turn alone,
-    ids <id>~1..copies (what benchmarks/first_turns.py --first-turn-copies writes into a file)."""
+    ids <id>~1..copies (what python -m eagle3.prompt_files --first-turn-copies writes into a file)."""
     if copies <= 0:
         return splits
     expanded = {}

@@ -113,7 +113,7 @@ def suite_name(suite: str) -> str:
 
 def suite_prompt_ids(cfg: DictConfig, tokenizer) -> dict[str, list[list[int]]]:
     """The token ids of the first study.prompts prompts of each study.suites entry: a bench suite's
-    name, or a JSONL file of its prompts (`benchmarks/first_turns.py --suites`, for a machine
+    name, or a JSONL file of its prompts (`python -m eagle3.prompt_files --suites`, for a machine
     without the suites' packages)."""
     prompts = {}
     for suite in map(str, cfg.study.suites):

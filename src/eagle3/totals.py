@@ -3,7 +3,7 @@ headline figures (tok/s and its ratio to spec=off over the three suites). Rows a
 rates averaged: tok/s = Σ tokens / Σ wall, τ = Σ tokens / Σ verify steps, step = Σ wall / Σ verify
 steps (prefill included); draft, verify and prefill times are weighted by steps and prompts.
 
-    python benchmarks/e2e_totals.py e2e.json [e2e_deeper.json ...] [--json totals.json]
+    python -m eagle3.results totals e2e.json [e2e_deeper.json ...] [--json totals.json]
 
 The ratio is to the spec=off rows of the same files (`off`); without them there is none. A method
 measured in two files (variants of one engine setting) is a mistake here: give the files apart.
@@ -11,10 +11,7 @@ measured in two files (variants of one engine setting) is a mistake here: give t
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections import defaultdict
-from pathlib import Path
 
 WEIGHTED = {
     "draft_ms_per_step": "verify_steps",
@@ -73,21 +70,3 @@ def report(rows: list[dict]) -> str:
         steps = f"  tau {t['tau']:.3f}  step {t['step_ms']:.3f} ms ({phases})" if "tau" in t else ""
         lines.append(f"{t['method']:>10}: {t['tok_per_s']:8.1f} tok/s{ratio}{steps}")
     return "\n".join(lines)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("files", nargs="+", type=Path, help="e2e_bench.py --json outputs")
-    parser.add_argument("--json", type=Path, help="write the totals here")
-    args = parser.parse_args()
-    rows = [row for path in args.files for row in json.loads(path.read_text())["rows"]]
-    result = totals(rows)
-    print(report(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-
-
-if __name__ == "__main__":
-    main()

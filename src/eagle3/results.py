@@ -1,4 +1,10 @@
-"""Bring a GPU machine's results into the MLflow store, so the UI shows them beside local runs.
+"""`python -m eagle3.results`: measured result folders (results/<run>/) as MLflow runs, and the
+all-suite totals of bench files.
+
+    python -m eagle3.results import results/smollm2-135m_h200_2026-11-30 [hydra overrides]
+    python -m eagle3.results totals e2e.json [e2e_deeper.json ...] [--json totals.json]
+
+`import` brings a GPU machine's results into the MLflow store, so the UI shows them beside local runs.
 
 GPU machines without network run the stages with tracking off (no mlflow there); what comes back is
 a folder of JSON and log files (results/<run>/: e2e.json or e2e_<variant>.json from
@@ -6,10 +12,8 @@ e2e_bench.py (one engine setting per file; the run names end with the variant), 
 bench_engine.py, *_progress.log from the train stage's progress and validation lines,
 *_manifest.json from the stage outputs, gpu.txt, *.png plots made from them). This logs one parent
 run named after the folder, with the plots as its artifacts, and a child run per bench row, per
-method over all suites of an e2e file ("all <method>", e2e_totals.py: the headline figures),
-engine-step row, training and DDP run:
-
-    python benchmarks/import_results.py results/smollm2-135m_h200_2026-11-30 [hydra overrides]
+method over all suites of an e2e file ("all <method>", as `totals` sums them: the headline figures),
+engine-step row, training and DDP run.
 
 Importing a folder again replaces its earlier import (runs tagged import_source=<folder name>).
 """
@@ -21,10 +25,10 @@ import json
 import re
 from pathlib import Path
 
-from e2e_totals import totals  # beside this script
 from mlflow.tracking import MlflowClient
 
 from eagle3.common import compose
+from eagle3.totals import report, totals
 from eagle3.tracking import flatten, setup
 
 PROGRESS = re.compile(
@@ -101,7 +105,7 @@ def e2e_runs(data: dict) -> list[tuple[str, dict, dict, dict]]:
 
 
 def all_suites_runs(data: dict, off_rows: list[dict]) -> list[tuple[str, dict, dict, dict]]:
-    """(name, params, metrics, no curve) per method with its suites summed (e2e_totals.py): the headline
+    """(name, params, metrics, no curve) per method with its suites summed (python -m eagle3.results totals): the headline
     figures. A file without spec=off rows (a variant of the same run) borrows off_rows."""
     own_off = any(r["method"] == "off" for r in data["rows"])
     runs = []
@@ -316,18 +320,39 @@ def ddp_rate(steps: list[dict], devices: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("folder", type=Path)
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides (tracking.*, paths.root)")
-    args = parser.parse_args()
-    summary = import_folder(args.folder, args.overrides)
-    print(
-        f"imported {args.folder.name}: parent run {summary['parent']}, {summary['children']} child runs "
+def imported_line(folder: Path, summary: dict) -> str:
+    return (
+        f"imported {folder.name}: parent run {summary['parent']}, {summary['children']} child runs "
         f"({summary['replaced']} earlier runs replaced) into {summary['uri']}"
     )
+
+
+def file_totals(files: list[Path]) -> list[dict]:
+    """Each method's suites summed over the rows of these e2e_bench.py JSONs."""
+    return totals([row for path in files for row in json.loads(path.read_text())["rows"]])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m eagle3.results",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    imported = commands.add_parser("import", help="a result folder into the MLflow store")
+    imported.add_argument("folder", type=Path)
+    imported.add_argument("overrides", nargs="*", help="Hydra overrides (tracking.*, paths.root)")
+    summed = commands.add_parser("totals", help="each method's suites summed over bench files")
+    summed.add_argument("files", nargs="+", type=Path, help="e2e_bench.py --json outputs")
+    summed.add_argument("--json", type=Path, help="write the totals here")
+    args = parser.parse_args(argv)
+    if args.command == "import":
+        print(imported_line(args.folder, import_folder(args.folder, args.overrides)))
+        return
+    result = file_totals(args.files)
+    print(report(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

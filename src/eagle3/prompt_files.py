@@ -1,7 +1,9 @@
-"""Write the first user turns of the shipped ShareGPT slice as a prompt JSONL
+"""`python -m eagle3.prompt_files`: prompt files for a machine without the dataset packages.
+
+Writes the first user turns of the shipped ShareGPT slice as a prompt JSONL
 (`{"id", "prompt"}` per line), for regeneration on a machine without the sharegpt package:
 
-    python benchmarks/first_turns.py --limit 6000 --max-chars 2000 --out first_turns.jsonl
+    python -m eagle3.prompt_files --limit 6000 --max-chars 2000 --out first_turns.jsonl
     python -m eagle3.data data.source=first_turns.jsonl data.regenerate=true ...
 
 --all-turns writes whole conversations instead (`{"id", "messages"}`) with every user turn and a
@@ -16,9 +18,9 @@ themselves, the data stage generates only these, at data.regen.temperature (a se
 to every first turn; experiment=smollm2-h200-turns3-sampled).
 
 --suites writes the shipped bench suites instead, as suite_<name>.jsonl (`{"id", "messages"}`) in the
-folder --out, for benchmarks/e2e_bench.py on a machine without the suites' packages:
+folder --out, for benchmarks/e2e_bench.py and study.suites on a machine without the suites' packages:
 
-    python benchmarks/first_turns.py --suites --out suites
+    python -m eagle3.prompt_files --suites --out suites
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from eagle3.conversations import conversations_for
 from eagle3.suites import load_suite
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m eagle3.prompt_files",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--limit", type=int, default=6000)
     parser.add_argument("--max-chars", type=int, default=2000, help="longest first prompt kept")
@@ -55,38 +59,58 @@ def main() -> None:
         "--suites", action="store_true", help="the bench suites, into the folder --out"
     )
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.suites:
-        return write_suites(args.out)
+        for path, count in write_suites(args.out).items():
+            print(f"{count} prompts -> {path}")
+        return
+    written = write_prompts(
+        args.out, args.limit, args.max_chars, args.all_turns, args.max_turns, args.first_turn_copies
+    )
+    print(f"{written} {'conversations' if args.all_turns else 'first turns'} -> {args.out}")
+
+
+def write_prompts(
+    out_path: Path,
+    limit: int,
+    max_chars: int,
+    all_turns: bool = False,
+    max_turns: int | None = None,
+    first_turn_copies: int = 0,
+) -> int:
+    """The shipped slice's first turns (or, all_turns, whole conversations) as a prompt JSONL;
+    returns how many conversations it wrote."""
     cfg = compose(["data=sharegpt", "data.val_fraction=0"])
     splits = conversations_for(cfg.data, Counter())
     written = 0
-    with args.out.open("w") as out:
+    with out_path.open("w") as out:
         for conversation in splits["train"]:
             prompt = next(m["content"] for m in conversation["messages"] if m["role"] == "user")
-            if len(prompt) <= args.max_chars:
-                out.write(
-                    json.dumps(row_of(conversation, prompt, args.all_turns, args.max_turns)) + "\n"
-                )
-                for copy in range(1, args.first_turn_copies + 1 if args.all_turns else 1):
+            if len(prompt) <= max_chars:
+                out.write(json.dumps(row_of(conversation, prompt, all_turns, max_turns)) + "\n")
+                for copy in range(1, first_turn_copies + 1 if all_turns else 1):
                     row = row_of(
                         {**conversation, "id": f"{conversation['id']}~{copy}"}, prompt, True, 1
                     )
                     out.write(json.dumps(row) + "\n")
                 written += 1
-            if written == args.limit:
+            if written == limit:
                 break
-    print(f"{written} {'conversations' if args.all_turns else 'first turns'} -> {args.out}")
+    return written
 
 
-def write_suites(folder: Path) -> None:
+def write_suites(folder: Path) -> dict[Path, int]:
+    """suite_<name>.jsonl per configured bench suite in `folder`: {file: prompts written}."""
     cfg = compose([])
     folder.mkdir(parents=True, exist_ok=True)
+    written = {}
     for name in cfg.bench.suites:
         prompts = load_suite(compose([f"bench.suite={name}", "bench.limit=null"]).bench)
         lines = [json.dumps({"id": p.id, "messages": p.messages}) for p in prompts]
-        (folder / f"suite_{name}.jsonl").write_text("\n".join(lines) + "\n")
-        print(f"{len(lines)} prompts -> {folder / f'suite_{name}.jsonl'}")
+        path = folder / f"suite_{name}.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        written[path] = len(lines)
+    return written
 
 
 def row_of(conversation: dict, prompt: str, all_turns: bool, max_turns: int | None = None) -> dict:
