@@ -33,6 +33,7 @@ from eagle3.drafter_io import (
     export_speculators,
     load_trained_drafter,
 )
+from eagle3.lineage import lineage_for_export
 from eagle3.outputs import export_output, train_output
 from eagle3.target import load_target, target_key
 from eagle3.tracking import client, flatten, stage_run
@@ -80,7 +81,8 @@ def vocab_map_hash(drafter: Eagle3Drafter) -> str:
 
 
 def build_recipe(cfg: DictConfig, drafter: Eagle3Drafter, train_manifest: dict) -> dict:
-    """What made this drafter: TTT settings, vocab map and data hashes, τ̂, target identity."""
+    """What made this drafter: TTT settings, vocab map and data hashes, τ̂, target identity, and its
+    lineage (the trainings from its first weights to these)."""
     counts = train_manifest.get("counts", {})
     upstream = train_manifest.get("upstream", {})
     return {
@@ -92,6 +94,7 @@ def build_recipe(cfg: DictConfig, drafter: Eagle3Drafter, train_manifest: dict) 
         "tau_hat": counts.get("tau_hat"),
         "tokenizer_hash": counts.get("tokenizer_hash"),
         "target": target_key(cfg.target),
+        "lineage": lineage_for_export(cfg, train_manifest, export_output(cfg).hash),
     }
 
 

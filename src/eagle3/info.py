@@ -1,5 +1,5 @@
 """`python -m eagle3.info`: the resolved config, the target's shape, where things live,
-which engines are available."""
+which engines are available; with drafter.path, the drafter's lineage (the trainings that made it)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3.common import app
+from eagle3.lineage import lineage_lines, lineage_of
 from eagle3.target import load_target
 
 
@@ -48,6 +49,9 @@ def main(cfg: DictConfig) -> None:
     print(f"artifacts: {cfg.paths.artifacts}")
     print(f"mlflow: {cfg.tracking.uri}")
     print("engines: " + json.dumps(engines_available(cfg)))
+    if cfg.drafter.get("path"):
+        print(f"drafter {cfg.drafter.path}, lineage (oldest first):")
+        print("\n".join(lineage_lines(lineage_of(cfg.drafter.path))))
 
 
 if __name__ == "__main__":
