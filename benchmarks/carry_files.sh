@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The ignored files that device calls carry (benchmarks/h200_pipeline.sh, experiments/RESULTS.md), rebuilt
+# The ignored files that device calls carry (benchmarks/h200_pipeline.sh, results/), rebuilt
 # from the set-up .venv: a new checkout has none of them. Idempotent: what exists is kept.
 #   .whl      wheels the GPU box lacks: hydra-core, omegaconf, antlr4 (built: an sdist only), gguf, datasets,
 #             dill, multiprocess, at the .venv's versions
