@@ -20,7 +20,7 @@ def shipped_asset() -> Path:
 
 
 def shipped_recipe():
-    """The shipped drafter's run as benchmarks/h200_pipeline.sh made it (fifteenth session):
+    """The shipped drafter's run as benchmarks/h200_pipeline.sh made it (results/smollm2-135m_h200_2026-12-02d.md):
     experiment=smollm2-h200-turns3-sampled2, under /tmp/e3 (train.init_from, a path below
     paths.root, is part of the train stage's hash)."""
     return compose(
