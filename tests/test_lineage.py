@@ -61,3 +61,11 @@ def test_an_export_records_its_starting_drafters_chain_and_its_own_training(make
 def test_a_drafter_without_a_recorded_chain_is_named_in_the_error(tmp_path):
     with pytest.raises(Eagle3Error, match="no lineage recorded"):
         lineage_lines(lineage_of(drafter_folder(tmp_path, "ffffffffffff")))
+
+
+def test_info_names_the_shipped_drafters_chain_by_keyword(make_cfg):
+    """drafter.path=shipped: the chain ending at the asset's export hash."""
+    from eagle3.info import drafter_lineage
+
+    links = drafter_lineage(make_cfg("drafter.path=shipped"))
+    assert links[-1]["export"] == "4f658d4f4df1" and len(links) == 5

@@ -10,7 +10,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3.common import app
-from eagle3.lineage import lineage_lines, lineage_of
+from eagle3.lineage import chain_to, lineage_lines, lineage_of
+from eagle3.shipped import KEYWORD, asset_manifest, asset_path
 from eagle3.target import load_target
 
 
@@ -33,6 +34,13 @@ def engines_available(cfg: DictConfig) -> dict[str, str]:
     }
 
 
+def drafter_lineage(cfg: DictConfig) -> list[dict]:
+    """The lineage of drafter.path: a drafter folder, or `shipped` (the drafter in assets/)."""
+    if str(cfg.drafter.path) == KEYWORD:
+        return chain_to(str(asset_manifest(asset_path(cfg))["hash"]))
+    return lineage_of(cfg.drafter.path)
+
+
 @app
 def main(cfg: DictConfig) -> None:
     summary = {
@@ -51,7 +59,7 @@ def main(cfg: DictConfig) -> None:
     print("engines: " + json.dumps(engines_available(cfg)))
     if cfg.drafter.get("path"):
         print(f"drafter {cfg.drafter.path}, lineage (oldest first):")
-        print("\n".join(lineage_lines(lineage_of(cfg.drafter.path))))
+        print("\n".join(lineage_lines(drafter_lineage(cfg))))
 
 
 if __name__ == "__main__":
