@@ -442,6 +442,7 @@ def run_job(
     ) as run:
         try:
             result.update(measure_job(cfg, folder, sweep_dir), status="ok")
+            result.update(provenance(cfg))
         except (Eagle3Error, OSError, httpx.HTTPError) as err:
             result.update(
                 status="failed",
@@ -458,7 +459,7 @@ def run_job(
 
 # settings of a job, logged as params (MLflow compares runs on them); measurements are metrics
 JOB_PARAMS = ("engine", "spec", "depth", "steps", "topk", "batch_size", "max_new_tokens", "suite")
-NOT_METRICS = frozenset((*JOB_PARAMS, "repeats", "spec_enabled", "baseline_reused"))
+NOT_METRICS = frozenset((*JOB_PARAMS, "repeats", "spec_enabled", "baseline_reused", "temperature"))
 
 
 def job_params(cfg: DictConfig, result: dict) -> dict:
@@ -467,8 +468,7 @@ def job_params(cfg: DictConfig, result: dict) -> dict:
     params.update(
         target=cfg.target.name,
         drafter=result.get("drafter_hash"),
-        hardware=hardware(),
-        engine_version=engine_version(cfg),
+        **{k: result.get(k) for k in PROVENANCE},
         repeats=cfg.bench.repeats,
     )
     return {k: "" if v is None else str(v) for k, v in params.items()}
@@ -483,6 +483,31 @@ def job_metrics(result: dict) -> dict:
     }
     numbers.update({f"accept_pos_{i}": p for i, p in enumerate(result.get("accept_per_pos", []))})
     return numbers
+
+
+# what every result row carries about where and how it was measured (besides drafter_hash)
+PROVENANCE = ("hardware", "engine_version", "torch_version", "dtype", "temperature", "git_commit")
+
+
+def provenance(cfg: DictConfig) -> dict:
+    """The machine, engine and its version, torch, dtype, sampling temperature and git commit of a
+    measured job. dtype: the target's as configured for the local engine (auto = bfloat16 on a GPU,
+    float32 on a CPU), serve.dtype for vLLM and SGLang."""
+    import torch
+
+    from eagle3.artifacts import git_commit
+
+    dtype = cfg.target.dtype if cfg.serve.engine == "local" else cfg.serve.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    return {
+        "hardware": hardware(),
+        "engine_version": engine_version(cfg),
+        "torch_version": torch.__version__,
+        "dtype": str(dtype),
+        "temperature": float(cfg.bench.temperature),
+        "git_commit": git_commit(),
+    }
 
 
 def hardware() -> str:

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from eagle3 import tracking
 from eagle3.costmodel import fit_step_cost, predict
 from eagle3.lifecycle import process_identity
+from eagle3.load import write_load_summary
 from eagle3.redact import mask_argv
 
 PARENT_FILE = "bench_parent_run.json"
@@ -50,6 +51,12 @@ COLUMNS = (
     "drafter_hash",
     "ttft_p50_ms",
     "itl_p50_ms",
+    "hardware",
+    "engine_version",
+    "torch_version",
+    "dtype",
+    "temperature",
+    "git_commit",
     "error",
 )
 
@@ -143,6 +150,7 @@ def summarize(
             ),
         )
     )
+    files += write_load_summary(results, out_dir)
     print((out_dir / "summary.md").read_text())
     if model_rows:
         print(

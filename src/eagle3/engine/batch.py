@@ -33,6 +33,7 @@ from eagle3.engine.batched import (
 from eagle3.engine.decoder import ContextOverflow, GenerationResult, RequestStats
 from eagle3.engine.kv import SlotKV
 from eagle3.engine.llama import LeanDrafter, LeanLlama
+from eagle3.engine.runners import eager_attention
 from eagle3.engine.sampling import Sampling, greedy_path, probabilities, sampled_path
 from eagle3.engine.tree import top_children
 from eagle3.spec import Spec
@@ -207,12 +208,15 @@ class BatchDecoder:
         with self.lock:
             room = self.max_batch_size - len(self.rows)
             joining, self.waiting = self.waiting[:room], self.waiting[room:]
-        if joining:
-            self.prefill(joining)
-            finished += self._retire()
-        if self.rows:
-            self.decode()
-            finished += self._retire()
+        # the attention width changes every step: cuDNN's attention would build a graph for each
+        # new shape (runners.eager_attention)
+        with eager_attention(cudnn=False):
+            if joining:
+                self.prefill(joining)
+                finished += self._retire()
+            if self.rows:
+                self.decode()
+                finished += self._retire()
         return finished
 
     def _retire(self) -> list[BatchRequest]:

@@ -1,0 +1,145 @@
+"""Sweeps over load (eagle3.load): the fastest shape and what to run per batch size, the schedule's
+SGLang and vLLM flags (SGLang's own parser reads them back), step costs per batch size, and a real
+local sweep over bench.batch_size=1,4 that batches rather than queues."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_bench import QUICK, run_sweep, tiny_drafter  # noqa: F401 -- the session fixture
+from test_serve import SGLANG_PYTHON
+
+from eagle3.load import per_batch_rows, schedule, step_cost_rows, write_load_summary
+from eagle3.serve import sglang_parse_many
+
+DRAFTER = "/models/drafter/sglang"
+
+
+def job(spec, depth, steps, topk, batch, tok_s, off_tok_s, step_s, off_step_s, spread=0.0):
+    """A bench result as bench.py writes it (the fields eagle3.load reads)."""
+    speedup = tok_s / off_tok_s
+    return {
+        "status": "ok",
+        "engine": "local",
+        "suite": "vicuna",
+        "max_new_tokens": 128,
+        "drafter": DRAFTER if spec != "off" else None,
+        "drafter_hash": "abc123",
+        "spec": spec,
+        "depth": depth,
+        "steps": steps,
+        "topk": topk,
+        "batch_size": batch,
+        "tokens_per_s": tok_s,
+        "baseline_tokens_per_s": off_tok_s,
+        "speedup": speedup,
+        "speedup_min": speedup - spread,
+        "speedup_max": speedup + spread,
+        "step_s": step_s,
+        "baseline_step_s": off_step_s,
+    }
+
+
+def results():
+    """Batch 1: the tree wins, the best chain is d8. Batch 16: d8 is fastest but within noise of
+    spec=off (its range reaches below 1), so spec=off is run there."""
+    return [
+        job("off", 1, 0, 1, 1, 100.0, 100.0, 0.010, 0.010),
+        job("d8", 8, 7, 1, 1, 200.0, 100.0, 0.020, 0.010, 0.05),
+        job("d32s4k8", 32, 4, 8, 1, 250.0, 100.0, 0.016, 0.010, 0.05),
+        job("off", 1, 0, 1, 16, 1000.0, 1000.0, 0.016, 0.016),
+        job("d8", 8, 7, 1, 16, 1040.0, 1000.0, 0.050, 0.016, 0.1),
+        job("d32s4k8", 32, 4, 8, 16, 800.0, 1000.0, 0.060, 0.016, 0.05),
+    ]
+
+
+def test_per_batch_choice_and_schedule():
+    rows = per_batch_rows(results())
+    assert [(r["batch_size"], r["fastest"], r["speedup"], r["run"]) for r in rows] == [
+        (1, "d32s4k8", 2.5, "d32s4k8"),
+        (16, "d8", 1.04, "off"),
+    ]
+    (plan,) = schedule(results())
+    one, sixteen = plan["entries"]
+    assert one["spec"]["label"] == "d32s4k8" and one["vllm_chain"]["label"] == "d8"
+    assert sixteen["spec"]["label"] == "off" and sixteen["fastest"]["label"] == "d8"
+    assert sixteen["sglang_args"] == ["--max-running-requests", "16"]
+    assert one["vllm_args"][:2] == ["--max-num-seqs", "1"]
+    config = json.loads(one["vllm_args"][3])
+    assert config == {"method": "eagle3", "model": DRAFTER, "num_speculative_tokens": 7}
+    assert sixteen["vllm_args"] == ["--max-num-seqs", "16"]  # no chain beat spec=off at 16
+
+
+def test_step_costs_per_batch_size():
+    """The chain line through (1, off) and (8, d8) at each batch size: verify = off's step, per depth
+    = (d8 - off) / 7."""
+    rows = {r["batch_size"]: r for r in step_cost_rows(results())}
+    assert rows[1]["verify_ms"] == pytest.approx(10.0) and rows[1]["per_depth_ms"] == pytest.approx(
+        10 / 7, abs=1e-3
+    )
+    assert rows[16]["off_step_ms"] == 16.0 and rows[16]["per_depth_ms"] == pytest.approx(
+        34 / 7, abs=1e-3
+    )
+    assert rows[16]["shapes_step_ms"] == "d8 50.000, d32s4k8 60.000"
+
+
+def test_summary_files_and_schedule_beside_the_drafter(tmp_path):
+    export = tmp_path / "export" / "abc123"
+    (export / "sglang").mkdir(parents=True)
+    jobs = results()
+    for j in jobs:
+        if j["drafter"]:
+            j["drafter"] = str(export / "sglang")
+    files = write_load_summary(jobs, tmp_path)
+    assert {f.name for f in files} == {"load.md", "schedule.json", "speedup_by_batch.png"}
+    assert json.loads((export / "schedule.json").read_text()) == json.loads(
+        (tmp_path / "schedule.json").read_text()
+    )
+    text = (tmp_path / "load.md").read_text()
+    assert "batch 16: fastest d8 at 1.04x spec=off (0.94-1.14x); run spec=off" in text
+
+
+def test_schedule_flags_parse_in_sglang():
+    """Each entry's SGLang flags after a model path go through SGLang's own parser."""
+    assert SGLANG_PYTHON.exists(), "run `make sglang` (tools/setup_sglang.sh) to build .venv-sglang"
+    (plan,) = schedule(results())
+    argvs = [["--model-path", "/models/target", *e["sglang_args"]] for e in plan["entries"]]
+    one, sixteen = sglang_parse_many(str(SGLANG_PYTHON), argvs)
+    assert "error" not in one and "error" not in sixteen, (one, sixteen)
+    parsed = one["parsed"]
+    assert (
+        parsed["speculative_algorithm"],
+        parsed["speculative_num_steps"],
+        parsed["speculative_eagle_topk"],
+        parsed["speculative_num_draft_tokens"],
+        parsed["speculative_draft_model_path"],
+    ) == ("EAGLE3", 4, 8, 32, DRAFTER)
+    assert sixteen["parsed"]["speculative_algorithm"] is None
+
+
+@pytest.mark.slow
+def test_local_sweep_over_batch_sizes_batches(test_root, tmp_path, tiny_drafter):  # noqa: F811
+    """`python -m eagle3.bench -m spec=off,d4 bench.batch_size=1,4 serve=local`: the engine batches
+    bench.batch_size requests (spec=off's total tok/s at batch 4 well above batch 1), and the
+    sweep writes load.md and the schedule for both batch sizes."""
+    out, sweep_dir = run_sweep(
+        test_root,
+        tmp_path,
+        "spec=off,d4",
+        "bench.batch_size=1,4",
+        "serve=local",
+        "target=tiny-llama",
+        "engine.cpu_threads=1",
+        *QUICK,
+        "bench.limit=8",
+        f"drafter.path={tiny_drafter}",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = [json.loads(p.read_text()) for p in sweep_dir.glob("*/bench_result.json")]
+    assert all(j["status"] == "ok" for j in jobs), [j.get("error") for j in jobs]
+    off = {j["batch_size"]: j["tokens_per_s"] for j in jobs if j["spec"] == "off"}
+    assert off[4] > 1.5 * off[1], off
+    (plan,) = json.loads((sweep_dir / "schedule.json").read_text())
+    assert [e["batch_size"] for e in plan["entries"]] == [1, 4]
+    assert "## Step cost per batch size" in (sweep_dir / "load.md").read_text()
