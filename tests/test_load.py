@@ -121,7 +121,7 @@ def test_schedule_flags_parse_in_sglang():
 @pytest.mark.slow
 def test_local_sweep_over_batch_sizes_batches(test_root, tmp_path, tiny_drafter):  # noqa: F811
     """`python -m eagle3.bench -m spec=off,d4 bench.batch_size=1,4 serve=local`: the engine batches
-    bench.batch_size requests (spec=off's total tok/s at batch 4 well above batch 1), and the
+    bench.batch_size requests (spec=off's total tok/s at batch 4 above batch 1's), and the
     sweep writes load.md and the schedule for both batch sizes."""
     out, sweep_dir = run_sweep(
         test_root,
@@ -138,8 +138,14 @@ def test_local_sweep_over_batch_sizes_batches(test_root, tmp_path, tiny_drafter)
     assert out.returncode == 0, out.stderr[-3000:]
     jobs = [json.loads(p.read_text()) for p in sweep_dir.glob("*/bench_result.json")]
     assert all(j["status"] == "ok" for j in jobs), [j.get("error") for j in jobs]
+    for j in jobs:  # provenance on every row
+        assert j["dtype"] == "float32" and j["temperature"] == 0.0
+        assert j["drafter_hash"] or j["spec"] == "off"
+        assert j["hardware"] and j["engine_version"].startswith("eagle3") and j["torch_version"]
+        assert len(j["git_commit"]) == 40
     off = {j["batch_size"]: j["tokens_per_s"] for j in jobs if j["spec"] == "off"}
-    assert off[4] > 1.5 * off[1], off
+    # tiny-llama's steps cost little next to HTTP and host work; a queue would stay at batch 1's rate
+    assert off[4] > 1.1 * off[1], off
     (plan,) = json.loads((sweep_dir / "schedule.json").read_text())
     assert [e["batch_size"] for e in plan["entries"]] == [1, 4]
     assert "## Step cost per batch size" in (sweep_dir / "load.md").read_text()
