@@ -485,10 +485,8 @@ def test_resolve_drafter_path_accepts_a_folder_or_an_export(drafter, make_cfg, t
         outputs.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/exp"), "vllm")
         == tmp_path / "exp" / "vllm"
     )
-    assert (
+    with pytest.raises(Eagle3Error, match="was written for sglang"):  # not vLLM's convention
         outputs.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/exp/sglang"), "vllm")
-        == tmp_path / "exp" / "sglang"
-    )
 
 
 # ---------------------------------------------------------------- SmolLM2 and vLLM's own parser

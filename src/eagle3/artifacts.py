@@ -18,6 +18,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from eagle3.redact import mask
+
 TRACKED_PACKAGES = (
     "eagle3",
     "torch",
@@ -122,8 +124,6 @@ def stage_output(
 ) -> StageOutput:
     """The output folder of `stage` for these config sections and upstream hashes (secrets are
     masked: they neither reach the manifest nor change the hash)."""
-    from eagle3.redact import mask
-
     upstream = dict(upstream or {})
     config = mask({name: to_plain(section) for name, section in sections.items()})
     digest = config_hash(config, upstream)

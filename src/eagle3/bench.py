@@ -35,7 +35,7 @@ from eagle3.serve import (
     target_path_for,
 )
 from eagle3.spec import OFF, Spec, resolve_spec
-from eagle3.suites import load_suite, suite_name
+from eagle3.suites import check_bench_settings, load_suite, suite_name
 from eagle3.tracking import stage_run
 from eagle3.verdict import against_off, combine_repeats, speedup_fields
 
@@ -56,6 +56,7 @@ BASELINE_IGNORES = (
     "disconnect_poll_s",
     "max_tokens_limit",
     "api_key_env",
+    "max_depth",
 )
 
 
@@ -405,8 +406,9 @@ def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict
     baseline is shared by the jobs of one `scope` (a sweep folder; a lone job's own folder)."""
     from transformers import AutoTokenizer
 
+    check_bench_settings(cfg.bench)
     spec = resolve_spec(cfg.spec)
-    check_spec_for_engine(cfg.serve.engine, spec)
+    check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.get("max_depth"))
     drafter_path = drafter_for(cfg, spec)
     target_path = target_path_for(cfg)
     prompts = load_suite(cfg.bench)

@@ -13,6 +13,8 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from eagle3.lifecycle import Stopped, raise_on_signals
+
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 log = logging.getLogger("eagle3")
 # `${cwd:}` in conf/paths: the directory the app was started from (also outside Hydra apps).
@@ -35,7 +37,6 @@ OmegaConf.register_new_resolver("unique", unique_suffix, use_cache=True, replace
 def app(task):
     """Wrap a stage's `main(cfg)` as a Hydra app over conf/config.yaml with one-line errors;
     SIGTERM and SIGHUP stop it like Ctrl-C (cleanup runs, exit status 128 + signal)."""
-    from eagle3.lifecycle import Stopped, raise_on_signals
 
     @functools.wraps(task)
     def guarded(cfg: DictConfig):

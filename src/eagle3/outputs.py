@@ -3,6 +3,7 @@ pipeline find their upstream folders here, so no stage imports a later one to fi
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from omegaconf import DictConfig
 
 from eagle3.artifacts import StageOutput, stage_output, to_plain
 from eagle3.common import Eagle3Error, resolve_device, resolve_dtype
-from eagle3.drafter_io import MODELS_URI, download_registered, engine_folder, parse_models_uri
+from eagle3.drafter_io import ENGINES, MODELS_URI, RECIPE_KEY, download_registered, parse_models_uri
 from eagle3.target import target_key
 
 # data.* options that add prompts (eagle3.prompts); off by default
@@ -31,11 +32,32 @@ REGEN_EXECUTION_ONLY = (
 def data_output(cfg: DictConfig) -> StageOutput:
     """The data stage's folder for this config (located, not run)."""
     sections = {**answer_sections(cfg), "draft_vocab_size": cfg.drafter.draft_vocab_size}
+    fingerprint = source_fingerprint(str(cfg.data.source))
+    if fingerprint:  # absent for packaged and hub sources: their hashes stay as they were
+        sections["source_fingerprint"] = fingerprint
     if (
         cfg.data.get("vocab_map_from") is not None
     ):  # absent when null: the hashes of outputs from before the key
         sections["vocab_map_from"] = str(cfg.data.vocab_map_from)
     return stage_output(cfg.paths.artifacts, "data", sections)
+
+
+def source_fingerprint(source: str) -> dict | None:
+    """Size and sha256 (streamed) of a local source file, so an edited file gets a new data hash;
+    None for a packaged or hub source. Remembered per path, size and modification time."""
+    path = Path(source).expanduser()
+    if not path.is_file():
+        return None
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _FINGERPRINTS:
+        with open(path, "rb") as handle:
+            digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        _FINGERPRINTS[key] = {"size": stat.st_size, "sha256": digest}
+    return _FINGERPRINTS[key]
+
+
+_FINGERPRINTS: dict[tuple, dict] = {}
 
 
 def answer_sections(cfg: DictConfig) -> dict:
@@ -154,27 +176,95 @@ def export_output(cfg: DictConfig) -> StageOutput:
 
 
 def resolve_drafter_path(cfg: DictConfig, engine: str = "sglang") -> Path:
-    """The drafter folder later stages use: drafter.path (a folder or models:/NAME/VERSION), else
-    the export of the current config. engine picks the sglang/ or vllm/ subfolder of an export."""
+    """The drafter folder `engine` (sglang | vllm | local) serves: drafter.path (a folder or
+    models:/NAME/VERSION), else the export of the current config. A whole export gives the
+    engine's own subfolder, never another engine's (their aux-layer ids differ); a half-written
+    export is refused whether found by path or by hash."""
     path = cfg.drafter.get("path")
     if path and str(path).startswith(MODELS_URI):
         name, version = parse_models_uri(str(path))
         folder = download_registered(
             str(path), cfg.tracking.uri, Path(cfg.paths.artifacts) / "registry" / name / version
         )
-        return engine_folder(folder, engine)
+        return serving_folder(folder, engine)
     if path:
         folder = Path(str(path)).expanduser()
         if not folder.exists():
             raise Eagle3Error(f"drafter.path={path} does not exist")
-        return engine_folder(folder, engine)
+        return serving_folder(folder, engine)
     out = export_output(cfg)
     if not out.complete:
         raise Eagle3Error(
             "no exported drafter for this config: run `python -m eagle3.pipeline`, or "
             "`python -m eagle3.train` then `python -m eagle3.export` (or set drafter.path=...)"
         )
-    return engine_folder(out.path, engine)
+    return serving_folder(out.path, engine)
+
+
+# The subfolders of a whole export each engine may load, in order of preference.
+ENGINE_SUBFOLDERS = {
+    "sglang": ("sglang",),
+    "vllm": ("vllm", "speculators"),
+    "local": ("sglang", "vllm", "speculators"),
+}
+
+
+def serving_folder(folder: Path, engine: str) -> Path:
+    """The folder `engine` loads from `folder` (a drafter folder or a whole export), refused when
+    half-written or when it writes aux-layer ids in another engine's convention. Another engine's
+    folder that writes no aux-layer ids (the engines' default layers) reads the same everywhere."""
+    refuse_incomplete(folder)
+    if (folder / "config.json").exists():
+        chosen = folder
+    else:
+        names = ENGINE_SUBFOLDERS.get(engine, (engine,))
+        found = [folder / n for n in names if (folder / n / "config.json").exists()]
+        found += [
+            folder / n for n in ENGINES if n not in names and neutral(folder / n / "config.json")
+        ]
+        if not found:
+            wanted = " or ".join(f"{n}/config.json" for n in names)
+            raise Eagle3Error(f"{folder} holds no drafter for serve={engine} (no {wanted})")
+        chosen = found[0]
+    if not any(any(chosen.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.pt")):
+        raise Eagle3Error(f"{chosen} has a config.json but no weights: an incomplete export")
+    convention = read_config(chosen).get(RECIPE_KEY, {}).get("aux_convention")
+    if (
+        engine in ENGINES
+        and convention in ENGINES
+        and convention != engine
+        and not neutral(chosen / "config.json")
+    ):
+        raise Eagle3Error(
+            f"{chosen} was written for {convention} (aux-layer ids in {convention}'s convention); "
+            f"serve={engine} needs the {engine}/ folder of the export"
+        )
+    return chosen
+
+
+def read_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def neutral(config_path: Path) -> bool:
+    """A drafter config that writes no aux-layer ids: every engine reads it the same way."""
+    if not config_path.exists():
+        return False
+    raw = json.loads(config_path.read_text())
+    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return not nested and not raw.get("eagle_aux_hidden_state_layer_ids")
+
+
+def refuse_incomplete(folder: Path) -> None:
+    """A folder being written (*.partial) or inside an export whose manifest says incomplete."""
+    if folder.name.endswith(".partial"):
+        raise Eagle3Error(f"{folder} is a half-written export folder")
+    for manifest in (folder / "manifest.json", folder.parent / "manifest.json"):
+        if manifest.exists() and not json.loads(manifest.read_text()).get("complete"):
+            raise Eagle3Error(
+                f"{folder} belongs to an incomplete export ({manifest} says complete: false): "
+                "finish it with `python -m eagle3.export`"
+            )
 
 
 # Each stage's folder lookup, by stage name (the pipeline's plan and its skip test).

@@ -25,9 +25,8 @@ import httpx
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3.common import CONF_DIR, Eagle3Error, api_key, app, log
-from eagle3.drafter_io import engine_folder
 from eagle3.lifecycle import spawn
-from eagle3.outputs import resolve_drafter_path
+from eagle3.outputs import resolve_drafter_path, serving_folder
 from eagle3.redact import mask, mask_argv, masked_config
 from eagle3.shipped import shipped_drafter, wanted
 from eagle3.spec import Spec, resolve_spec
@@ -49,10 +48,14 @@ class EngineFailed(Eagle3Error):
 # ---------------------------------------------------------------- validating a spec per engine
 
 
-def check_spec_for_engine(engine: str, spec: Spec) -> None:
+def check_spec_for_engine(engine: str, spec: Spec, max_depth: int | None = None) -> None:
     """Refuse, before launching anything, a spec the engine cannot run (names the rule)."""
     if engine not in ENGINES:
         raise Eagle3Error(f"unknown serve.engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if max_depth is not None and spec.enabled and spec.depth > max_depth:
+        raise Eagle3Error(
+            f"spec.depth={spec.depth} exceeds serve.max_depth={max_depth} (tokens verified per step)"
+        )
     if engine == "vllm" and spec.enabled and spec.topk > 1:
         raise Eagle3Error(
             f"spec {spec.label} (topk={spec.topk}) is a tree; vLLM drafts chains only "
@@ -110,7 +113,7 @@ def compose_launch(
 ) -> Launch:
     """The command that serves `cfg.target` (+ the drafter when spec is enabled) on `cfg.serve.engine`."""
     scfg = cfg.serve
-    check_spec_for_engine(scfg.engine, spec)
+    check_spec_for_engine(scfg.engine, spec, scfg.get("max_depth"))
     if spec.enabled and drafter_path is None and not untrained_fallback(cfg):
         raise Eagle3Error(f"spec {spec.label} needs a drafter; set drafter.path or use spec=off")
     port = port or scfg.port or free_port(scfg.host)
@@ -553,12 +556,11 @@ def drafter_for(cfg: DictConfig, spec: Spec) -> Path | None:
     untrained fallback)."""
     if not spec.enabled:
         return None
-    # each engine reads custom aux-layer ids in its own convention; local reads either
-    engine = "vllm" if cfg.serve.engine == "vllm" else "sglang"
+    # each engine reads custom aux-layer ids in its own convention; local reads any
     if wanted(cfg):
-        return engine_folder(shipped_drafter(cfg), engine)
+        return serving_folder(shipped_drafter(cfg), cfg.serve.engine)
     try:
-        return Path(resolve_drafter_path(cfg, engine=engine))
+        return Path(resolve_drafter_path(cfg, engine=cfg.serve.engine))
     except Eagle3Error:
         if untrained_fallback(cfg):
             return None
@@ -574,7 +576,7 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     spec = resolve_spec(cfg.spec)
-    check_spec_for_engine(cfg.serve.engine, spec)
+    check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.get("max_depth"))
     folder = Path(HydraConfig.get().runtime.output_dir)
     engine = start_engine(cfg, spec, drafter_for(cfg, spec), target_path_for(cfg), folder)
     print(

@@ -3,6 +3,7 @@ dataset), the shipped ShareGPT sample, or a hub dataset."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections import Counter
@@ -12,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from eagle3.common import Eagle3Error
+from eagle3.common import Eagle3Error, log
 
 
 def read_rows(dcfg: DictConfig, counts: Counter) -> Iterator[Any]:
@@ -23,6 +24,10 @@ def read_rows(dcfg: DictConfig, counts: Counter) -> Iterator[Any]:
         return
     path = Path(source).expanduser()
     if path.suffix.lower() in (".json", ".jsonl", ".parquet") or source.startswith((".", "/", "~")):
+        if path.is_dir():
+            raise Eagle3Error(
+                f"data.source {source} is a directory: give a .json, .jsonl or .parquet file"
+            )
         if not path.is_file():
             raise Eagle3Error(f"data.source {source}: no such file")
         yield from read_file(path, counts)
@@ -51,33 +56,47 @@ def read_file(path: Path, counts: Counter) -> Iterator[Any]:
         raise Eagle3Error(
             f"data.source {path}: unsupported file type {suffix!r} (use .json, .jsonl or .parquet)"
         )
-    # surrogateescape keeps invalid UTF-8 bytes visible, so one bad row is counted, not fatal
-    text = path.read_bytes().decode("utf-8", errors="surrogateescape")
-    first = text.lstrip()[:1]
-    if first == "[":
+    # surrogateescape keeps invalid UTF-8 bytes visible, so one bad row is counted, not fatal;
+    # a UTF-8 byte order mark (some editors write one) is not part of the first row
+    text = path.read_bytes().decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")
+    if text.lstrip()[:1] == "[":
         yield from iter_json_array(path, counts, text)
-    elif first == "{":
-        yield from iter_jsonl(text, counts)
-    else:
-        raise Eagle3Error(f"data.source {path}: not a JSON array or JSON lines file")
+        return
+    rows = 0
+    for row in iter_jsonl(text, counts):  # a bad line (the first one too) is counted, not fatal
+        rows += 1
+        yield row
+    if rows == 0:
+        raise Eagle3Error(
+            f"data.source {path}: not a JSON array or JSON lines file (no line is JSON)"
+        )
 
 
 def iter_json_array(path: Path, counts: Counter, text: str | None = None) -> Iterator[Any]:
-    """Elements of a JSON array, one by one; a truncated tail ends the stream (counted)."""
+    """Elements of a JSON array, one by one. A file cut off inside its last element ends the
+    stream (counted as truncated_tail, with a warning); a broken element before the end stops the
+    stage naming its position (nothing after it would be read)."""
     if text is None:
         text = path.read_bytes().decode("utf-8", errors="surrogateescape")
     start = text.find("[")
     if start < 0:
         raise Eagle3Error(f"data.source {path}: not a JSON array")
     decoder, separators, pos = json.JSONDecoder(), re.compile(r"[\s,]*"), start + 1
-    while True:
+    for element in itertools.count(1):
         pos = separators.match(text, pos).end()
         if pos >= len(text) or text[pos] == "]":
             return
         try:
             row, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as err:
+            if text.rstrip().endswith("]"):  # a closed array: the break is not a cut-off end
+                line = text.count("\n", 0, pos) + 1
+                raise Eagle3Error(
+                    f"data.source {path}: element {element} of the JSON array (from line {line}) "
+                    f"is not valid JSON: {err.msg} (line {err.lineno}, column {err.colno})"
+                ) from None
             counts["truncated_tail"] += 1
+            log.warning("data.source %s ends inside element %d", path, element)
             return
         yield row
 

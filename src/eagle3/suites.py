@@ -20,15 +20,36 @@ class Prompt:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """Rows of a .json (a list), .jsonl or .jsonl.gz file."""
+    """Rows of a .json (a list), .jsonl or .jsonl.gz file; a malformed one is one line naming
+    the file and the line (a UTF-8 byte order mark is skipped)."""
+    if path.is_dir():
+        raise Eagle3Error(f"{path} is a directory: give a .jsonl or .json file of prompts")
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        if path.name.endswith((".jsonl", ".jsonl.gz")):
-            return [json.loads(line) for line in handle if line.strip()]
-        rows = json.load(handle)
+    try:
+        with opener(path, "rt", encoding="utf-8-sig") as handle:
+            if path.name.endswith((".jsonl", ".jsonl.gz")):
+                return [
+                    json_line(line, path, number)
+                    for number, line in enumerate(handle, 1)
+                    if line.strip()
+                ]
+            rows = json.load(handle)
+    except json.JSONDecodeError as err:
+        raise Eagle3Error(
+            f"{path} is not JSON (line {err.lineno}, column {err.colno}: {err.msg})"
+        ) from None
+    except (UnicodeDecodeError, OSError) as err:
+        raise Eagle3Error(f"{path} cannot be read as UTF-8 JSON: {err}") from None
     if not isinstance(rows, list):
         raise Eagle3Error(f"{path}: expected a JSON list of rows")
     return rows
+
+
+def json_line(line: str, path: Path, number: int):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise Eagle3Error(f"{path} line {number} is not JSON ({err.msg})") from None
 
 
 def packaged_file(package: str, relative: str) -> Path:
@@ -37,6 +58,8 @@ def packaged_file(package: str, relative: str) -> Path:
 
 
 def to_prompt(row: dict, index: int, field: str, source: str) -> Prompt:
+    if not isinstance(row, dict):
+        raise Eagle3Error(f"{source} row {index}: expected a JSON object, got {type(row).__name__}")
     row_id = str(row.get("id", row.get("task_id", row.get("question_id", index))))
     if "messages" in row and field == "prompt":
         messages = row["messages"]
@@ -78,7 +101,20 @@ def load_suite(bcfg: DictConfig) -> list[Prompt]:
     prompts = [to_prompt(row, i, field, source) for i, row in enumerate(rows)]
     if not prompts:
         raise Eagle3Error(f"prompt suite {source} is empty")
-    return prompts[: bcfg.limit] if bcfg.limit else prompts
+    return prompts[: bcfg.limit] if bcfg.limit is not None else prompts
+
+
+def check_bench_settings(bcfg: DictConfig) -> None:
+    """bench.* values that cannot be measured, refused before anything is launched."""
+    for key, least in (("batch_size", 1), ("max_new_tokens", 1), ("warmup", 0)):
+        value = bcfg.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise Eagle3Error(f"bench.{key}={value}: must be an integer >= {least}")
+    limit = bcfg.get("limit")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise Eagle3Error(
+            f"bench.limit={limit}: must be a number of prompts >= 1, or null for all of them"
+        )
 
 
 def suite_name(bcfg: DictConfig) -> str:

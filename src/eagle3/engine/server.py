@@ -637,7 +637,7 @@ def load_engine_drafter(cfg: DictConfig, target, spec):
     if not spec.enabled:
         return None, "none (spec=off)"
     try:
-        path = resolve_drafter_path(cfg)
+        path = resolve_drafter_path(cfg, engine="local")
     except Eagle3Error:
         if cfg.drafter.get("path") or cfg.serve.drafter_fallback != "untrained":
             raise
