@@ -126,3 +126,44 @@ def test_processes_starting_on_a_new_store_at_once_all_succeed(tmp_path):
     assert len(client.search_experiments()) == 2  # Default + eagle3, created once
     experiment = client.get_experiment_by_name("eagle3")
     assert len(client.search_runs([experiment.experiment_id])) == 3
+
+
+def test_the_bench_sends_the_api_key_the_server_requires(make_cfg, tmp_path, monkeypatch):
+    """EAGLE3_API_KEY set: the local server refuses requests without it (401), so a job that
+    measures at all has sent it; the key is in no file of the job."""
+    from eagle3.bench import run_job
+
+    monkeypatch.setenv("EAGLE3_API_KEY", SECRETS[3])
+    cfg = make_cfg(
+        "target=tiny-llama",
+        "spec=off",
+        "engine.cpu_threads=1",
+        "bench.limit=2",
+        "bench.warmup=0",
+        "bench.max_new_tokens=4",
+        "bench.reuse_baseline=false",
+        f"paths.artifacts={tmp_path}/artifacts",
+    )
+    result = run_job(cfg, tmp_path / "job")
+    assert result["status"] == "ok", result.get("error")
+    assert result["output_tokens"] == 8
+    assert files_containing(tmp_path, SECRETS) == []
+
+
+def test_vllm_and_sglang_get_the_key_without_logging_it(make_cfg, monkeypatch):
+    from eagle3.serve import compose_launch
+    from eagle3.spec import OFF
+
+    monkeypatch.setenv("EAGLE3_API_KEY", "k-123")
+    vllm = compose_launch(make_cfg("serve=vllm", "spec=off"), OFF, None, "/models/target")
+    assert vllm.env["VLLM_API_KEY"] == "k-123" and "k-123" not in " ".join(vllm.argv)
+    assert vllm.headers == {"Authorization": "Bearer k-123"} and "k-123" not in repr(vllm)
+    assert mask(vllm.env, in_env=True)["VLLM_API_KEY"] == MASK
+    sglang = compose_launch(
+        make_cfg("serve=sglang", "serve.version=0.5.20", "serve.validate_args=false"),
+        OFF,
+        None,
+        "/models/target",
+    )
+    at = sglang.argv.index("--api-key")
+    assert sglang.argv[at + 1] == "k-123" and mask_argv(sglang.argv)[at + 1] == MASK

@@ -72,7 +72,7 @@ class Launch:
 
     engine: str
     argv: list[str]
-    env: dict[str, str]
+    env: dict[str, str] = field(repr=False)  # may hold secrets (command.json masks them)
     host: str
     port: int
     health_path: str = "/health"
