@@ -167,3 +167,11 @@ def test_vllm_and_sglang_get_the_key_without_logging_it(make_cfg, monkeypatch):
     )
     at = sglang.argv.index("--api-key")
     assert sglang.argv[at + 1] == "k-123" and mask_argv(sglang.argv)[at + 1] == MASK
+
+
+def test_an_engine_log_tail_is_masked(tmp_path):
+    from eagle3.serve import EngineProcess, Launch
+
+    engine = EngineProcess(Launch("sglang", ["true"], {}, "127.0.0.1", 1), tmp_path)
+    engine.log_path.write_text("server_args=ServerArgs(api_key='k-9', port=1)\n--api-key k-9\n")
+    assert "k-9" not in engine.log_tail() and engine.log_tail().count(MASK) == 2

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from eagle3.common import CONF_DIR, Eagle3Error, api_key, app, log
 from eagle3.lifecycle import spawn
 from eagle3.outputs import resolve_drafter_path, serving_folder
-from eagle3.redact import mask, mask_argv, masked_config
+from eagle3.redact import mask, mask_argv, mask_text, masked_config
 from eagle3.shipped import shipped_drafter, wanted
 from eagle3.spec import Spec, resolve_spec
 from eagle3.target import resolve_target_path
@@ -431,9 +431,11 @@ class EngineProcess:
                 break
 
     def log_tail(self, lines: int = 40) -> str:
+        """The end of the engine's log, secrets masked (it goes into MLflow tags and errors)."""
         if not self.log_path.exists():
             return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return "\n".join(mask_text(line) for line in tail)
 
     def __enter__(self) -> EngineProcess:
         return self.start() if self.proc is None else self
