@@ -8,6 +8,7 @@ import contextlib
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -164,7 +165,11 @@ def comparison_screenshot(
         await page.click(select_by_typing("Metrics:"))
         for metric in metrics:
             await page.type(metric)
-        await page.call("Input.dispatchKeyEvent", type="keyDown", key="Escape", code="Escape")
+        title = (
+            "[...document.querySelectorAll('*')]"
+            ".filter(e => e.textContent.startsWith('Comparing ')).pop()"
+        )
+        await page.click(title)  # closes the open dropdown
         await page.wait_for("document.querySelector('.parcoords') !== null", timeout_s=120)
         await page.evaluate(SCROLL_TO_TOP)
         await asyncio.sleep(2)
@@ -202,7 +207,10 @@ def main(cfg: DictConfig) -> None:
     artifacts = str(Path(cfg.tracking.artifact_location).resolve().as_uri())
     if cfg.tracking.get("ui_screenshot"):
         out = Path(cfg.tracking.ui_screenshot).resolve()
-        with mlflow_server(cfg.tracking.uri, artifacts, out.with_suffix(".log")) as url:
+        with (
+            tempfile.TemporaryDirectory(prefix="eagle3-ui-") as logs,
+            mlflow_server(cfg.tracking.uri, artifacts, Path(logs) / "mlflow.log") as url,
+        ):
             comparison_screenshot(url, experiment_id, newest_sweep(url, experiment_id), out)
         print(f"screenshot: {out}")
         return
