@@ -123,9 +123,10 @@ def test_killed_serve_takes_its_engine_along(test_root, tmp_path, sig):
         proc.wait()
 
 
-def bench_argv(artifacts, root, *overrides) -> list[str]:
+def bench_argv(artifacts, root, *overrides, multirun: bool = False) -> list[str]:
     return app_argv(
         "eagle3.bench",
+        *(["-m"] if multirun else []),
         *common_overrides(artifacts, root),
         "bench.suite=vicuna",
         "bench.limit=1",
@@ -244,8 +245,14 @@ def test_two_sweeps_in_the_same_second_stay_apart(own_artifacts, tmp_path):
     parent runs, every job in its own sweep."""
     procs = []
     for depths in ("3,4", "5,6"):
-        argv = bench_argv(own_artifacts, tmp_path, "-m", f"spec.depth={depths}")
-        argv += ["spec.topk=1", "bench.reuse_baseline=false"]
+        argv = bench_argv(
+            own_artifacts,
+            tmp_path,
+            f"spec.depth={depths}",
+            "spec.topk=1",
+            "bench.reuse_baseline=false",
+            multirun=True,
+        )
         log = open(tmp_path / f"sweep-{depths}.log", "w")
         procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
     for proc in procs:
