@@ -338,7 +338,8 @@ def test_vllm_sweep_reads_counters_and_refuses_trees(test_root, tmp_path, vllm_d
     } <= {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert parent.info.status == "FINISHED" and parent.data.tags["failed_jobs"] == "2"
     assert (
-        "vllm, vicuna, batch 1, 24 new tokens:" in out.stdout and "2 of 4 jobs failed" in out.stdout
+        "vllm, vicuna, batch 1, 24 new tokens, drafter " in out.stdout
+        and "2 of 4 jobs failed" in out.stdout
     )
     assert out.stdout.strip().splitlines()[-1].startswith("cost model: ")
 
