@@ -184,11 +184,11 @@ def test_system_policy(make_cfg):
     replace, _ = conversations(
         file_cfg(
             make_cfg,
-            "normalise.system_policy=replace",
-            "normalise.system_prompt=Be brief.",
+            "data.normalise.system_policy=replace",
+            "data.normalise.system_prompt=Be brief.",
         )
     )
-    drop, _ = conversations(file_cfg(make_cfg, "normalise.system_policy=drop"))
+    drop, _ = conversations(file_cfg(make_cfg, "data.normalise.system_policy=drop"))
     assert all(c["messages"][0] == {"role": "system", "content": "Be brief."} for c in replace)
     assert sum(m["role"] == "system" for c in replace for m in c["messages"]) == len(replace)
     assert not any(m["role"] == "system" for c in drop for m in c["messages"])
