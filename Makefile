@@ -13,7 +13,7 @@ $(VENV)/.eagle3-ready: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,cluster]'
 	$(BIN)/pip install -q --no-deps $(ASSETS)
 	touch $@
 

@@ -39,6 +39,22 @@ def test_kimi_dry_run_prints_a_valid_plan(test_root):
     assert '"eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]' in out
     # 4 x 7168 x 2 B + 5 B per token, over at most 100,000 x 4096 tokens
     assert "57.3 kB per token; at most 409,600,000 tokens" in out and "23.490 TB" in out
+    # training on 4 GPUs goes to SLURM: the batch script submitit would submit (one task per GPU,
+    # ranks from srun for Lightning's SLURM environment)
+    train = out[out.index("] train:") : out.index("] export:")]
+    assert "-m eagle3.train -m experiment=kimi-k2.5 hydra/launcher=submitit_slurm" in train
+    for line in (
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --nodes=1",
+        "#SBATCH --job-name=train",
+        "#SBATCH --time=720",
+        "#SBATCH --mem=480GB",
+    ):
+        assert line in train, line
+    assert "srun --unbuffered" in train and "-m submitit.core._submit" in train
+    bench = out[out.index("] bench:") :]
+    assert "#SBATCH --gpus-per-node=8" in bench and "#SBATCH --ntasks-per-node=1" in bench
     assert out.rstrip().endswith(
         "plan valid: every bench job's spec and engine command passed validation"
     )

@@ -7,6 +7,8 @@ written last: a folder without it is half-written and gets resumed, never reused
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import subprocess
@@ -97,6 +99,18 @@ class StageOutput:
         previous = self.manifest()
         self._write({**self._base(), "started": previous.get("started", _now()), "complete": False})
         return self.path
+
+    @contextlib.contextmanager
+    def lock(self):
+        """Hold an exclusive lock on this output (a file beside its folder) for the block: jobs
+        running at once (a parallel launcher) take turns, so one writes and the others read."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.parent / f"{self.path.name}.lock", "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield self
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def finish(self, counts: dict | None = None, **extra: Any) -> None:
         manifest = {**self.manifest(), **self._base(), **extra}

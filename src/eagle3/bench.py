@@ -351,19 +351,20 @@ def baseline(cfg: DictConfig, target_path, requests, folder: Path, scope: str) -
                 "baseline_age_s": time.time() - measured_at,
             }
     out = baseline_output(cfg, scope)
-    if out.complete:
-        manifest = out.manifest()
-        return {
-            **json.loads((out.path / "metrics.json").read_text()),
-            "baseline_reused": False,
-            "baseline_run_id": manifest.get("run_id"),
-        }
-    metrics = measure(cfg, OFF, None, target_path, requests, folder / "baseline")
-    out.start()
-    (out.path / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    run_id = active_run_id()
-    counts = {"requests": metrics["requests"], "output_tokens": metrics["output_tokens"]}
-    out.finish(counts, run_id=run_id, measured_at=time.time())
+    with out.lock():  # jobs of one sweep running at once (a parallel launcher): one measures
+        if out.complete:
+            manifest = out.manifest()
+            return {
+                **json.loads((out.path / "metrics.json").read_text()),
+                "baseline_reused": False,
+                "baseline_run_id": manifest.get("run_id"),
+            }
+        metrics = measure(cfg, OFF, None, target_path, requests, folder / "baseline")
+        out.start()
+        (out.path / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        run_id = active_run_id()
+        counts = {"requests": metrics["requests"], "output_tokens": metrics["output_tokens"]}
+        out.finish(counts, run_id=run_id, measured_at=time.time())
     return {**metrics, "baseline_reused": False, "baseline_run_id": run_id}
 
 
@@ -564,6 +565,11 @@ def engine_version(cfg: DictConfig) -> str:
     return f"{cfg.serve.engine} {done.stdout.strip() or 'unknown'}"
 
 
+def job_value(result: dict) -> float:
+    """A job's score for a search (search=shapes): its median tok/s, 0 when it failed."""
+    return float(result["tokens_per_s"]) if result.get("status") == "ok" else 0.0
+
+
 def log_job(cfg: DictConfig, result: dict) -> None:
     """Settings as params, measurements as metrics (tok/s per pass as steps of tokens_per_s_pass),
     or the failure, on the active child run."""
@@ -600,7 +606,7 @@ def baseline_of(result: dict) -> dict:
 
 
 @app
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -609,8 +615,8 @@ def main(cfg: DictConfig) -> None:
     folder = Path(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:
         sweep_dir = Path(hydra_cfg.sweep.dir)
-        run_job(cfg, folder, sweep.parent_run_id(sweep_dir), sweep_dir)
-        return
+        result = run_job(cfg, folder, sweep.parent_run_id(sweep_dir), sweep_dir)
+        return job_value(result)  # the score a search ranks jobs by (search=shapes)
     result = run_job(cfg, folder)
     sweep.summarize(cfg, [result], folder)
     if result["status"] != "ok":

@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
@@ -17,6 +18,11 @@ from eagle3.lifecycle import Stopped, raise_on_signals
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 log = logging.getLogger("eagle3")
+# conf/hydra/launcher and conf/hydra/sweeper fill in the plugins' schemas of the same name, which
+# Hydra 1.3 validates them against (and warns about on every run).
+warnings.filterwarnings(
+    "ignore", message="(?s).*is validated against ConfigStore schema with the same"
+)
 # `${cwd:}` in conf/paths: the directory the app was started from (also outside Hydra apps).
 OmegaConf.register_new_resolver("cwd", os.getcwd, replace=True)
 

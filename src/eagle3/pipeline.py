@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from eagle3 import data, export, extract, train
 from eagle3.artifacts import StageOutput
+from eagle3.cluster import submission
 from eagle3.common import Eagle3Error, app, compose, unique_suffix
 from eagle3.extract_vllm import capture_launch, target_shape
 from eagle3.lifecycle import run_child
@@ -62,6 +63,10 @@ def bench_jobs(cfg: DictConfig) -> list[list[str]]:
     return [list(job) for job in itertools.product(*choices)]
 
 
+def launcher_overrides(cfg: DictConfig) -> list[str]:
+    return [f"hydra/launcher={cfg.pipeline.launcher}"] if cfg.pipeline.launcher else []
+
+
 def bench_command(cfg: DictConfig, sweep_dir: Path) -> list[str]:
     return [
         sys.executable,
@@ -70,8 +75,31 @@ def bench_command(cfg: DictConfig, sweep_dir: Path) -> list[str]:
         "-m",
         *user_overrides(),
         *cfg.pipeline.bench_sweep,
+        *launcher_overrides(cfg),
         f"hydra.sweep.dir={sweep_dir}",
     ]
+
+
+def train_command(cfg: DictConfig, sweep_dir: Path) -> list[str]:
+    """Training as a one-job multirun through pipeline.launcher (a SLURM job of
+    trainer.num_nodes x trainer.devices tasks)."""
+    return [
+        sys.executable,
+        "-m",
+        "eagle3.train",
+        "-m",
+        *user_overrides(),
+        *launcher_overrides(cfg),
+        f"hydra.sweep.dir={sweep_dir / 'train'}",
+    ]
+
+
+def print_submission(cfg: DictConfig, app_name: str, overrides: list[str], sweep_dir: Path) -> None:
+    """The batch script pipeline.launcher would submit for one job (SLURM launchers only)."""
+    if not str(cfg.pipeline.launcher).startswith("submitit_slurm"):
+        return
+    script = submission(app_name, [*user_overrides(), *overrides], cfg.pipeline.launcher, sweep_dir)
+    print("      " + script.strip().replace("\n", "\n      "))
 
 
 def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
@@ -85,12 +113,16 @@ def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
     for index, stage in enumerate(planned_stages(cfg), 1):
         if stage == "bench":
             print(f"[{index}] bench: {' '.join(bench_command(cfg, sweep_dir))}")
+            print_submission(cfg, "bench", bench_jobs(cfg)[0], sweep_dir)
             continue
         out = stage_output(cfg, stage)
         status = "done" if out.complete else "to run"
-        print(
-            f"[{index}] {stage}: python -m eagle3.{stage} {overrides}\n      -> {out.path} ({status})"
-        )
+        command = f"python -m eagle3.{stage} {overrides}"
+        if stage == "train" and cfg.pipeline.launcher:
+            command = " ".join(train_command(cfg, sweep_dir))
+        print(f"[{index}] {stage}: {command}\n      -> {out.path} ({status})")
+        if stage == "train":
+            print_submission(cfg, "train", [], sweep_dir / "train")
         if stage == "extract":
             print("\n".join(disk_lines(cfg)))
             if cfg.extract.backend == "vllm":
@@ -136,23 +168,28 @@ def capture_command(cfg: DictConfig, extract_dir: Path) -> list[str]:
     return [f"{k}={v}" for k, v in launch.env.items()] + launch.argv
 
 
-def run_stage(cfg: DictConfig, stage: str) -> str:
+def run_stage(cfg: DictConfig, stage: str, sweep_dir: Path) -> str:
     out = stage_output(cfg, stage)
     if out.complete:
         return f"skipped (done) -> {out.path}"
+    if stage == "train" and cfg.pipeline.launcher:
+        return run_command(cfg, train_command(cfg, sweep_dir), "training", sweep_dir / "train")
     STAGE_RUNS[stage](cfg)
     return f"done -> {out.path}"
 
 
-def run_bench(cfg: DictConfig, sweep_dir: Path) -> str:
-    """The bench sweep as a child process that dies with this one (a watchdog covers SIGKILL)."""
+def run_command(cfg: DictConfig, command: list[str], what: str, folder: Path) -> str:
+    """A child process that dies with this one (a watchdog covers SIGKILL)."""
     grace_s, poll_s = cfg.pipeline.stop_timeout_s, cfg.serve.watchdog_poll_s
-    returncode = run_child(bench_command(cfg, sweep_dir), grace_s, poll_s)
+    returncode = run_child(command, grace_s, poll_s)
     if returncode != 0:
-        raise Eagle3Error(
-            f"the bench sweep failed (exit {returncode}); its jobs' logs are under {sweep_dir}"
-        )
-    return f"done -> {sweep_dir}"
+        raise Eagle3Error(f"{what} failed (exit {returncode}); its logs are under {folder}")
+    return f"done -> {folder}"
+
+
+def run_bench(cfg: DictConfig, sweep_dir: Path) -> str:
+    """The bench sweep as a child process."""
+    return run_command(cfg, bench_command(cfg, sweep_dir), "the bench sweep", sweep_dir)
 
 
 def print_summary(cfg: DictConfig, sweep_dir: Path) -> None:
@@ -193,7 +230,7 @@ def main(cfg: DictConfig) -> None:
     for index, stage in enumerate(stages, 1):
         started = time.monotonic()
         print(f"[{index}/{len(stages)}] {stage} ...", flush=True)
-        result = run_bench(cfg, sweep_dir) if stage == "bench" else run_stage(cfg, stage)
+        result = run_bench(cfg, sweep_dir) if stage == "bench" else run_stage(cfg, stage, sweep_dir)
         print(
             f"[{index}/{len(stages)}] {stage} {result} ({time.monotonic() - started:.0f}s)",
             flush=True,

@@ -32,6 +32,7 @@ from eagle3.artifacts import StageOutput
 from eagle3.callbacks import Throughput, checkpoint_callbacks
 from eagle3.common import Eagle3Error, app, log, resolve_device
 from eagle3.datamodule import DrafterData, datasets_for
+from eagle3.distributed import lost_peer_error, peer_lost, strategy_for, under_slurm
 from eagle3.drafter import Eagle3Drafter, build_drafter
 from eagle3.drafter_io import (
     BEST_WEIGHTS,
@@ -138,6 +139,8 @@ def choose_strategy(trainer_cfg: DictConfig, multirun: bool) -> str:
     """Lightning's ddp re-launches the script per rank; under a Hydra multirun that re-runs the
     whole sweep in every rank, so there ddp becomes ddp_spawn (processes forked from this job)."""
     strategy = trainer_cfg.strategy
+    if under_slurm():  # srun started one task per rank: nothing to launch or spawn
+        return strategy
     if multirun and trainer_cfg.devices != 1 and strategy in ("ddp", "auto"):
         log.warning(
             "trainer.strategy=%s under a Hydra multirun: using ddp_spawn so ranks do not re-run the "
@@ -162,7 +165,8 @@ def build_trainer(cfg: DictConfig, folder: Path, logger, callbacks=()) -> L.Trai
     return L.Trainer(
         accelerator=trainer_cfg.accelerator,
         devices=trainer_cfg.devices,
-        strategy=choose_strategy(trainer_cfg, in_multirun()),
+        num_nodes=trainer_cfg.num_nodes,
+        strategy=strategy_for(trainer_cfg, choose_strategy(trainer_cfg, in_multirun())),
         precision=precision_for(trainer_cfg),
         max_epochs=cfg.train.epochs,
         gradient_clip_val=cfg.train.grad_clip,
@@ -216,6 +220,10 @@ def fit(
     torch.backends.cuda.enable_cudnn_sdp(cfg.trainer.cudnn_attention)  # a no-op without CUDA
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
+    except RuntimeError as err:
+        if trainer.world_size > 1 and peer_lost(err):
+            raise lost_peer_error(err, trainer.world_size, trainer.num_nodes, last) from err
+        raise
     finally:
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
     if trainer.is_global_zero:

@@ -1,0 +1,135 @@
+"""Training across nodes, on loopback: two "nodes" of one process each (gloo, MASTER_ADDR=127.0.0.1,
+NODE_RANK 0 and 1, trainer.num_nodes=2) against one node of two processes (trainer.devices=2), the
+same global batch and seed; then one node SIGKILLed mid-run, and the rerun of both."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+TESTS = Path(__file__).parent
+OVERRIDES = [
+    "target=tiny-llama",
+    "drafter.draft_vocab_size=128",
+    "train.hidden_states=online",
+    "train.ttt_length=2",
+    "train.max_length=32",
+    "train.batch_size=4",
+    "train.bucket_batches=2",
+    "train.lr=3e-3",
+    "train.warmup_ratio=0.1",
+    "train.epochs=1",
+    "train.checkpoint_every_n_steps=2",
+    "trainer.accelerator=cpu",
+    "trainer.strategy=ddp",
+    "trainer.progress_bar=false",
+    "tracking.enabled=false",
+]
+N_TRAIN = 32  # 8 batches of 4: 4 steps on each of the 2 ranks
+
+SCRIPT = """
+import json, os, signal, sys
+sys.path.insert(0, {tests!r})
+import lightning as L, torch
+from eagle3.common import compose
+from test_train import synthetic_fit
+
+class Losses(L.Callback):  # every rank's loss per step, appended as it goes (a killed rank keeps its)
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        with open({folder!r} + f"/losses-rank{{trainer.global_rank}}.jsonl", "a") as out:
+            out.write(json.dumps([trainer.global_step, float(outputs["loss"])]) + "\\n")
+        if trainer.global_step == {kill_at} and os.environ.get("NODE_RANK") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)  # a real kill of the second node, at a known step
+
+cfg = compose({overrides!r})
+synthetic_fit(cfg, __import__("pathlib").Path({folder!r}), [Losses()], n_train={n_train})
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(tmp_path: Path, folder: Path, overrides: list[str], env: dict, kill_at: int = -1):
+    script = tmp_path / "multinode_script.py"
+    script.write_text(
+        SCRIPT.format(
+            tests=str(TESTS),
+            folder=str(folder),
+            overrides=overrides,
+            kill_at=kill_at,
+            n_train=N_TRAIN,
+        )
+    )
+    return subprocess.Popen(
+        [sys.executable, str(script)],
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def two_nodes(tmp_path: Path, folder: Path, overrides: list[str], kill_at: int = -1) -> list:
+    """Both nodes started at once on loopback; [(returncode, output)] per node rank."""
+    folder.mkdir(parents=True, exist_ok=True)
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    nodes = [
+        start(tmp_path, folder, overrides, {**common, "NODE_RANK": str(rank)}, kill_at)
+        for rank in (0, 1)
+    ]
+    outputs = []
+    for node in nodes:
+        out, _ = node.communicate(timeout=600)
+        outputs.append((node.returncode, out))
+    return outputs
+
+
+def losses(folder: Path, rank: int) -> dict[int, float]:
+    """Step -> loss of one rank (a step trained twice, before a kill and after the resume, must
+    have given the same loss both times)."""
+    found: dict[int, float] = {}
+    for line in (folder / f"losses-rank{rank}.jsonl").read_text().splitlines():
+        step, loss = json.loads(line)
+        assert found.setdefault(step, loss) == loss, (rank, step)
+    return found
+
+
+def test_two_nodes_equal_one_node_and_resume_after_a_node_is_killed(test_root, tmp_path):
+    base = [f"paths.root={test_root}", *OVERRIDES]
+    one = tmp_path / "one-node"
+    one.mkdir()
+    single = start(tmp_path, one, [*base, "trainer.devices=2"], {})
+    out, _ = single.communicate(timeout=600)
+    assert single.returncode == 0, out[-3000:]
+    expected = [losses(one, rank) for rank in (0, 1)]
+    assert sorted(expected[0]) == [1, 2, 3, 4]
+
+    nodes = tmp_path / "two-nodes"
+    overrides = [*base, "trainer.devices=1", "trainer.num_nodes=2"]
+    (code0, out0), (code1, _) = two_nodes(tmp_path, nodes, overrides, kill_at=3)
+    assert code1 == -signal.SIGKILL
+    assert code0 != 0  # the surviving node fails instead of waiting for its peer
+    assert "lost a process" in out0 and "rerun" in out0, out0[-3000:]
+    last = torch.load(nodes / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 2  # checkpoints every 2 steps: the one before the kill
+
+    (code0, out0), (code1, out1) = two_nodes(tmp_path, nodes, overrides)
+    assert code0 == 0 and code1 == 0, (out0[-3000:], out1[-3000:])
+    assert "resuming from" in out0 and "resuming from" in out1
+    # every step's loss on every rank equals the one-node run's: the same global batch and seed
+    assert [losses(nodes, rank) for rank in (0, 1)] == expected
+    final = torch.load(nodes / "checkpoints" / "last.ckpt", weights_only=False)
+    assert final["global_step"] == 4
+    reference = torch.load(one / "checkpoints" / "last.ckpt", weights_only=False)
+    for key, value in reference["state_dict"].items():
+        assert torch.equal(value, final["state_dict"][key]), key
