@@ -94,10 +94,12 @@ def measure(args, lengths: list[int]) -> list[dict]:
     """One real training step (ttt_loss, backward, Adam) of this drafter on the GPU per length:
     peak allocation against the computed DDP total without the DDP buckets (one process)."""
     import torch
-    from omegaconf import OmegaConf
 
     from eagle3.drafter import Eagle3Drafter, drafter_config
     from eagle3.ttt import ttt_loss
+
+    class Settings(dict):  # drafter.* as drafter_config reads them (attribute and .get access)
+        __getattr__ = dict.get
 
     target = {
         "hidden_size": args.target_hidden,
@@ -107,18 +109,9 @@ def measure(args, lengths: list[int]) -> list[dict]:
         "num_key_value_heads": args.kv_heads,
         "max_position_embeddings": max(lengths) + args.ttt + 1,
     }
-    dcfg = OmegaConf.create(
-        {
-            "num_layers": 1,
-            "draft_vocab_size": args.draft_vocab,
-            "hidden_size": None,
-            "intermediate_size": None,
-            "num_heads": None,
-            "num_kv_heads": None,
-            "max_position_embeddings": None,
-        }
-    )
-    device = torch.device("cuda")
+    dcfg = Settings(num_layers=1, draft_vocab_size=args.draft_vocab)
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
     torch.manual_seed(0)
     with torch.device(device):
         drafter = Eagle3Drafter(drafter_config(target, dcfg, [2, 30, 58])).float()
@@ -142,14 +135,14 @@ def measure(args, lengths: list[int]) -> list[dict]:
             ),
         }
         for _ in range(2):  # the second step holds Adam's states from the start: the steady peak
-            torch.cuda.reset_peak_memory_stats()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            if gpu:
+                torch.cuda.reset_peak_memory_stats()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss, _ = ttt_loss(drafter, batch, head, args.ttt, 1.0)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated() if gpu else float("nan")
         args.length = length
         computed = table(args)["ddp"]
         computed.pop("DDP gradient buckets")
@@ -183,6 +176,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument(
         "--measure", default="", help="lengths to measure on the GPU, e.g. 512,1024"
+    )
+    parser.add_argument(
+        "--device", default="cuda", help="where --measure runs (peaks on CUDA only)"
     )
     parser.add_argument("--json", default="", help="write the table (and measurements) here")
     args = parser.parse_args()

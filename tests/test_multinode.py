@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -59,7 +60,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(tmp_path: Path, folder: Path, overrides: list[str], env: dict, kill_at: int = -1):
+def start(tmp_path: Path, folder: Path, overrides: list[str], env: dict, log: Path, kill_at=-1):
+    """One training process (a node of one rank, or a node of trainer.devices ranks); its output
+    goes to `log` (a file, so a process never blocks on a full pipe)."""
     script = tmp_path / "multinode_script.py"
     script.write_text(
         SCRIPT.format(
@@ -73,25 +76,35 @@ def start(tmp_path: Path, folder: Path, overrides: list[str], env: dict, kill_at
     return subprocess.Popen(
         [sys.executable, str(script)],
         env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-        stdout=subprocess.PIPE,
+        stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
-        text=True,
     )
+
+
+def finish(processes: list, logs: list[Path], timeout_s: float = 600) -> list:
+    """[(returncode, output)] per process; a process still running at the deadline is killed."""
+    deadline = time.monotonic() + timeout_s
+    for proc in processes:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return [
+        (proc.returncode, log.read_text(errors="replace")) for proc, log in zip(processes, logs)
+    ]
 
 
 def two_nodes(tmp_path: Path, folder: Path, overrides: list[str], kill_at: int = -1) -> list:
     """Both nodes started at once on loopback; [(returncode, output)] per node rank."""
     folder.mkdir(parents=True, exist_ok=True)
     common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    logs = [folder / f"node{rank}-{time.monotonic_ns()}.log" for rank in (0, 1)]
     nodes = [
-        start(tmp_path, folder, overrides, {**common, "NODE_RANK": str(rank)}, kill_at)
+        start(tmp_path, folder, overrides, {**common, "NODE_RANK": str(rank)}, logs[rank], kill_at)
         for rank in (0, 1)
     ]
-    outputs = []
-    for node in nodes:
-        out, _ = node.communicate(timeout=600)
-        outputs.append((node.returncode, out))
-    return outputs
+    return finish(nodes, logs)
 
 
 def losses(folder: Path, rank: int) -> dict[int, float]:
@@ -108,16 +121,16 @@ def test_two_nodes_equal_one_node_and_resume_after_a_node_is_killed(test_root, t
     base = [f"paths.root={test_root}", *OVERRIDES]
     one = tmp_path / "one-node"
     one.mkdir()
-    single = start(tmp_path, one, [*base, "trainer.devices=2"], {})
-    out, _ = single.communicate(timeout=600)
-    assert single.returncode == 0, out[-3000:]
+    log = tmp_path / "one-node.log"
+    [(code, out)] = finish([start(tmp_path, one, [*base, "trainer.devices=2"], {}, log)], [log])
+    assert code == 0, out[-3000:]
     expected = [losses(one, rank) for rank in (0, 1)]
     assert sorted(expected[0]) == [1, 2, 3, 4]
 
     nodes = tmp_path / "two-nodes"
     overrides = [*base, "trainer.devices=1", "trainer.num_nodes=2"]
-    (code0, out0), (code1, _) = two_nodes(tmp_path, nodes, overrides, kill_at=3)
-    assert code1 == -signal.SIGKILL
+    (code0, out0), (code1, out1) = two_nodes(tmp_path, nodes, overrides, kill_at=3)
+    assert code1 == -signal.SIGKILL, out1[-3000:]
     assert code0 != 0  # the surviving node fails instead of waiting for its peer
     assert "lost a process" in out0 and "rerun" in out0, out0[-3000:]
     last = torch.load(nodes / "checkpoints" / "last.ckpt", weights_only=False)
@@ -125,7 +138,10 @@ def test_two_nodes_equal_one_node_and_resume_after_a_node_is_killed(test_root, t
 
     (code0, out0), (code1, out1) = two_nodes(tmp_path, nodes, overrides)
     assert code0 == 0 and code1 == 0, (out0[-3000:], out1[-3000:])
-    assert "resuming from" in out0 and "resuming from" in out1
+    assert "resuming from" in out0
+    for rank in (0, 1):  # steps 1-3 before the kill, then 3-4 again from the step-2 checkpoint
+        lines = (nodes / f"losses-rank{rank}.jsonl").read_text().splitlines()
+        assert [json.loads(line)[0] for line in lines] == [1, 2, 3, 3, 4]
     # every step's loss on every rank equals the one-node run's: the same global batch and seed
     assert [losses(nodes, rank) for rank in (0, 1)] == expected
     final = torch.load(nodes / "checkpoints" / "last.ckpt", weights_only=False)
