@@ -91,6 +91,7 @@ def sweep_shape(tracking_uri: str, sweep_dir: Path) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_submitit_local_sweep_equals_the_basic_launchers(test_root, tmp_path, tiny_drafter):
     """The same two-job sweep, run by Hydra's basic launcher and as real submitit jobs started at
     once: the same parent run, child runs (names, params, metric names), summary and artifacts."""
@@ -167,7 +168,7 @@ def mlflow_server(tmp_path):
 
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -197,6 +198,7 @@ def assert_four_jobs_arrived(tracking_uri: str, sweep_dir: Path) -> None:
     }
 
 
+@pytest.mark.slow
 def test_four_jobs_at_once_log_to_a_tracking_server(
     test_root, tmp_path, tiny_drafter, mlflow_server
 ):
@@ -205,6 +207,7 @@ def test_four_jobs_at_once_log_to_a_tracking_server(
     assert_four_jobs_arrived(mlflow_server, sweep_dir)
 
 
+@pytest.mark.slow
 def test_four_jobs_at_once_log_to_the_sqlite_store(test_root, tmp_path, tiny_drafter):
     uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
     sweep_dir = sweep(test_root, tmp_path, uri, tiny_drafter, *FOUR)

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 TESTS = Path(__file__).parent
@@ -117,6 +118,7 @@ def losses(folder: Path, rank: int) -> dict[int, float]:
     return found
 
 
+@pytest.mark.slow
 def test_two_nodes_equal_one_node_and_resume_after_a_node_is_killed(test_root, tmp_path):
     base = [f"paths.root={test_root}", *OVERRIDES]
     one = tmp_path / "one-node"
