@@ -18,7 +18,7 @@ from test_bench import QUICK, export_untrained_drafter
 
 from eagle3.common import compose
 
-TINY = ("target=tiny-llama", "serve=local", *QUICK, "bench.warmup=0")
+TINY = ("target=tiny-llama", "serve=local", *QUICK, "bench.warmup=0", "bench.repeats=1")
 IDENTITY = ("engine", "spec", "depth", "steps", "topk", "batch_size", "suite", "status")
 
 

@@ -95,13 +95,17 @@ class CostModelSampler(optuna.samplers.BaseSampler):
 
     def planned(self, number: int) -> dict | None:
         """The chain trial `number` is fixed to (a probe, then the prediction), None for TPE's."""
-        if number < len(self.probe_depths):
-            return {DEPTH: self.probe_depths[number], TOPK: 1}
+        if number < len(self.probe_depths):  # inside the searched depths when they are known
+            depth = self.probe_depths[number]
+            if self.depths:
+                depth = min(max(depth, self.depths[0]), self.depths[-1])
+            return {DEPTH: depth, TOPK: 1}
         if number != len(self.probe_depths) or not self.depths:
             return None
         if number not in self.seeded:
             best = predicted_best_depth(sweep_results(self.sweep_dir), self.depths)
-            if best is not None and best[0] not in self.probe_depths:
+            probed = {self.planned(n)[DEPTH] for n in range(len(self.probe_depths))}
+            if best is not None and best[0] not in probed:
                 log.info("shape search: the cost model predicts chain depth %d (%.1f tok/s)", *best)
                 self.seeded[number] = {DEPTH: best[0], TOPK: 1}
             else:
