@@ -1,17 +1,6 @@
 """Export the trained drafter into the folders the engines load, import published drafters,
-and register exports in the MLflow model registry (`python -m eagle3.export`).
-
-SGLang / vLLM folder: `config.json` (architectures LlamaForCausalLMEagle3) + `model.safetensors`
-with `fc.weight`, `midlayer.*` (one layer) or `layers.{i}.*`, `norm.weight`, `lm_head.weight`,
-`d2t` (int64), `t2d` (bool). Engines silently drop unknown keys and keep random weights for
-missing ones (symptom: acceptance 1.00), so every key, shape and dtype is checked before a
-byte is written, and again on import.
-
-Aux layer ids mean different things in the two engines. Both capture HF `hidden_states[i]`
-for i in [2, L//2, L-3] by default; an explicit `eagle_config.eagle_aux_hidden_state_layer_ids`
-is used as written by vLLM (HF indices) but SGLang adds 1 to each id (it wants layer-output
-ids). So default layers are written as no ids at all, custom ones in each engine's own
-convention, and our unambiguous HF indices always go in the recipe under `eagle3`.
+and register exports in the MLflow model registry (`python -m eagle3.export`). The formats, their
+key and shape checks and the engines' aux-layer conventions live in `eagle3.drafter_io`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from eagle3.engine.batched import (
     move_slots,
     target_forward,
 )
-from eagle3.engine.decoder import ContextOverflow, GenerationResult, RequestStats
+from eagle3.engine.decoder import GenerationResult, RequestStats, check_prompt
 from eagle3.engine.kv import SlotKV
 from eagle3.engine.llama import LeanDrafter, LeanLlama
 from eagle3.engine.runners import eager_attention
@@ -151,13 +151,7 @@ class BatchDecoder:
     # ------------------------------------------------------------ requests
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise Eagle3Error("empty prompt: give at least one token")
-        if len(prompt_ids) >= self.max_context:
-            raise ContextOverflow(
-                f"prompt has {len(prompt_ids)} tokens but the context holds {self.max_context} "
-                f"(prompt + completion); at most {self.max_context - 1} prompt tokens"
-            )
+        check_prompt(prompt_ids, self.max_context)
 
     def add(
         self,

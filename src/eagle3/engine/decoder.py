@@ -30,6 +30,17 @@ class ContextOverflow(Eagle3Error):
     """The prompt does not fit the engine's context."""
 
 
+def check_prompt(prompt_ids: list[int], max_context: int) -> None:
+    """Refuse an empty prompt or one that leaves no room for a completion in the context."""
+    if not prompt_ids:
+        raise Eagle3Error("empty prompt: give at least one token")
+    if len(prompt_ids) >= max_context:
+        raise ContextOverflow(
+            f"prompt has {len(prompt_ids)} tokens but the context holds {max_context} "
+            f"(prompt + completion); at most {max_context - 1} prompt tokens"
+        )
+
+
 @dataclass
 class RequestStats:
     prompt_tokens: int = 0
@@ -226,13 +237,7 @@ class SpecDecoder:
         return None
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise Eagle3Error("empty prompt: give at least one token")
-        if len(prompt_ids) >= self.max_context:
-            raise ContextOverflow(
-                f"prompt has {len(prompt_ids)} tokens but the context holds {self.max_context} "
-                f"(prompt + completion); at most {self.max_context - 1} prompt tokens"
-            )
+        check_prompt(prompt_ids, self.max_context)
 
     # ------------------------------------------------------------ steps
 
