@@ -205,7 +205,7 @@ def test_engine_group_dies_when_its_starter_is_killed_outright(tmp_path):
 import sys, time
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from test_serve import http_server_launch
-from eagle3.serve import EngineProcess, free_port
+from eagle3.launch import EngineProcess, free_port
 launch = http_server_launch(free_port("127.0.0.1"), prefix="sleep 300 & echo $! > {tmp_path}/child.pid; ")
 launch.stop_timeout_s, launch.watchdog_poll_s = 3, 0.2
 engine = EngineProcess(launch, __import__("pathlib").Path({str(tmp_path)!r})).start()

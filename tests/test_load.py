@@ -10,8 +10,8 @@ import pytest
 from test_bench import QUICK, run_sweep, tiny_drafter  # noqa: F401 -- the session fixture
 from test_serve import SGLANG_PYTHON
 
+from eagle3.launch import sglang_parse_many
 from eagle3.load import per_batch_rows, schedule, step_cost_rows, write_load_summary
-from eagle3.serve import sglang_parse_many
 
 DRAFTER = "/models/drafter/sglang"
 

@@ -151,7 +151,7 @@ def test_the_bench_sends_the_api_key_the_server_requires(make_cfg, tmp_path, mon
 
 
 def test_vllm_and_sglang_get_the_key_without_logging_it(make_cfg, monkeypatch):
-    from eagle3.serve import compose_launch
+    from eagle3.launch import compose_launch
     from eagle3.spec import OFF
 
     monkeypatch.setenv("EAGLE3_API_KEY", "k-123")
@@ -170,7 +170,7 @@ def test_vllm_and_sglang_get_the_key_without_logging_it(make_cfg, monkeypatch):
 
 
 def test_an_engine_log_tail_is_masked(tmp_path):
-    from eagle3.serve import EngineProcess, Launch
+    from eagle3.launch import EngineProcess, Launch
 
     engine = EngineProcess(Launch("sglang", ["true"], {}, "127.0.0.1", 1), tmp_path)
     engine.log_path.write_text("server_args=ServerArgs(api_key='k-9', port=1)\n--api-key k-9\n")

@@ -1,4 +1,5 @@
-"""Engines: command composition (vLLM, SGLang through SGLang's own parser), process lifecycle
+"""Engines (eagle3.launch, eagle3.counters): command composition (vLLM, SGLang through SGLang's own
+parser), process lifecycle
 with real processes, vLLM counter parsing."""
 
 import json
@@ -14,16 +15,14 @@ import pytest
 import yaml
 
 from eagle3.common import Eagle3Error
-from eagle3.serve import (
+from eagle3.counters import acceptance_from_counters, counter_delta, parse_vllm_metrics
+from eagle3.launch import (
     EngineFailed,
     EngineProcess,
     Launch,
-    acceptance_from_counters,
     check_spec_for_engine,
     compose_launch,
-    counter_delta,
     free_port,
-    parse_vllm_metrics,
     sglang_argv,
     sglang_cuda_graph_flag,
     sglang_parse_many,

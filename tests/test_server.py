@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from eagle3.common import Eagle3Error
 from eagle3.engine.server import Message, build_service, create_app, streamable
-from eagle3.serve import free_port
+from eagle3.launch import free_port
 
 
 def server_cfg(test_root, *overrides):

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from eagle3.serve import free_port
+from eagle3.launch import free_port
 
 KEY = "k-7d1c0e"
 VOCAB = 49152  # tiny-llama uses SmolLM2's tokenizer

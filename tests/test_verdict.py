@@ -157,7 +157,7 @@ def test_a_shape_within_spec_offs_range_is_a_tie_and_spec_off_wins_it(make_cfg, 
 def test_baseline_once_per_sweep_and_reused_only_when_asked(make_cfg, own_artifacts, tmp_path):
     """Real spec=off measurements (tiny target, local server): one per sweep, shared by its jobs;
     bench.reuse_baseline=true takes the newest earlier one and says which run and how old."""
-    from eagle3.serve import target_path_for
+    from eagle3.target import target_path_for
 
     quick = ("bench.limit=1", "bench.max_new_tokens=4", "bench.warmup=0", "bench.repeats=2")
     cfg = make_cfg("target=tiny-llama", f"paths.artifacts={own_artifacts}", *quick)

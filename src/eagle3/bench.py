@@ -23,19 +23,18 @@ from tqdm import tqdm
 from eagle3 import sweep
 from eagle3.artifacts import stage_output, to_plain
 from eagle3.common import Eagle3Error, app, log
-from eagle3.serve import (
+from eagle3.counters import acceptance_from_counters, counter_delta, read_counters
+from eagle3.launch import (
     EngineFailed,
     EngineProcess,
-    acceptance_from_counters,
     check_spec_for_engine,
-    counter_delta,
-    drafter_for,
-    read_counters,
+    engine_python,
     start_engine,
-    target_path_for,
 )
+from eagle3.serve import drafter_for
 from eagle3.spec import OFF, Spec, resolve_spec
 from eagle3.suites import check_bench_settings, load_suite, suite_name
+from eagle3.target import target_path_for
 from eagle3.tracking import stage_run
 from eagle3.verdict import against_off, combine_repeats, speedup_fields
 
@@ -546,7 +545,6 @@ def engine_version(cfg: DictConfig) -> str:
     import subprocess
 
     from eagle3 import __version__
-    from eagle3.serve import engine_python
 
     if cfg.serve.engine == "local":
         return f"eagle3 {__version__}"

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle3.common import Eagle3Error
-from eagle3.serve import EngineProcess, compose_launch
+from eagle3.launch import EngineProcess, compose_launch
 from eagle3.spec import OFF
 from eagle3.target import default_aux_layer_ids
 
@@ -124,14 +124,14 @@ def rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 def engine_config(cfg: DictConfig, max_model_len: int) -> DictConfig:
     """The primary config with `serve` replaced by `extract.engine` (the vLLM settings of
-    serve=vllm), so serve.vllm_launch composes the base command."""
+    serve=vllm), so launch.vllm_launch composes the base command."""
     job = OmegaConf.to_container(cfg, resolve=True)
     job["serve"] = {**job["extract"]["engine"], "max_model_len": max_model_len}
     return OmegaConf.create(job)
 
 
 def capture_launch(cfg: DictConfig, shape: TargetShape, states_dir: Path, port: int | None = None):
-    """The vLLM command (serve.Launch) that captures `shape.capture_ids` into `states_dir`."""
+    """The vLLM command (launch.Launch) that captures `shape.capture_ids` into `states_dir`."""
     ecfg = cfg.extract
     engine = engine_config(cfg, int(cfg.data.max_length) + 1)  # the prompt + the one token sampled
     launch = compose_launch(engine, OFF, None, shape.path, port)

@@ -23,10 +23,10 @@ from eagle3.artifacts import StageOutput
 from eagle3.cluster import submission
 from eagle3.common import Eagle3Error, app, compose, unique_suffix
 from eagle3.extract_vllm import capture_launch, target_shape
+from eagle3.launch import compose_launch
 from eagle3.lifecycle import run_child
 from eagle3.outputs import STAGE_OUTPUTS
 from eagle3.plan import check_process_fit, disk_lines
-from eagle3.serve import compose_launch
 from eagle3.spec import resolve_spec
 from eagle3.target import resolve_target_path
 

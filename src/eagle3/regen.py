@@ -22,10 +22,10 @@ from tqdm import tqdm
 from eagle3.artifacts import config_hash
 from eagle3.common import Eagle3Error, log
 from eagle3.conversations import user_turns
+from eagle3.launch import start_engine
 from eagle3.outputs import answer_sections
-from eagle3.serve import start_engine, target_path_for
 from eagle3.spec import OFF
-from eagle3.target import load_target
+from eagle3.target import load_target, target_path_for
 from eagle3.tokens import end_of_turn, render
 
 

@@ -146,6 +146,11 @@ def resolve_target_path(tcfg: DictConfig, artifacts: Path) -> Path | str:
     raise Eagle3Error(f"unknown target.kind {tcfg.kind!r}: use gguf_package, random or hf")
 
 
+def target_path_for(cfg: DictConfig) -> Path | str:
+    """The target this config serves and trains on, under cfg.paths.artifacts."""
+    return resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
+
+
 def find_packaged_gguf(package: str, filename: str) -> Path:
     """Locate a GGUF shipped in an installed distribution without importing it."""
     return installed_file(package, filename)

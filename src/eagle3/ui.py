@@ -17,8 +17,8 @@ from omegaconf import DictConfig
 
 from eagle3 import tracking
 from eagle3.common import Eagle3Error, app
+from eagle3.launch import EngineProcess, Launch, free_port
 from eagle3.lifecycle import run_child
-from eagle3.serve import EngineProcess, Launch, free_port
 
 CHROMIUM_FLAGS = [
     "--headless",
