@@ -155,7 +155,8 @@ def test_server_batches_concurrent_requests(test_root, tiny_target):
     from fastapi.testclient import TestClient
     from test_server import server_cfg
 
-    from eagle3.engine.server import build_service, create_app
+    from eagle3.engine.server import create_app
+    from eagle3.engine.service import build_service
 
     service = build_service(server_cfg(test_root, "spec=off", "engine.max_batch_size=4"))
     prompts = [service.encode_text(text) for text in PROMPTS]

@@ -631,7 +631,7 @@ def test_smollm2_greedy_is_lossless_trained_drafter(
     loads it: drafts are accepted (measured tau > 1.2) and the output is still the target's greedy decode."""
     from engine_helpers import agree_cfg, agree_prompts
 
-    from eagle3.engine.server import load_engine_drafter
+    from eagle3.engine.service import load_engine_drafter
 
     cfg = agree_cfg(test_root, f"drafter.path={smollm2_trained_drafter}")
     drafter, _ = load_engine_drafter(cfg, smollm2, spec(name))

@@ -18,7 +18,8 @@ from engine_helpers import reference_greedy
 from fastapi.testclient import TestClient
 
 from eagle3.common import Eagle3Error
-from eagle3.engine.server import Message, build_service, create_app, streamable
+from eagle3.engine.server import create_app
+from eagle3.engine.service import build_service, streamable
 from eagle3.launch import free_port
 
 
@@ -100,7 +101,7 @@ def test_openai_routes_take_ignore_eos(server, route):
     prompt = (
         service.encode_text("Hello there")
         if route == "/v1/completions"
-        else service.encode_chat([Message(role="user", content="Hello there")])
+        else service.encode_chat([{"role": "user", "content": "Hello there"}])
     )
     first = reference_greedy(service.decoder.target.model, prompt, 1)[0]
     eos, service.tokenizer.eos_token_id = service.tokenizer.eos_token_id, first
@@ -165,7 +166,7 @@ def test_openai_completions_and_chat(server):
         chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
     )
     assert chat["usage"]["prompt_tokens"] == len(
-        service.encode_chat([Message(role="user", content="Hi")])
+        service.encode_chat([{"role": "user", "content": "Hi"}])
     )
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny-llama"
 

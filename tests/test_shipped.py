@@ -91,7 +91,7 @@ def test_shipped_drafter_drafts_smollm2_losslessly_on_prompts_it_never_saw(
 
     from eagle3.bench import tokenize_prompts
     from eagle3.engine import SpecDecoder, summarize
-    from eagle3.engine.server import load_engine_drafter
+    from eagle3.engine.service import load_engine_drafter
     from eagle3.spec import resolve_spec
     from eagle3.suites import load_suite
 

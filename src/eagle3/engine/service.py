@@ -1,0 +1,348 @@
+"""The embedded engine without its HTTP front: the decoder (the fused batch-1 SpecDecoder, or a
+BatchScheduler over a BatchDecoder), its tokenizer and cumulative acceptance counters. The server
+(engine/server.py) puts routes in front of it; the bench's in-process mode calls it directly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import DictConfig
+
+from eagle3.common import Eagle3Error, log
+from eagle3.drafter import build_drafter
+from eagle3.drafter_io import attach_target_embedding, check_drafter_for_target, load_drafter
+from eagle3.engine.decoder import GenerationResult, RequestStats, SpecDecoder
+from eagle3.outputs import resolve_drafter_path
+from eagle3.spec import resolve_spec
+from eagle3.target import load_target
+
+
+@dataclass
+class Reply:
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    result: GenerationResult
+    latency_s: float
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    num_drafts: int = 0  # verify steps
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+    def add(self, result: GenerationResult) -> None:
+        s = result.stats
+        self.requests += 1
+        self.prompt_tokens += s.prompt_tokens
+        self.completion_tokens += s.completion_tokens
+        self.num_drafts += s.verify_steps
+        self.num_draft_tokens += s.draft_tokens_per_step * s.verify_steps
+        self.num_accepted_tokens += sum(s.accepted_per_step)
+        per_pos = s.accepted_per_position
+        self.accepted_per_pos += [0] * (len(per_pos) - len(self.accepted_per_pos))
+        for index, count in enumerate(per_pos):
+            self.accepted_per_pos[index] += count
+        self.draft_time_s += s.draft_time_s
+        self.verify_time_s += s.verify_time_s
+
+
+class EngineService:
+    """The decoder, its tokenizer and the cumulative counters; generate() serialises requests."""
+
+    def __init__(
+        self,
+        decoder: SpecDecoder,
+        tokenizer,
+        scfg: DictConfig,
+        drafter_source: str,
+        model_name: str,
+    ):
+        self.decoder, self.tokenizer, self.scfg = decoder, tokenizer, scfg
+        self.drafter_source, self.model_name = drafter_source, model_name
+        self.counters = Counters()
+        self.lock = threading.Lock()
+        self.active = 0  # requests accepted and not yet answered (queued or decoding)
+        self.idle = threading.Condition()
+        self.draining = False  # SIGTERM received: new requests get 503
+        self.cancel_all = threading.Event()  # the grace period ran out: stop every generation
+        self.api_key: str | None = None  # clients must send it (serve.api_key_env)
+        # a BatchScheduler wraps the decoder that holds the target
+        self.vocab_size = getattr(decoder, "decoder", decoder).target.vocab_size
+
+    def check_request(self, prompt_ids: list[int], max_new_tokens: int | None, stop_ids) -> None:
+        """Refuse (400) token ids outside the target's vocabulary (on a GPU they would be a
+        device-side assert for everyone) and completions longer than serve.max_tokens_limit."""
+        vocab = self.vocab_size
+        for name, ids in (("input_ids", prompt_ids), ("stop_token_ids", stop_ids or ())):
+            for index, token in enumerate(ids):
+                if not 0 <= token < vocab:
+                    raise Eagle3Error(
+                        f"{name}[{index}] = {token} is not a token id of this target "
+                        f"(0..{vocab - 1})"
+                    )
+        limit = self.scfg.max_tokens_limit
+        if max_new_tokens is not None and max_new_tokens > limit:
+            raise Eagle3Error(
+                f"max_tokens = {max_new_tokens} exceeds this server's limit of {limit} "
+                "(serve.max_tokens_limit)"
+            )
+        self.decoder.check_prompt(prompt_ids)
+
+    def drain(self, grace_s: float) -> None:
+        """Wait up to grace_s for the requests in flight, then cancel the rest (each stops within
+        one step) and wait for their answers to be sent."""
+        with self.idle:
+            if not self.idle.wait_for(lambda: self.active == 0, timeout=grace_s):
+                log.warning("grace period over: cancelling %d request(s)", self.active)
+                self.cancel_all.set()
+                self.idle.wait_for(lambda: self.active == 0, timeout=grace_s)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int | None,
+        temperature: float | None,
+        top_p: float,
+        stop: str | list[str] | None = None,
+        stop_token_ids=(),
+        ignore_eos: bool = False,
+        on_text=None,
+        seed: int | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Reply:
+        """Decode under the lock; on_text(delta) streams text as steps commit, never text a stop
+        string may still remove. seed: this request's own sampling generator (same seed, same text).
+        cancel: set it (a disconnected client) and decoding stops after the current step."""
+        self.check_request(prompt_ids, max_new_tokens, stop_token_ids)
+        with self.idle:
+            self.active += 1
+        try:
+            return self._generate(
+                prompt_ids,
+                max_new_tokens,
+                temperature,
+                top_p,
+                stop,
+                stop_token_ids,
+                ignore_eos,
+                on_text,
+                seed,
+                cancel or threading.Event(),
+            )
+        finally:
+            with self.idle:
+                self.active -= 1
+                self.idle.notify_all()
+
+    def cancelled(self, cancel: threading.Event) -> bool:
+        return cancel.is_set() or self.cancel_all.is_set()
+
+    def _generate(
+        self,
+        prompt_ids,
+        max_new_tokens,
+        temperature,
+        top_p,
+        stop,
+        stop_token_ids,
+        ignore_eos,
+        on_text,
+        seed,
+        cancel: threading.Event,
+    ) -> Reply:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        stop_ids = set(stop_token_ids or ())
+        if not ignore_eos and self.tokenizer.eos_token_id is not None:
+            stop_ids.add(self.tokenizer.eos_token_id)
+        produced: list[int] = []
+        sent = [""]
+
+        def on_tokens(new: list[int]) -> bool:
+            produced.extend(new)
+            text, hit = streamable(self.decode(produced), stops)
+            if on_text is not None and len(text) > len(sent[0]):
+                on_text(text[len(sent[0]) :])
+                sent[0] = text
+            return hit or self.cancelled(cancel)
+
+        started = time.perf_counter()
+        # a SpecDecoder decodes one request at a time; a BatchScheduler takes concurrent callers
+        serial = not getattr(self.decoder, "concurrent", False)
+        with self.lock if serial else nullcontext():
+            if self.cancelled(cancel):  # gone while queued: nothing decoded
+                stats = RequestStats(prompt_tokens=len(prompt_ids))
+                return Reply([], "abort", GenerationResult([], "abort", stats), 0.0)
+            result = self.decoder.generate(
+                prompt_ids,
+                max_new_tokens or self.scfg.default_max_tokens,
+                self.scfg.default_temperature if temperature is None else temperature,
+                top_p,
+                stop_ids=stop_ids,
+                on_tokens=on_tokens,
+                generator=torch.Generator().manual_seed(seed) if seed is not None else None,
+            )
+        with self.lock if not serial else nullcontext():
+            self.counters.add(result)
+        if self.cancelled(cancel):
+            result.finish_reason = "abort"
+        text, _ = cut_at_stop(self.decode(result.tokens), stops)
+        if on_text is not None and len(text) > len(sent[0]):
+            on_text(text[len(sent[0]) :])
+        return Reply(
+            result.tokens, text, result.finish_reason, result, time.perf_counter() - started
+        )
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {
+            **c.__dict__,
+            "tau": c.completion_tokens / c.num_drafts if c.num_drafts else 0.0,
+            "spec": self.decoder.spec.label,
+            "drafter": self.drafter_source,
+            "max_context": self.decoder.max_context,
+        }
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """Text before the first stop string (excluded, as SGLang and OpenAI do), and whether one occurred."""
+    cuts = [text.find(s) for s in stops if s and s in text]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def streamable(text: str, stops: list[str]) -> tuple[str, bool]:
+    """What of `text` may be streamed now, and whether a stop string occurred: the text before the
+    first stop string, or else the text less a tail that later tokens could still change (the start
+    of a stop string, or an incomplete character, which decodes as U+FFFD)."""
+    text, hit = cut_at_stop(text, stops)
+    if hit:
+        return text, True
+    settled = text.rstrip("\ufffd")
+    held = max((n for s in stops for n in range(1, len(s)) if settled.endswith(s[:n])), default=0)
+    return settled[: len(settled) - held], False
+
+
+def load_engine_drafter(cfg: DictConfig, target, spec):
+    """(drafter or None, where it came from). An exported drafter when one is configured or was
+    trained for this config; without one, serve.drafter_fallback=untrained builds a fresh one."""
+    if not spec.enabled:
+        return None, "none (spec=off)"
+    try:
+        path = resolve_drafter_path(cfg, engine="local")
+    except Eagle3Error:
+        if cfg.drafter.get("path") or cfg.serve.drafter_fallback != "untrained":
+            raise
+        log.warning(
+            "no exported drafter for this config: serving an UNTRAINED drafter (acceptance ~1; "
+            "serve.drafter_fallback=untrained)"
+        )
+        dtype = next(target.model.parameters()).dtype
+        with torch.random.fork_rng(
+            devices=[]
+        ):  # the same weights at every start: seeded requests reproduce
+            torch.manual_seed(cfg.seed)
+            drafter = build_drafter(target, cfg.drafter)
+        return drafter.to(dtype).eval(), "untrained"
+    drafter = load_drafter(path, device=target.device)
+    if getattr(drafter.config, "has_embedding", False):
+        check_drafter_for_target(drafter, target)
+    else:
+        attach_target_embedding(drafter, target)
+    dtype = next(target.model.parameters()).dtype
+    return drafter.to(device=target.device, dtype=dtype).eval(), str(path)
+
+
+def build_service(cfg: DictConfig) -> EngineService:
+    if cfg.engine.get("cpu_threads"):
+        torch.set_num_threads(int(cfg.engine.cpu_threads))
+    spec = resolve_spec(cfg.spec)
+    target = load_target(cfg)
+    drafter, source = load_engine_drafter(cfg, target, spec)
+    graphs = cfg.engine.cuda_graphs
+    use_graphs = target.device.type == "cuda" if graphs == "auto" else bool(graphs)
+    compile_layers, compile_draft = (
+        use_graphs if setting == "auto" else bool(setting)
+        for setting in (cfg.engine.compile_layers, cfg.engine.compile_draft)
+    )
+    max_batch = int(cfg.engine.get("max_batch_size") or 1)
+    if max_batch > 1:
+        return batched_service(cfg, target, drafter, spec, source, max_batch)
+    decoder = SpecDecoder(
+        target,
+        drafter,
+        spec,
+        max_context=cfg.engine.max_context,
+        cuda_graphs=use_graphs,
+        seed=cfg.engine.seed,
+        lean=cfg.engine.lean_forward,
+        eager_cudnn=cfg.engine.eager_cudnn_attention,
+        compile_layers=compile_layers,
+        prefill_graphs=tuple(cfg.engine.prefill_graphs or ()),
+        compile_draft=compile_draft,
+        overlap_steps=cfg.engine.overlap_steps,
+        draft_attention=cfg.engine.draft_attention,
+        compile_prefill=cfg.engine.compile_prefill,
+        tree_temperature=cfg.engine.tree_temperature,
+    )
+    log.info(
+        "engine ready: target %s (%s forward), spec %s, drafter %s, context %d",
+        cfg.target.name,
+        "lean" if decoder.target_run.lean else "HF",
+        spec.label,
+        source,
+        decoder.max_context,
+    )
+    return EngineService(decoder, target.tokenizer, cfg.serve, source, cfg.target.name)
+
+
+def batched_service(cfg: DictConfig, target, drafter, spec, source: str, max_batch: int):
+    """The service over a BatchScheduler: up to max_batch requests share each step."""
+    from eagle3.engine.batch import BatchDecoder
+    from eagle3.engine.scheduler import BatchScheduler
+
+    decoder = BatchDecoder(
+        target,
+        drafter,
+        spec,
+        max_batch,
+        max_context=cfg.engine.max_context,
+        seed=cfg.engine.seed,
+        draft_attention=cfg.engine.draft_attention,
+        tree_temperature=cfg.engine.tree_temperature,
+    )
+    log.info(
+        "engine ready: target %s, spec %s, drafter %s, context %d, batches up to %d requests",
+        cfg.target.name,
+        spec.label,
+        source,
+        decoder.max_context,
+        max_batch,
+    )
+    scheduler = BatchScheduler(decoder)
+    return EngineService(scheduler, target.tokenizer, cfg.serve, source, cfg.target.name)
