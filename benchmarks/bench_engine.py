@@ -126,16 +126,10 @@ def bench(target, drafter, spec: Spec, prompts, args) -> dict:
     )
     capture_s = time.perf_counter() - started  # graphs (and compiles) are made in the constructor
     stop = [] if args.ignore_eos or target.tokenizer is None else [target.tokenizer.eos_token_id]
-    decoder.generate(prompts[0], args.warmup_tokens, stop_ids=stop)  # warm-up (allocator, kernels)
-    sync()
-    stats, tokens = [], []
-    started = time.perf_counter()
-    for prompt in prompts:
-        result = decoder.generate(prompt, args.max_new_tokens, stop_ids=stop)
-        stats.append(result.stats)
-        tokens.append(result.tokens)
-    sync()
-    elapsed = time.perf_counter() - started
+    results, elapsed = timed_generate(
+        decoder, prompts, args.max_new_tokens, stop, args.warmup_tokens
+    )
+    stats, tokens = [r.stats for r in results], [r.tokens for r in results]
     if args.profile and spec.label in args.profile.split(","):
         profile(decoder, prompts[0], stop, spec.label, args)
     summary = summarize(stats)
@@ -162,6 +156,17 @@ def bench(target, drafter, spec: Spec, prompts, args) -> dict:
         "projected_tok_per_s": {tau: 1000 * tau / (elapsed * 1000 / steps) for tau in (3, 4, 5)},
         "tokens": tokens,
     }
+
+
+def timed_generate(decoder, prompts, max_new_tokens: int, stop_ids, warmup_tokens: int = 16):
+    """Warm up on the first prompt (allocator, kernels), then decode every prompt once, one after
+    another: (the GenerationResults, wall seconds of the timed pass)."""
+    decoder.generate(prompts[0], warmup_tokens, stop_ids=stop_ids)
+    sync()
+    started = time.perf_counter()
+    results = [decoder.generate(p, max_new_tokens, stop_ids=stop_ids) for p in prompts]
+    sync()
+    return results, time.perf_counter() - started
 
 
 def profile(decoder, prompt, stop, label: str, args) -> None:

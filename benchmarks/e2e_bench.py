@@ -21,7 +21,15 @@ import time
 from pathlib import Path
 
 import torch
-from bench_engine import add_engine_options, engine_options, load, load_drafter, parse_spec, sync
+from bench_engine import (
+    add_engine_options,
+    engine_options,
+    load,
+    load_drafter,
+    parse_spec,
+    sync,
+    timed_generate,
+)
 
 from eagle3.engine import SpecDecoder, summarize
 from eagle3.totals import report, totals
@@ -56,15 +64,8 @@ def hf_generate(model, prompts, max_new_tokens, eos, **extra) -> tuple[list[list
 
 
 def engine_run(decoder, prompts, max_new_tokens, eos) -> tuple[list[list[int]], float, dict]:
-    decoder.generate(prompts[0], 16, stop_ids=[eos])  # warm-up
-    sync()
-    outputs, stats, started = [], [], time.perf_counter()
-    for ids in prompts:
-        result = decoder.generate(ids, max_new_tokens, stop_ids=[eos])
-        outputs.append(result.tokens)
-        stats.append(result.stats)
-    sync()
-    return outputs, time.perf_counter() - started, summarize(stats)
+    results, wall = timed_generate(decoder, prompts, max_new_tokens, [eos])
+    return [r.tokens for r in results], wall, summarize([r.stats for r in results])
 
 
 def strip_eos(tokens: list[int], eos: int) -> list[int]:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_engine import load, load_drafter, parse_spec, sync
+from bench_engine import load, load_drafter, parse_spec, sync, timed_generate
 from e2e_bench import read_suite, strip_eos
 
 from eagle3.engine import SpecDecoder
@@ -77,24 +77,16 @@ def engine_load(decoder: BatchDecoder, prompts, batch: int, max_new_tokens: int,
 
 
 def fused_batch1(decoder: SpecDecoder, prompts, max_new_tokens: int, eos: int) -> dict:
-    decoder.generate(prompts[0], 16, stop_ids=[eos])  # warm-up
-    sync()
-    started, tokens, rates, steps, completion = time.perf_counter(), 0, [], 0, 0
-    for ids in prompts:
-        result = decoder.generate(ids, max_new_tokens, stop_ids=[eos])
-        produced = len(strip_eos(result.tokens, eos))
-        tokens += produced
-        rates.append(produced / result.stats.total_time_s)
-        steps += result.stats.verify_steps
-        completion += result.stats.completion_tokens
-    sync()
-    wall = time.perf_counter() - started
+    results, wall = timed_generate(decoder, prompts, max_new_tokens, [eos])
+    produced = [len(strip_eos(r.tokens, eos)) for r in results]
+    steps = sum(r.stats.verify_steps for r in results)
     return {
-        "tokens": tokens,
+        "tokens": sum(produced),
         "wall_s": wall,
-        "tok_per_s": tokens / wall,
-        "tok_per_s_per_request": sum(rates) / len(rates),
-        "tau": completion / max(steps, 1),
+        "tok_per_s": sum(produced) / wall,
+        "tok_per_s_per_request": sum(n / r.stats.total_time_s for n, r in zip(produced, results))
+        / len(results),
+        "tau": sum(r.stats.completion_tokens for r in results) / max(steps, 1),
         "steps": steps,
         "mean_batch": 1.0,
     }

@@ -1,6 +1,5 @@
 """Engines (eagle3.launch, eagle3.counters): command composition (vLLM, SGLang through SGLang's own
-parser), process lifecycle
-with real processes, vLLM counter parsing."""
+parser), process lifecycle with real processes, vLLM counter parsing."""
 
 import json
 import os
