@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,47 @@ def smollm2_trained_drafter(test_root):
     from engine_helpers import trained_smollm2_drafter
 
     return trained_smollm2_drafter(test_root)
+
+
+@dataclass
+class SixTokenCase:
+    """A random 2-layer target over a 6-token vocabulary, an untrained drafter for it, and the exact
+    joint distribution of the first `length` tokens sampled after `prompt` at `temperature`,
+    computed by brute force over all 6**length sequences (index a * 6 + b for length 2)."""
+
+    target: object
+    drafter: torch.nn.Module
+    prompt: list[int]
+    temperature: float
+    length: int
+    exact: torch.Tensor
+
+
+@pytest.fixture(scope="module")
+def six_token_case() -> SixTokenCase:
+    from omegaconf import OmegaConf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle3.drafter import build_drafter
+    from eagle3.target import Target
+
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=6,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    target = Target(LlamaForCausalLM(config).eval().requires_grad_(False), None, None, [0, 1, 1])
+    drafter = build_drafter(target, OmegaConf.create({"num_layers": 1, "draft_vocab_size": 6}))
+    prompt, temperature, length = [1, 2], 1.5, 2
+    with torch.no_grad():
+        sequences = torch.cartesian_prod(*[torch.arange(6)] * length).tolist()
+        ids = torch.tensor([[*prompt, *seq] for seq in sequences])
+        logits = target.model(ids).logits[:, len(prompt) - 1 : -1].double()
+        probs = torch.softmax(logits / temperature, dim=-1)
+        exact = probs.gather(-1, ids[:, len(prompt) :, None])[..., 0].prod(dim=-1)
+    return SixTokenCase(target, drafter.eval(), prompt, temperature, length, exact)

@@ -27,7 +27,10 @@ SPECS = {
     "d10s5k4": dict(enabled=True, depth=10, steps=5, topk=4),
     "d4": dict(enabled=True, depth=4, steps=None, topk=1),
     "d6s3k2": dict(enabled=True, depth=6, steps=3, topk=2),
+    "d3": dict(enabled=True, depth=3, steps=None, topk=1),
+    "tree": dict(enabled=True, depth=4, steps=2, topk=2),
 }
+FALSE_ALARM = 1e-3  # each chi-square test rejects a correct sampler with this probability
 
 
 def spec(name: str):

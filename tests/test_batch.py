@@ -10,11 +10,9 @@ import threading
 
 import pytest
 import torch
-from engine_helpers import PROMPTS, chi_square_p_value, reference_greedy, spec
-from test_engine import FALSE_ALARM, tiny_vocab_target
+from engine_helpers import FALSE_ALARM, PROMPTS, chi_square_p_value, reference_greedy, spec
 
 from eagle3.common import Eagle3Error
-from eagle3.drafter import build_drafter
 from eagle3.engine import SpecDecoder
 from eagle3.engine.batch import BatchDecoder
 
@@ -113,29 +111,12 @@ def test_context_end_and_budget(tiny_target, fitted, references):
 
 
 @pytest.mark.parametrize("name", ["d3", "tree"])
-def test_batched_sampling_preserves_the_sequence_distribution(name):
+def test_batched_sampling_preserves_the_sequence_distribution(six_token_case, name):
     """test_engine's brute-force check with eight sampled requests per step: the first 2 tokens of
     each (36 outcomes) follow the target's exact joint distribution."""
-    from engine_helpers import SPECS
-    from omegaconf import OmegaConf
-
-    SPECS["d3"], SPECS["tree"] = (
-        dict(enabled=True, depth=3, steps=None, topk=1),
-        dict(enabled=True, depth=4, steps=2, topk=2),
-    )
-    target, temperature, length, draws = tiny_vocab_target(), 1.5, 2, 1000
-    drafter = build_drafter(
-        target, OmegaConf.create({"num_layers": 1, "draft_vocab_size": 6})
-    ).eval()
-    prompt = [1, 2]
-    with torch.no_grad():
-        ids = torch.tensor(
-            [[*prompt, *seq] for seq in torch.cartesian_prod(*[torch.arange(6)] * length).tolist()]
-        )
-        probs = torch.softmax(
-            target.model(ids).logits[:, len(prompt) - 1 : -1].double() / temperature, dim=-1
-        )
-        exact = probs.gather(-1, ids[:, len(prompt) :, None])[..., 0].prod(dim=-1)
+    case, draws = six_token_case, 1000
+    target, drafter, prompt = case.target, case.drafter, case.prompt
+    temperature, length, exact = case.temperature, case.length, case.exact
     decoder = BatchDecoder(target, drafter, spec(name), max_batch_size=8, seed=1)
     requests = [decoder.add(prompt, length, temperature=temperature) for _ in range(draws)]
     decoder.generate_all(requests)

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import PROMPTS, chi_square_p_value, reference_greedy, spec
-from transformers import LlamaConfig, LlamaForCausalLM
+from engine_helpers import FALSE_ALARM, PROMPTS, chi_square_p_value, reference_greedy, spec
 
 from eagle3.common import Eagle3Error
 from eagle3.drafter import build_drafter
 from eagle3.engine import ContextOverflow, RequestStats, SpecDecoder, measure_acceptance, summarize
 from eagle3.engine.sampling import sampled_path
-from eagle3.target import Target
 
 NEW_TOKENS = 40
-FALSE_ALARM = 1e-3  # each chi-square test rejects a correct sampler with this probability
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest
 
 
@@ -534,46 +531,14 @@ def test_sampled_path_draws_from_the_target_distribution():
         assert chi_square_p_value(counts, p[0]) > FALSE_ALARM
 
 
-def tiny_vocab_target(vocab: int = 6) -> Target:
-    torch.manual_seed(3)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(config).eval().requires_grad_(False)
-    return Target(model, None, None, [0, 1, 1])
-
-
 @pytest.mark.parametrize("name", ["d3", "tree"])
-def test_sampling_preserves_the_sequence_distribution(name):
+def test_sampling_preserves_the_sequence_distribution(six_token_case, name):
     """End to end on a 6-token vocab: the first 2 sampled tokens (36 outcomes) follow the
     target's exact joint distribution, computed by brute force (the second token comes from
     a verify step: accepted draft or residual draw)."""
-    from engine_helpers import SPECS
-    from omegaconf import OmegaConf
-
-    SPECS["d3"], SPECS["tree"] = (
-        dict(enabled=True, depth=3, steps=None, topk=1),
-        dict(enabled=True, depth=4, steps=2, topk=2),
-    )
-    target, temperature, length, draws = tiny_vocab_target(), 1.5, 2, 1000
-    drafter = build_drafter(
-        target, OmegaConf.create({"num_layers": 1, "draft_vocab_size": 6})
-    ).eval()
-    prompt = [1, 2]
-    with torch.no_grad():
-        ids = torch.tensor(
-            [[*prompt, *seq] for seq in torch.cartesian_prod(*[torch.arange(6)] * length).tolist()]
-        )
-        probs = torch.softmax(
-            target.model(ids).logits[:, len(prompt) - 1 : -1].double() / temperature, dim=-1
-        )
-        exact = probs.gather(-1, ids[:, len(prompt) :, None])[..., 0].prod(dim=-1)
+    case, draws = six_token_case, 1000
+    target, drafter, prompt = case.target, case.drafter, case.prompt
+    temperature, length, exact = case.temperature, case.length, case.exact
     decoder = SpecDecoder(target, drafter, spec(name), seed=1)
     counts = torch.zeros(6**length, dtype=torch.float64)
     accepted = rejected = 0
