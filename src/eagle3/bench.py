@@ -20,7 +20,7 @@ import httpx
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from eagle3 import sweep
+from eagle3 import inprocess, sweep
 from eagle3.artifacts import stage_output, to_plain
 from eagle3.common import Eagle3Error, app, log
 from eagle3.counters import acceptance_from_counters, counter_delta, read_counters
@@ -33,7 +33,7 @@ from eagle3.launch import (
 )
 from eagle3.serve import drafter_for
 from eagle3.spec import OFF, Spec, resolve_spec
-from eagle3.suites import check_bench_settings, load_suite, suite_name
+from eagle3.suites import check_bench_settings, load_suite, suite_name, suite_names
 from eagle3.target import target_path_for
 from eagle3.tracking import stage_run
 from eagle3.verdict import against_off, combine_repeats, speedup_fields
@@ -258,17 +258,49 @@ def acceptance_for(engine: str, delta: dict, records: list[dict], spec: Spec) ->
     )
 
 
-def measure_pass(
-    engine: EngineProcess, cfg: DictConfig, spec: Spec, requests, model: str, desc: str
-) -> dict:
+class Served:
+    """An engine process measured through its HTTP API (the in-process engines of
+    eagle3.inprocess answer the same calls)."""
+
+    def __init__(self, process: EngineProcess, cfg: DictConfig, target_path):
+        self.process, self.scfg, self.model = process, cfg.serve, str(target_path)
+
+    def run(self, requests, bcfg, desc: str) -> tuple[list[dict], float]:
+        timeout_s = self.scfg.request_timeout_s
+        return run_requests(self.process, requests, bcfg, timeout_s, self.model, desc)
+
+    def counters(self) -> dict:
+        try:
+            return read_counters(
+                self.scfg.engine, self.process.base_url, headers=self.process.launch.headers
+            )
+        except httpx.HTTPError as err:
+            self.process.check_alive(grace_s=5)
+            raise EngineFailed(
+                f"{self.scfg.engine} stats request failed: {err}", self.process.log_tail()
+            ) from err
+
+    def check_alive(self) -> None:
+        self.process.check_alive()
+
+    def stop(self) -> None:
+        self.process.stop(self.scfg.stop_timeout_s)
+
+
+def open_engine(cfg: DictConfig, spec: Spec, drafter_path, target_path, folder: Path):
+    """The engine a job measures: a started server, or with serve.inprocess one in this process."""
+    if cfg.serve.get("inprocess"):
+        return inprocess.engine_for(cfg, spec, drafter_path)
+    return Served(start_engine(cfg, spec, drafter_path, target_path, folder), cfg, target_path)
+
+
+def measure_pass(engine, cfg: DictConfig, spec: Spec, requests, desc: str) -> dict:
     """One pass of the suite on a warm engine: its metrics and request records."""
-    bcfg, scfg = cfg.bench, cfg.serve
-    headers = engine.launch.headers
-    before = read_counters(scfg.engine, engine.base_url, headers=headers)
-    records, wall_s = run_requests(engine, requests, bcfg, scfg.request_timeout_s, model, desc)
+    before = engine.counters()
+    records, wall_s = engine.run(requests, cfg.bench, desc)
     engine.check_alive()
-    delta = counter_delta(before, read_counters(scfg.engine, engine.base_url, headers=headers))
-    metrics = aggregate(records, wall_s, acceptance_for(scfg.engine, delta, records, spec))
+    delta = counter_delta(before, engine.counters())
+    metrics = aggregate(records, wall_s, acceptance_for(cfg.serve.engine, delta, records, spec))
     return {**metrics, "records": records}
 
 
@@ -277,23 +309,19 @@ def measure(
 ) -> dict:
     """Start the engine with `spec`, warm up, run the suite bench.repeats times, stop it; the
     median of the passes with the spread of their tok/s (eagle3.verdict.combine_repeats)."""
-    bcfg, scfg = cfg.bench, cfg.serve
-    engine = start_engine(cfg, spec, drafter_path, target_path, folder)
-    model = str(target_path)
+    bcfg = cfg.bench
+    folder.mkdir(parents=True, exist_ok=True)
+    engine = open_engine(cfg, spec, drafter_path, target_path, folder)
     repeats = max(int(bcfg.repeats), 1)
     passes = []
     try:
         if bcfg.warmup:
-            warm = requests[: bcfg.warmup]
-            run_requests(engine, warm, bcfg, scfg.request_timeout_s, model, "warmup")
+            engine.run(requests[: bcfg.warmup], bcfg, "warmup")
         for index in range(repeats):
-            desc = f"{scfg.engine} {spec.label} {index + 1}/{repeats}"
-            passes.append(measure_pass(engine, cfg, spec, requests, model, desc))
-    except httpx.HTTPError as err:
-        engine.check_alive(grace_s=5)
-        raise EngineFailed(f"{scfg.engine} stats request failed: {err}", engine.log_tail()) from err
+            desc = f"{cfg.serve.engine} {spec.label} {index + 1}/{repeats}"
+            passes.append(measure_pass(engine, cfg, spec, requests, desc))
     finally:
-        engine.stop(scfg.stop_timeout_s)
+        engine.stop()
     (folder / "requests.json").write_text(json.dumps([p.pop("records") for p in passes], indent=1))
     return combine_repeats(passes)
 
@@ -310,7 +338,11 @@ def baseline_output(cfg: DictConfig, scope: str | None = None):
         for k, v in to_plain(cfg.bench).items()
         if k not in ("suites", "reuse_baseline", "cost_model_depths")
     }
-    suite = to_plain(cfg.bench.suites.get(cfg.bench.suite)) if not cfg.bench.prompts else None
+    suite = (
+        [to_plain(cfg.bench.suites.get(name)) for name in suite_names(cfg.bench)]
+        if not cfg.bench.prompts
+        else None
+    )
     sections = {
         "serve": serve,
         "target": to_plain(cfg.target),
@@ -409,6 +441,11 @@ def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict
     check_bench_settings(cfg.bench)
     spec = resolve_spec(cfg.spec)
     check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.get("max_depth"))
+    if cfg.serve.get("inprocess") and cfg.serve.engine not in ("local", "hf"):
+        raise Eagle3Error(
+            f"serve.inprocess=true runs serve=local or serve=hf inside the bench; "
+            f"{cfg.serve.engine} runs as its own server (serve.inprocess=false)"
+        )
     drafter_path = drafter_for(cfg, spec)
     target_path = target_path_for(cfg)
     prompts = load_suite(cfg.bench)
@@ -499,7 +536,7 @@ def provenance(cfg: DictConfig) -> dict:
 
     from eagle3.artifacts import git_commit
 
-    dtype = cfg.target.dtype if cfg.serve.engine == "local" else cfg.serve.dtype
+    dtype = cfg.target.dtype if cfg.serve.engine in ("local", "hf") else cfg.serve.dtype
     if dtype == "auto":
         dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     return {
@@ -548,6 +585,10 @@ def engine_version(cfg: DictConfig) -> str:
 
     if cfg.serve.engine == "local":
         return f"eagle3 {__version__}"
+    if cfg.serve.engine == "hf":
+        import transformers
+
+        return f"transformers {transformers.__version__}"
     code = (
         "import importlib.metadata as m\n"
         f"for name in ('{cfg.serve.engine}', '{cfg.serve.engine}-cpu'):\n"

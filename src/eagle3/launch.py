@@ -30,7 +30,8 @@ from eagle3.lifecycle import spawn
 from eagle3.redact import mask, mask_argv, mask_text, masked_config
 from eagle3.spec import Spec
 
-ENGINES = ("local", "vllm", "sglang")
+ENGINES = ("local", "vllm", "sglang", "hf")
+SERVED = ("local", "vllm", "sglang")  # engines that run as a server process
 _LIVE: set[EngineProcess] = set()
 
 
@@ -52,6 +53,11 @@ def check_spec_for_engine(engine: str, spec: Spec, max_depth: int | None = None)
     if max_depth is not None and spec.enabled and spec.depth > max_depth:
         raise Eagle3Error(
             f"spec.depth={spec.depth} exceeds serve.max_depth={max_depth} (tokens verified per step)"
+        )
+    if engine == "hf" and spec.enabled:
+        raise Eagle3Error(
+            f"serve=hf measures HF transformers' generate, which does not speculate: use spec=off "
+            f"with it (spec {spec.label} runs on serve=local, vllm or sglang)"
         )
     if engine == "vllm" and spec.enabled and spec.topk > 1:
         raise Eagle3Error(
@@ -123,6 +129,11 @@ def compose_launch(
     check_spec_for_engine(scfg.engine, spec, scfg.get("max_depth"))
     if spec.enabled and drafter_path is None and not untrained_fallback(cfg):
         raise Eagle3Error(f"spec {spec.label} needs a drafter; set drafter.path or use spec=off")
+    if scfg.engine not in SERVED:
+        raise Eagle3Error(
+            f"serve={scfg.engine} has no server: it runs inside the bench (python -m eagle3.bench "
+            f"serve={scfg.engine})"
+        )
     port = port or scfg.port or free_port(scfg.host)
     composer = {"local": local_launch, "vllm": vllm_launch, "sglang": sglang_launch}[scfg.engine]
     launch = composer(cfg, spec, drafter_path, target_path, port)
@@ -132,9 +143,9 @@ def compose_launch(
     return launch
 
 
-def local_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
-    """Our server gets the job's exact resolved config as its primary config file (secrets masked:
-    the server reads its API key from the environment)."""
+def local_job_config(cfg, spec, drafter_path, port: int | None = None) -> dict:
+    """The config the embedded engine is built from: the job's resolved config (secrets masked: the
+    server reads its API key from the environment) with the resolved spec and drafter folder."""
     job = masked_config(cfg)
     job["spec"] = {
         "enabled": spec.enabled,
@@ -146,6 +157,12 @@ def local_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
     if job["engine"].get("max_batch_size") is None:  # batch as many as the bench keeps in flight
         job["engine"]["max_batch_size"] = cfg.bench.batch_size
     job["drafter"]["path"] = str(drafter_path) if drafter_path else None
+    return job
+
+
+def local_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
+    """Our server gets local_job_config as its primary config file."""
+    job = local_job_config(cfg, spec, drafter_path, port)
     argv = [
         engine_python(cfg.serve) if cfg.serve.python else sys.executable,
         "-m",

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from eagle3.common import Eagle3Error, installed_file
 
@@ -75,33 +75,47 @@ def to_prompt(row: dict, index: int, field: str, source: str) -> Prompt:
     return Prompt(row_id, [{"role": "user", "content": row[field]}])
 
 
-def suite_rows(bcfg: DictConfig) -> tuple[list[dict], str, str]:
-    """(rows, text field, source description) for bench.prompts or the named bench.suite."""
+def suite_names(bcfg: DictConfig) -> list[str]:
+    """bench.suite as a list: one name, or several (`bench.suite=[vicuna,humaneval,gsm8k]`)."""
+    suite = bcfg.suite
+    return [str(name) for name in suite] if isinstance(suite, (list, ListConfig)) else [str(suite)]
+
+
+def named_suite_rows(bcfg: DictConfig, name: str) -> tuple[list[dict], str, str]:
+    """(rows, text field, source description) of one configured suite."""
+    if name not in bcfg.suites:
+        raise Eagle3Error(
+            f"unknown bench.suite {name!r}: use one of {', '.join(bcfg.suites)} "
+            "or bench.prompts=<file.jsonl>"
+        )
+    suite = bcfg.suites[name]
+    rows = read_rows(packaged_file(suite.package, suite.file))
+    rows = [r for r in rows if all(r.get(k) == v for k, v in (suite.get("where") or {}).items())]
+    return rows, suite.field, f"{name} ({suite.package})"
+
+
+def prompts_of(rows: list[dict], field: str, source: str, limit: int | None) -> list[Prompt]:
+    prompts = [to_prompt(row, i, field, source) for i, row in enumerate(rows)]
+    if not prompts:
+        raise Eagle3Error(f"prompt suite {source} is empty")
+    return prompts[:limit] if limit is not None else prompts
+
+
+def load_suite(bcfg: DictConfig) -> list[Prompt]:
+    """The prompts of bench.prompts, or of each bench.suite in order: the first bench.limit of
+    each (a job over several suites sums them: tok/s is all tokens over all wall time)."""
     if bcfg.prompts:
         path = Path(str(bcfg.prompts)).expanduser()
         if not path.exists():
             raise Eagle3Error(
                 f"bench.prompts={path} does not exist (a JSONL with `prompt` or `messages`)"
             )
-        return read_rows(path), "prompt", str(path)
-    if bcfg.suite not in bcfg.suites:
-        raise Eagle3Error(
-            f"unknown bench.suite {bcfg.suite!r}: use one of {', '.join(bcfg.suites)} "
-            "or bench.prompts=<file.jsonl>"
-        )
-    suite = bcfg.suites[bcfg.suite]
-    rows = read_rows(packaged_file(suite.package, suite.file))
-    rows = [r for r in rows if all(r.get(k) == v for k, v in (suite.get("where") or {}).items())]
-    return rows, suite.field, f"{bcfg.suite} ({suite.package})"
-
-
-def load_suite(bcfg: DictConfig) -> list[Prompt]:
-    """The prompts of the configured suite, the first bench.limit of them when set."""
-    rows, field, source = suite_rows(bcfg)
-    prompts = [to_prompt(row, i, field, source) for i, row in enumerate(rows)]
-    if not prompts:
-        raise Eagle3Error(f"prompt suite {source} is empty")
-    return prompts[: bcfg.limit] if bcfg.limit is not None else prompts
+        return prompts_of(read_rows(path), "prompt", str(path), bcfg.limit)
+    return [
+        prompt
+        for name in suite_names(bcfg)
+        for prompt in prompts_of(*named_suite_rows(bcfg, name), bcfg.limit)
+    ]
 
 
 def check_bench_settings(bcfg: DictConfig) -> None:
@@ -118,4 +132,4 @@ def check_bench_settings(bcfg: DictConfig) -> None:
 
 
 def suite_name(bcfg: DictConfig) -> str:
-    return Path(str(bcfg.prompts)).stem if bcfg.prompts else bcfg.suite
+    return Path(str(bcfg.prompts)).stem if bcfg.prompts else "+".join(suite_names(bcfg))

@@ -183,6 +183,8 @@ class EngineService:
 
         def on_tokens(new: list[int]) -> bool:
             produced.extend(new)
+            if not stops and on_text is None:  # nothing reads the text while decoding
+                return self.cancelled(cancel)
             text, hit = streamable(self.decode(produced), stops)
             if on_text is not None and len(text) > len(sent[0]):
                 on_text(text[len(sent[0]) :])

@@ -1,0 +1,111 @@
+"""serve.inprocess: the bench measuring the embedded engine and HF generate inside its own process,
+and a bench job over several suites."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_bench import export_untrained_drafter
+
+from eagle3 import inprocess
+from eagle3.bench import run_job
+from eagle3.common import Eagle3Error
+from eagle3.spec import resolve_spec
+from eagle3.suites import load_suite, suite_name
+
+TINY = ("target=tiny-llama", "tracking.enabled=false", "bench.repeats=1", "bench.warmup=1")
+
+
+@pytest.fixture(scope="module")
+def drafter(test_root):
+    from eagle3.common import compose
+
+    cfg = compose([f"paths.root={test_root}", "target=tiny-llama"])
+    return export_untrained_drafter(cfg, test_root / "drafters" / "tiny-untrained")
+
+
+def test_several_suites_are_the_first_prompts_of_each(make_cfg):
+    both = make_cfg("bench.suite=[vicuna,gsm8k]", "bench.limit=2").bench
+    assert load_suite(both) == (
+        load_suite(make_cfg("bench.suite=vicuna", "bench.limit=2").bench)
+        + load_suite(make_cfg("bench.suite=gsm8k", "bench.limit=2").bench)
+    )
+    assert suite_name(both) == "vicuna+gsm8k"
+    with pytest.raises(Eagle3Error, match="unknown bench.suite 'nope'"):
+        load_suite(make_cfg("bench.suite=[vicuna,nope]").bench)
+
+
+def requests_of(folder) -> list[dict]:
+    (records,) = json.loads((folder / "requests.json").read_text())
+    return records
+
+
+def test_inprocess_measures_what_the_server_measures(make_cfg, tmp_path, drafter):
+    """The same greedy float32 job through the local server and in-process: every request's token
+    count and verify steps, and the acceptance per position, are equal."""
+    shared = (
+        *TINY,
+        "spec.depth=4",
+        "bench.suite=[vicuna,gsm8k]",
+        "bench.limit=2",
+        "bench.max_new_tokens=24",
+        f"drafter.path={drafter}",
+    )
+    served = run_job(make_cfg(*shared), tmp_path / "served")
+    inside = run_job(make_cfg(*shared, "serve.inprocess=true"), tmp_path / "inside")
+    inprocess.release()
+    assert served["status"] == inside["status"] == "ok", (served.get("error"), inside.get("error"))
+    assert served["suite"] == inside["suite"] == "vicuna+gsm8k"
+    a, b = requests_of(tmp_path / "served" / "spec"), requests_of(tmp_path / "inside" / "spec")
+    assert len(a) == len(b) == 4
+    for key in ("prompt_tokens", "output_tokens", "verify_steps"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert inside["accept_length"] == pytest.approx(served["accept_length"])
+    assert inside["accept_per_pos"] == pytest.approx(served["accept_per_pos"])
+    assert all(r["ttft_s"] is not None and 0 < r["ttft_s"] <= r["latency_s"] for r in b)
+
+
+def test_an_engine_is_kept_for_the_next_job_with_its_config(make_cfg, drafter):
+    cfg = make_cfg(*TINY, "spec.depth=4", "serve.inprocess=true", f"drafter.path={drafter}")
+    spec = resolve_spec(cfg.spec)
+    first = inprocess.engine_for(cfg, spec, drafter / "sglang")
+    assert inprocess.engine_for(cfg, spec, drafter / "sglang") is first
+    deeper = make_cfg(*TINY, "spec.depth=5", "serve.inprocess=true", f"drafter.path={drafter}")
+    other = inprocess.engine_for(deeper, resolve_spec(deeper.spec), drafter / "sglang")
+    assert other is not first and inprocess._KEPT["engine"] is other
+    inprocess.release()
+    assert not inprocess._KEPT
+
+
+def test_hf_generate_counts_through_the_first_eos(make_cfg, tmp_path):
+    assert inprocess.completion_length([5, 2, 7, 2], eos=2) == 2
+    assert inprocess.completion_length([5, 7, 9], eos=2) == 3
+    assert inprocess.completion_length([2, 2], eos=2) == 1
+    cfg = make_cfg(
+        *TINY,
+        "serve=hf",
+        "spec=off",
+        "bench.limit=3",
+        "bench.batch_size=2",
+        "bench.max_new_tokens=12",
+        "bench.ignore_eos=true",
+    )
+    result = run_job(cfg, tmp_path / "hf")
+    inprocess.release()
+    assert result["status"] == "ok", result.get("error")
+    assert result["output_tokens"] == 3 * 12 and result["requests"] == 3
+    assert result["engine_version"].startswith("transformers ")
+    records = requests_of(tmp_path / "hf" / "baseline")
+    # static batches of 2: the first two requests share one batch's wall time
+    assert records[0]["latency_s"] == records[1]["latency_s"] != records[2]["latency_s"]
+
+
+def test_hf_refuses_a_speculative_spec(make_cfg, tmp_path):
+    result = run_job(make_cfg(*TINY, "serve=hf", "spec.depth=4"), tmp_path / "hf")
+    assert result["status"] == "failed" and "does not speculate: use spec=off" in result["error"]
+
+
+def test_inprocess_refused_for_a_served_engine(make_cfg, tmp_path):
+    result = run_job(make_cfg(*TINY, "serve=vllm", "serve.inprocess=true"), tmp_path / "v")
+    assert result["status"] == "failed" and "vllm runs as its own server" in result["error"]
