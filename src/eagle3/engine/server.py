@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3.common import Eagle3Error, api_key, app, log
-from eagle3.engine.service import EngineService, Reply, build_service
+from eagle3.engine.service import EngineService, Generation, Reply, build_service
 
 # ---------------------------------------------------------------- request schemas
 
@@ -198,18 +198,17 @@ def create_app(service: EngineService):
         ids = req.input_ids if req.input_ids is not None else service.encode_text(req.text)
         sp = req.sampling_params
         service.check_request(ids, sp.max_new_tokens, sp.stop_token_ids)
-        run = lambda on_text=None, cancel=None: service.generate(
+        generation = Generation(
             ids,
             sp.max_new_tokens,
             sp.temperature,
             sp.top_p,
-            sp.stop,
-            sp.stop_token_ids,
-            sp.ignore_eos,
-            on_text,
-            sp.seed,
-            cancel,
+            stop=sp.stop,
+            stop_token_ids=sp.stop_token_ids,
+            ignore_eos=sp.ignore_eos,
+            seed=sp.seed,
         )
+        run = lambda on_text=None, cancel=None: service.generate(generation, on_text, cancel)
         if req.stream:
             return stream(
                 request,
@@ -226,17 +225,16 @@ def create_app(service: EngineService):
     async def completions(req: CompletionRequest, request: Request):
         ids = req.prompt if isinstance(req.prompt, list) else service.encode_text(req.prompt)
         service.check_request(ids, req.max_tokens, ())
-        run = lambda on_text=None, cancel=None: service.generate(
+        generation = Generation(
             ids,
             req.max_tokens,
             req.temperature,
             req.top_p,
             req.stop,
             ignore_eos=req.ignore_eos,
-            on_text=on_text,
             seed=req.seed,
-            cancel=cancel,
         )
+        run = lambda on_text=None, cancel=None: service.generate(generation, on_text, cancel)
         make = lambda choices: openai_body("text_completion", service.model_name, choices)
         if req.stream:
             return stream(
@@ -271,17 +269,16 @@ def create_app(service: EngineService):
         ids = service.encode_chat([m.model_dump() for m in req.messages])
         limit = req.max_completion_tokens or req.max_tokens
         service.check_request(ids, limit, ())
-        run = lambda on_text=None, cancel=None: service.generate(
+        generation = Generation(
             ids,
             limit,
             req.temperature,
             req.top_p,
             req.stop,
             ignore_eos=req.ignore_eos,
-            on_text=on_text,
             seed=req.seed,
-            cancel=cancel,
         )
+        run = lambda on_text=None, cancel=None: service.generate(generation, on_text, cancel)
         if req.stream:
             return stream(
                 request,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -29,6 +30,22 @@ class Reply:
     finish_reason: str
     result: GenerationResult
     latency_s: float
+
+
+@dataclass
+class Generation:
+    """One request's decoding settings, as a route (or an in-process caller) gives them: None for
+    max_new_tokens and temperature takes the server's defaults (serve.default_max_tokens,
+    serve.default_temperature); seed gives the request its own sampling generator."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
 
 
 @dataclass
@@ -122,37 +139,16 @@ class EngineService:
         )["input_ids"]
 
     def generate(
-        self,
-        prompt_ids: list[int],
-        max_new_tokens: int | None,
-        temperature: float | None,
-        top_p: float,
-        stop: str | list[str] | None = None,
-        stop_token_ids=(),
-        ignore_eos: bool = False,
-        on_text=None,
-        seed: int | None = None,
-        cancel: threading.Event | None = None,
+        self, request: Generation, on_text=None, cancel: threading.Event | None = None
     ) -> Reply:
         """Decode under the lock; on_text(delta) streams text as steps commit, never text a stop
-        string may still remove. seed: this request's own sampling generator (same seed, same text).
-        cancel: set it (a disconnected client) and decoding stops after the current step."""
-        self.check_request(prompt_ids, max_new_tokens, stop_token_ids)
+        string may still remove. Same seed, same text. cancel: set it (a disconnected client) and
+        decoding stops after the current step."""
+        self.check_request(request.prompt_ids, request.max_new_tokens, request.stop_token_ids)
         with self.idle:
             self.active += 1
         try:
-            return self._generate(
-                prompt_ids,
-                max_new_tokens,
-                temperature,
-                top_p,
-                stop,
-                stop_token_ids,
-                ignore_eos,
-                on_text,
-                seed,
-                cancel or threading.Event(),
-            )
+            return self._generate(request, on_text, cancel or threading.Event())
         finally:
             with self.idle:
                 self.active -= 1
@@ -161,22 +157,11 @@ class EngineService:
     def cancelled(self, cancel: threading.Event) -> bool:
         return cancel.is_set() or self.cancel_all.is_set()
 
-    def _generate(
-        self,
-        prompt_ids,
-        max_new_tokens,
-        temperature,
-        top_p,
-        stop,
-        stop_token_ids,
-        ignore_eos,
-        on_text,
-        seed,
-        cancel: threading.Event,
-    ) -> Reply:
+    def _generate(self, request: Generation, on_text, cancel: threading.Event) -> Reply:
+        stop = request.stop
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        stop_ids = set(stop_token_ids or ())
-        if not ignore_eos and self.tokenizer.eos_token_id is not None:
+        stop_ids = set(request.stop_token_ids or ())
+        if not request.ignore_eos and self.tokenizer.eos_token_id is not None:
             stop_ids.add(self.tokenizer.eos_token_id)
         produced: list[int] = []
         sent = [""]
@@ -196,13 +181,15 @@ class EngineService:
         serial = not getattr(self.decoder, "concurrent", False)
         with self.lock if serial else nullcontext():
             if self.cancelled(cancel):  # gone while queued: nothing decoded
-                stats = RequestStats(prompt_tokens=len(prompt_ids))
+                stats = RequestStats(prompt_tokens=len(request.prompt_ids))
                 return Reply([], "abort", GenerationResult([], "abort", stats), 0.0)
+            temperature = request.temperature
+            seed = request.seed
             result = self.decoder.generate(
-                prompt_ids,
-                max_new_tokens or self.scfg.default_max_tokens,
+                request.prompt_ids,
+                request.max_new_tokens or self.scfg.default_max_tokens,
                 self.scfg.default_temperature if temperature is None else temperature,
-                top_p,
+                request.top_p,
                 stop_ids=stop_ids,
                 on_tokens=on_tokens,
                 generator=torch.Generator().manual_seed(seed) if seed is not None else None,
