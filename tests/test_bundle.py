@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -82,9 +83,12 @@ def test_a_bundle_in_parts_installs_once_every_part_has_arrived(make_cfg, tmp_pa
     )
     argv, env, cwd = bundle_run.step_command("train", ["experiment=quickstart"], home)
     assert argv[1:] == ["-m", "eagle3.train", "experiment=quickstart"]
-    assert (
-        env["BUNDLE_FILES"] == str(home / "bundle" / "files") and cwd == home / "bundle" / "source"
-    )
+    # built without source (bundle.source=false): the step runs in the checkout run.py is called from
+    assert env["BUNDLE_FILES"] == str(home / "bundle" / "files") and cwd == Path.cwd()
+    assert env["PYTHONPATH"].split(":")[:2] == [str(home / "site"), str(cwd / "src")]
+    (home / "bundle" / "source").mkdir()
+    _, env, cwd = bundle_run.step_command("train", [], home)
+    assert cwd == home / "bundle" / "source"
     assert env["PYTHONPATH"].split(":")[:2] == [str(home / "site"), str(cwd / "src")]
 
 

@@ -10,7 +10,8 @@ the folders given with --parts into the home folder (--home, default /tmp/eagle3
 outlives one command on the same machine), names the parts still missing, and installs once all are
 there: the joined archive's sha256 is checked, the wheels installed into HOME/site, the source and
 files unpacked into HOME/bundle. A step runs in HOME/bundle/source with HOME/site and the bundled
-source on PYTHONPATH; BUNDLE_FILES names HOME/bundle/files (`data.source=${oc.env:BUNDLE_FILES}/x`).
+source on PYTHONPATH (a bundle without source, bundle.source=false, runs the step in the eagle3 checkout
+run.py is called from); BUNDLE_FILES names HOME/bundle/files (`data.source=${oc.env:BUNDLE_FILES}/x`).
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def step_command(step: str, overrides: list[str], home: Path) -> tuple[list[str]
     if step not in STEPS:
         raise BundleError(f"unknown step {step!r}: one of {', '.join(STEPS)}")
     source = home / "bundle" / "source"
+    if not source.is_dir():  # a bundle built with bundle.source=false: run in this checkout
+        source = Path.cwd()
     paths = [str(home / "site"), str(source / "src"), os.environ.get("PYTHONPATH", "")]
     env = {
         **os.environ,
