@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from eagle3.common import log
+from eagle3.engine.service import Generation
 from eagle3.launch import local_job_config
 from eagle3.spec import Spec
 
@@ -63,14 +64,10 @@ class LocalEngine(InProcess):
             if not first:
                 first.append(time.perf_counter() - started)
 
-        reply = self.service.generate(
-            ids,
-            bcfg.max_new_tokens,
-            bcfg.temperature,
-            bcfg.top_p,
-            ignore_eos=bcfg.ignore_eos,
-            on_text=on_text if bcfg.stream else None,
+        request = Generation(
+            ids, bcfg.max_new_tokens, bcfg.temperature, bcfg.top_p, ignore_eos=bcfg.ignore_eos
         )
+        reply = self.service.generate(request, on_text if bcfg.stream else None)
         latency = time.perf_counter() - started
         tokens = len(reply.tokens)
         return {
