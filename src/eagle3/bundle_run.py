@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bundle installed in {args.home}")
             return 0
         command, env, cwd = step_command(args.step, args.overrides, args.home)
-        return subprocess.run(command, env=env, cwd=cwd).returncode
+        sys.stdout.flush()
+        os.chdir(cwd)
+        os.execvpe(command[0], command, env)  # the step replaces run.py: signals reach it directly
     except BundleError as err:
         print(f"bundle error: {err}", file=sys.stderr)
         return 2
