@@ -368,6 +368,7 @@ def test_local_sweep_one_job_refused(test_root, tmp_path, tiny_drafter):
         "spec=d10s5",
         "target=tiny-llama",
         *QUICK,
+        "bench.repeats=1",
         f"drafter.path={tiny_drafter}",
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -399,6 +400,7 @@ def test_killed_server_marks_the_job_failed(make_cfg, tmp_path, tiny_drafter):
         "bench.limit=4",
         "bench.max_new_tokens=400",
         "bench.ignore_eos=true",
+        "bench.repeats=1",
         f"drafter.path={tiny_drafter}",
     )
     folder = tmp_path / "job"
@@ -449,6 +451,7 @@ def test_local_and_vllm_measure_the_same_tau(make_cfg, tmp_path, smollm2_trained
         f"bench.limit={AGREE_PROMPTS}",
         f"bench.max_new_tokens={AGREE_TOKENS}",
         "bench.ignore_eos=true",
+        "bench.repeats=1",  # greedy: every pass accepts the same tokens
         f"drafter.path={drafter}",
     ]
     local = run_job(make_cfg(*common, "serve=local"), tmp_path / "local")

@@ -561,22 +561,24 @@ def fake_training_output(cfg, drafter, tau: float):
     return out
 
 
-def export_cfg(make_cfg, tmp_path):
+def export_cfg(make_cfg, artifacts):
+    """The export stage on tiny-llama in a private artifacts folder (own_artifacts: its converted
+    targets are the shared ones)."""
     overrides = [
         "target=tiny-llama",
         "train.hidden_states=online",
-        f"paths.artifacts={tmp_path}/artifacts",
+        f"paths.artifacts={artifacts}",
         "export.speculators=true",
     ]
     return make_cfg(*overrides), overrides
 
 
 def test_export_run_exports_registers_and_is_idempotent(
-    drafter, tiny_target, make_cfg, tmp_path, shared_mlflow
+    drafter, tiny_target, make_cfg, own_artifacts, shared_mlflow
 ):
     from mlflow.tracking import MlflowClient
 
-    cfg = make_cfg(*export_cfg(make_cfg, tmp_path)[1], *shared_mlflow)
+    cfg = make_cfg(*export_cfg(make_cfg, own_artifacts)[1], *shared_mlflow)
     with pytest.raises(Eagle3Error, match=r"run `python -m eagle3.train` first"):
         export.run(cfg)
     trained = fake_training_output(cfg, drafter, tau=3.25)
@@ -610,9 +612,9 @@ def test_export_run_exports_registers_and_is_idempotent(
 
 
 @pytest.mark.slow
-def test_export_app_command_line(drafter, make_cfg, tmp_path):
+def test_export_app_command_line(drafter, make_cfg, own_artifacts):
     """`python -m eagle3.export`: one-line error without a trained drafter, then export + register."""
-    cfg, overrides = export_cfg(make_cfg, tmp_path)
+    cfg, overrides = export_cfg(make_cfg, own_artifacts)
     command = [
         sys.executable,
         "-m",

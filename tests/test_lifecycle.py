@@ -132,6 +132,7 @@ def bench_argv(artifacts, root, *overrides, multirun: bool = False) -> list[str]
         "bench.limit=1",
         "bench.warmup=0",
         "bench.max_new_tokens=4",
+        "bench.repeats=1",
         *overrides,
     )
 
@@ -242,25 +243,25 @@ def sweep_results(root: Path) -> list[tuple[str, list[str]]]:
 @pytest.mark.slow
 def test_two_sweeps_in_the_same_second_stay_apart(own_artifacts, tmp_path):
     """Two `eagle3.bench -m` sweeps with one clock second: separate folders, summaries and
-    parent runs, every job in its own sweep."""
+    parent runs, every job in its own sweep (spec=off and one chain each: the chain's job reuses
+    its sweep's spec=off measurement, so each sweep starts two engines)."""
     procs = []
-    for depths in ("3,4", "5,6"):
+    for specs in ("off,d4", "off,d8"):
         argv = bench_argv(
             own_artifacts,
             tmp_path,
-            f"spec.depth={depths}",
-            "spec.topk=1",
+            f"spec={specs}",
             "bench.reuse_baseline=false",
             multirun=True,
         )
-        log = open(tmp_path / f"sweep-{depths}.log", "w")
+        log = open(tmp_path / f"sweep-{specs}.log", "w")
         procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
     for proc in procs:
         assert proc.wait(900) == 0
     results = sweep_results(tmp_path)
     assert [specs for _, specs in results] in (
-        [["d3", "d4"], ["d5", "d6"]],
-        [["d5", "d6"], ["d3", "d4"]],
+        [["off", "d4"], ["off", "d8"]],
+        [["off", "d8"], ["off", "d4"]],
     )
     assert all(name.startswith("03-04-05-") for name, _ in results)
     for sweep in (tmp_path / "multirun").glob("*/*"):

@@ -74,9 +74,11 @@ def start(tmp_path: Path, folder: Path, overrides: list[str], env: dict, log: Pa
             n_train=N_TRAIN,
         )
     )
+    # one torch thread per rank: two ranks on two cores, no thread pool spinning against the other
+    threads = {"OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [sys.executable, str(script)],
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **threads, **env},
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
     )

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from eagle3.redact import MASK, mask, mask_argv, mask_text
@@ -95,12 +94,16 @@ def test_no_secret_reaches_any_file(test_root, tmp_path):
 
 
 STORE_USER = """
-import sys, time
+import pathlib, sys, time
 from eagle3.common import compose
 from eagle3.tracking import stage_run
 cfg = compose([f"tracking.uri=sqlite:///{sys.argv[1]}/mlflow.db",
                f"tracking.artifact_location={sys.argv[1]}/artifacts"])
-time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # all processes start together
+ready = pathlib.Path(sys.argv[1], "ready")
+(ready / sys.argv[2]).touch()
+deadline = time.time() + 120  # a peer that failed to start does not hold the others forever
+while len(list(ready.iterdir())) < int(sys.argv[3]) and time.time() < deadline:
+    time.sleep(0.005)  # all processes start together
 with stage_run(cfg, "probe"):
     pass
 print("ok")
@@ -108,15 +111,15 @@ print("ok")
 
 
 def test_processes_starting_on_a_new_store_at_once_all_succeed(tmp_path):
-    start = time.time() + 8  # after every interpreter has imported eagle3
+    (tmp_path / "ready").mkdir()  # each process marks itself ready once it has imported eagle3
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", STORE_USER, str(tmp_path), str(start)],
+            [sys.executable, "-c", STORE_USER, str(tmp_path), str(index), "3"],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for _ in range(3)
+        for index in range(3)
     ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [o.strip().splitlines()[-1] for o in outputs] == ["ok"] * 3, outputs
@@ -128,7 +131,9 @@ def test_processes_starting_on_a_new_store_at_once_all_succeed(tmp_path):
     assert len(client.search_runs([experiment.experiment_id])) == 3
 
 
-def test_the_bench_sends_the_api_key_the_server_requires(make_cfg, tmp_path, monkeypatch):
+def test_the_bench_sends_the_api_key_the_server_requires(
+    make_cfg, tmp_path, own_artifacts, monkeypatch
+):
     """EAGLE3_API_KEY set: the local server refuses requests without it (401), so a job that
     measures at all has sent it; the key is in no file of the job."""
     from eagle3.bench import run_job
@@ -141,8 +146,9 @@ def test_the_bench_sends_the_api_key_the_server_requires(make_cfg, tmp_path, mon
         "bench.limit=2",
         "bench.warmup=0",
         "bench.max_new_tokens=4",
+        "bench.repeats=1",
         "bench.reuse_baseline=false",
-        f"paths.artifacts={tmp_path}/artifacts",
+        f"paths.artifacts={own_artifacts}",
     )
     result = run_job(cfg, tmp_path / "job")
     assert result["status"] == "ok", result.get("error")
