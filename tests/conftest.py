@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,15 +22,30 @@ def test_root() -> Path:
     return TEST_ROOT
 
 
+@pytest.fixture(scope="session")
+def empty_store(tmp_path_factory) -> Path:
+    """A new MLflow sqlite store, made once: creating one runs MLflow's schema migrations (seconds
+    each time); a copy of it is the same new store."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("empty-store") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
 @pytest.fixture
-def make_cfg(test_root, tmp_path):
-    """Compose the primary config with overrides; artifacts shared, mlruns per test."""
+def make_cfg(test_root, tmp_path, empty_store):
+    """Compose the primary config with overrides; artifacts shared, a new mlruns store per test."""
+    store = tmp_path / "mlruns" / "mlflow.db"
 
     def make(*overrides: str):
+        if not store.exists():
+            store.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(empty_store, store)
         return compose(
             [
                 f"paths.root={test_root}",
-                f"tracking.uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
+                f"tracking.uri=sqlite:///{store}",
                 f"tracking.artifact_location={tmp_path}/mlruns/artifacts",
                 *overrides,
             ]

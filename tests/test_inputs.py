@@ -174,9 +174,9 @@ def test_incomplete_exports_are_refused_by_path(export_dir, make_cfg):
 def test_bad_bench_settings_are_refused_before_launch(make_cfg, tmp_path, override, message):
     cfg = make_cfg("target=tiny-llama", "serve.drafter_fallback=untrained", override)
     with pytest.raises(Eagle3Error) as err:
-        bench.measure_job(cfg, tmp_path)
+        bench.measure_job(cfg, tmp_path / "job")
     assert str(err.value).startswith(message)
-    assert list(tmp_path.iterdir()) == []  # no engine folder, nothing launched
+    assert not (tmp_path / "job").exists()  # no engine folder, nothing launched
 
 
 @pytest.mark.parametrize(
