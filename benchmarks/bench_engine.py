@@ -189,6 +189,21 @@ def profile(decoder, prompt, stop, label: str, args) -> None:
         )
 
 
+def read_suite(path: Path, tokenizer, limit: int) -> list[list[int]]:
+    """The chat-templated ids of a suite file's first `limit` rows (`python -m eagle3.prompt_files --suites`)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:limit]
+    return [
+        tokenizer.apply_chat_template(
+            r["messages"], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for r in rows
+    ]
+
+
+def strip_eos(tokens: list[int], eos: int) -> list[int]:
+    return tokens[: tokens.index(eos)] if eos in tokens else tokens
+
+
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """The engine settings both benchmarks expose (conf/engine's names in the help)."""
     parser.add_argument(

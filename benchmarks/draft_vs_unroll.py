@@ -20,8 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from bench_engine import load, load_drafter, parse_spec
-from e2e_bench import read_suite
+from bench_engine import load, load_drafter, parse_spec, read_suite
 
 from eagle3.engine import SpecDecoder
 from eagle3.engine.fused import FusedGreedy

@@ -4,10 +4,10 @@
 ties), so a grid of shapes can be decoded on a CPU; the GPU's step cost depends on the shape
 mostly through the number of draft steps and their top-k (H200, results/smollm2-135m_h200_2026-12-01c.md: 0.10 ms per step at
 k = 8, 0.17 at k = 16), and at batch 1 verify grows only slowly with the tree's size (1.39 ms at 8
-nodes, 1.45 at 32, 1.52 at 64). From the spec rows of --gpu (e2e_bench.py JSONs of one run) this fits
+nodes, 1.45 at 32, 1.52 at 64). From the spec rows of --gpu (engine-loop JSONs of one run) this fits
 the draft time per draft step for each top-k (least squares through 0) and the rest of the all-in step
 (verify, host, prefill share) as a line in the tree's size (least squares; flat when every row has
-one size), and predicts for every spec row of --tau (another e2e_bench.py JSON, e.g. a CPU run)
+one size), and predicts for every spec row of --tau (another engine-loop JSON, e.g. a CPU run)
 
     tok/s = τ / (rest + per_node * depth + per_draft_step * steps)
 
@@ -114,14 +114,14 @@ def main() -> None:
         required=True,
         type=Path,
         nargs="+",
-        help="e2e_bench.py JSONs whose τ per shape is used",
+        help="engine-loop JSONs whose τ per shape is used",
     )
     parser.add_argument(
         "--gpu",
         required=True,
         type=Path,
         nargs="+",
-        help="e2e_bench.py JSONs from one GPU run, with spec=off",
+        help="engine-loop JSONs from one GPU run, with spec=off",
     )
     parser.add_argument(
         "--target", type=float, default=2.5, help="speedup over spec=off whose τ each row reports"

@@ -19,8 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from bench_engine import load, load_drafter
-from e2e_bench import read_suite, strip_eos
+from bench_engine import load, load_drafter, read_suite, strip_eos
 
 from eagle3.data import load_splits
 from eagle3.engine import SpecDecoder

@@ -489,7 +489,7 @@ def test_sweep_without_a_drafter_names_the_command(test_root, tmp_path):
 
 
 def test_tree_shapes_predicts_from_gpu_step_costs(tmp_path):
-    """benchmarks/tree_shapes.py on e2e_bench-shaped files with known costs: GPU steps cost 1.6 ms plus
+    """benchmarks/tree_shapes.py on engine-loop-shaped files with known costs: GPU steps cost 1.6 ms plus
     0.002 ms per verified node plus a draft step's cost for its top-k (0.13 ms at k=2, 0.10 at k=8,
     0.17 at k=16); a shape's prediction is its τ (summed over suites) over that step time, and a shape
     whose top-k no GPU row has gets none."""
@@ -566,7 +566,7 @@ def test_tree_shapes_predicts_from_gpu_step_costs(tmp_path):
 
 
 def test_totals_sum_the_suites_of_each_method(tmp_path, capsys):
-    """python -m eagle3.results totals over two e2e_bench-shaped files: tok/s is the sum of tokens over the sum of
+    """python -m eagle3.results totals over two engine-loop-shaped files: tok/s is the sum of tokens over the sum of
     wall time (not the mean of the suites' rates), τ and the step over the summed verify steps, the phase
     times weighted by steps (prefill by prompts), the ratio against off's totals; a method measured twice
     on one suite is refused."""

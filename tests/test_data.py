@@ -985,7 +985,7 @@ def test_every_shipped_answer_file_is_listed_here():
 @pytest.mark.parametrize("answer_hash", sorted(SHIPPED_ANSWERS))
 def test_shipped_answers_are_the_ones_their_experiments_ask_for(answer_hash):
     """benchmarks/assets/regen-<hash>.tgz: the hash is the regen log path that its experiments compute
-    for h200_pipeline.sh's prompt file, and every answered turn belongs to a conversation of the
+    for the H200 run's prompt file, and every answered turn belongs to a conversation of the
     shipped slice or to a first-turn copy of one (<id>~n): a config change that moves the hash makes
     this fail, and a GPU run would silently regenerate again."""
     from eagle3.common import compose

@@ -20,7 +20,7 @@ def shipped_asset() -> Path:
 
 
 def shipped_recipe():
-    """The shipped drafter's run as benchmarks/h200_pipeline.sh made it (results/smollm2-135m_h200_2026-12-02d.md):
+    """The shipped drafter's run as its recipe made it on the H200 (results/smollm2-135m_h200_2026-12-02d.md):
     experiment=smollm2-h200-turns3-sampled2, under /tmp/e3 (train.init_from, a path below
     paths.root, is part of the train stage's hash)."""
     return compose(
@@ -67,7 +67,7 @@ def test_pack_then_unpack_keeps_each_weight_within_half_its_rows_step(tmp_path):
 
 
 def test_shipped_drafter_is_its_recipes_export(tmp_path):
-    """Its name is the export hash its recipe (shipped_recipe) computes for h200_pipeline.sh's prompt
+    """Its name is the export hash its recipe (shipped_recipe) computes for the H200 run's prompt
     file, and its manifest names that config's train and data outputs: a config change that moves
     them makes this fail (the asset would then be another recipe's drafter)."""
     from eagle3.outputs import data_output, export_output, train_output

@@ -18,7 +18,7 @@ themselves, the data stage generates only these, at data.regen.temperature (a se
 to every first turn; experiment=smollm2-h200-turns3-sampled).
 
 --suites writes the shipped bench suites instead, as suite_<name>.jsonl (`{"id", "messages"}`) in the
-folder --out, for benchmarks/e2e_bench.py and study.suites on a machine without the suites' packages:
+folder --out, for study.suites on a machine without the suites' packages:
 
     python -m eagle3.prompt_files --suites --out suites
 """

@@ -7,9 +7,9 @@ all-suite totals of bench files.
 `import` brings a GPU machine's results into the MLflow store, so the UI shows them beside local runs.
 
 GPU machines without network run the stages with tracking off (no mlflow there); what comes back is
-a folder of JSON and log files (results/<run>/: e2e.json or e2e_<variant>.json from
-e2e_bench.py (one engine setting per file; the run names end with the variant), engine_*.json from
-bench_engine.py, *_progress.log from the train stage's progress and validation lines,
+a folder of JSON and log files (results/<run>/: e2e.json or e2e_<variant>.json from the
+engine-loop benchmark that preceded `python -m eagle3.bench serve.inprocess=true`, one engine setting
+per file, the run names ending with the variant; engine_*.json from bench_engine.py; *_progress.log from the train stage's progress and validation lines,
 *_manifest.json from the stage outputs, gpu.txt, *.png plots made from them). This logs one parent
 run named after the folder, with the plots as its artifacts, and a child run per bench row, per
 method over all suites of an e2e file ("all <method>", as `totals` sums them: the headline figures),
@@ -328,7 +328,7 @@ def imported_line(folder: Path, summary: dict) -> str:
 
 
 def file_totals(files: list[Path]) -> list[dict]:
-    """Each method's suites summed over the rows of these e2e_bench.py JSONs."""
+    """Each method's suites summed over the rows of these engine-loop JSONs."""
     return totals([row for path in files for row in json.loads(path.read_text())["rows"]])
 
 
@@ -343,7 +343,9 @@ def main(argv: list[str] | None = None) -> None:
     imported.add_argument("folder", type=Path)
     imported.add_argument("overrides", nargs="*", help="Hydra overrides (tracking.*, paths.root)")
     summed = commands.add_parser("totals", help="each method's suites summed over bench files")
-    summed.add_argument("files", nargs="+", type=Path, help="e2e_bench.py --json outputs")
+    summed.add_argument(
+        "files", nargs="+", type=Path, help="engine-loop JSONs (e2e*.json in results/)"
+    )
     summed.add_argument("--json", type=Path, help="write the totals here")
     args = parser.parse_args(argv)
     if args.command == "import":

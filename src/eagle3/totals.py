@@ -1,4 +1,4 @@
-"""All suites together, per method, from e2e_bench.py JSONs of one run: the engine's
+"""All suites together, per method, from engine-loop JSONs of one run: the engine's
 headline figures (tok/s and its ratio to spec=off over the three suites). Rows are summed, not their
 rates averaged: tok/s = Σ tokens / Σ wall, τ = Σ tokens / Σ verify steps, step = Σ wall / Σ verify
 steps (prefill included); draft, verify and prefill times are weighted by steps and prompts.
