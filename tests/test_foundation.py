@@ -222,3 +222,23 @@ def test_info_prints_target_shape(test_root):
     proc = run_app("eagle3.info", "target=tiny-llama", root=test_root)
     assert proc.returncode == 0, proc.stderr
     assert "layers 4, hidden 64, vocab 49152, aux layer ids [1, 2, 3]" in proc.stdout
+
+
+def test_git_commit_says_dirty_when_tracked_files_differ_from_head(tmp_path):
+    from eagle3.artifacts import git_commit
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True
+    ).stdout.strip()
+    (tmp_path / "new.txt").write_text("untracked files do not count\n")
+    assert git_commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == f"{head}-dirty"
+    assert git_commit(tmp_path / "missing") is None

@@ -57,17 +57,27 @@ def package_versions() -> dict[str, str]:
 
 
 def git_commit(cwd: Path | None = None) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=cwd or Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
+    """HEAD's commit, with `-dirty` when tracked files differ from it (the code that ran is then
+    not that commit: a working tree copied without its history, edits in progress)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", *args],
+                cwd=cwd or Path(__file__).parent,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if not commit:
         return None
-    return out.stdout.strip() or None
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return f"{commit}-dirty" if changed else commit
 
 
 @dataclass
