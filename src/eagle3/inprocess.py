@@ -25,9 +25,10 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from eagle3.common import log
-from eagle3.engine.service import Generation
+from eagle3.engine.service import Generation, build_service
 from eagle3.launch import local_job_config
 from eagle3.spec import Spec
+from eagle3.target import load_target
 
 _KEPT: dict = {}  # {"key": config key, "engine": the engine built for it}
 
@@ -46,11 +47,7 @@ class InProcess:
 class LocalEngine(InProcess):
     """The embedded engine's service, called directly."""
 
-    name = "local"
-
     def __init__(self, job: dict):
-        from eagle3.engine.service import build_service
-
         self.service = build_service(OmegaConf.create(job))
 
     def counters(self) -> dict:
@@ -102,11 +99,7 @@ class HFGenerate(InProcess):
     """HF `generate` on the target: static batches of bench.batch_size left-padded prompts, each
     batch's wall time every one of its requests' latency."""
 
-    name = "hf"
-
     def __init__(self, cfg: DictConfig):
-        from eagle3.target import load_target
-
         self.target = load_target(cfg)
         tokenizer = self.target.tokenizer
         self.eos = tokenizer.eos_token_id
