@@ -13,12 +13,10 @@ import math
 import platform
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from eagle3 import inprocess, sweep
 from eagle3.artifacts import stage_output, to_plain
@@ -164,38 +162,25 @@ def _counts(body: dict) -> dict:
 def run_requests(
     engine: EngineProcess, requests: list[list[int]], bcfg, timeout_s: float, model: str, desc: str
 ) -> tuple[list[dict], float]:
-    """All requests with bench.batch_size in flight; (records in prompt order, wall seconds).
-    Interrupted (Ctrl-C, SIGTERM), it returns at once: the caller stops the engine, which ends
-    the requests still in flight."""
+    """All requests with bench.batch_size in flight (inprocess.in_flight); (records in prompt
+    order, wall seconds). A failed request raises EngineFailed with the engine's log."""
     api = "openai" if engine.launch.engine == "vllm" else "generate"
     limits = httpx.Limits(max_connections=bcfg.batch_size)
-    pool = ThreadPoolExecutor(bcfg.batch_size)
-    with (
-        httpx.Client(
-            base_url=engine.base_url,
-            timeout=timeout_s,
-            limits=limits,
-            headers=engine.launch.headers,
-        ) as client,
-        tqdm(total=len(requests), desc=desc, leave=False) as bar,
-    ):
+
+    def one(ids: list[int]) -> dict:
         try:
-            start = time.perf_counter()
-            futures = [pool.submit(send, client, api, ids, bcfg, model) for ids in requests]
-            records = []
-            for future in futures:
-                try:
-                    records.append(future.result())
-                except (httpx.HTTPError, json.JSONDecodeError, KeyError) as err:
-                    engine.check_alive(grace_s=5)  # raises EngineFailed with the log if it died
-                    raise EngineFailed(
-                        f"request to {engine.launch.engine} failed: {type(err).__name__}: {err}",
-                        engine.log_tail(),
-                    ) from err
-                bar.update()
-            return records, time.perf_counter() - start
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            return send(client, api, ids, bcfg, model)
+        except (httpx.HTTPError, json.JSONDecodeError, KeyError) as err:
+            engine.check_alive(grace_s=5)  # raises EngineFailed with the log if it died
+            raise EngineFailed(
+                f"request to {engine.launch.engine} failed: {type(err).__name__}: {err}",
+                engine.log_tail(),
+            ) from err
+
+    with httpx.Client(
+        base_url=engine.base_url, timeout=timeout_s, limits=limits, headers=engine.launch.headers
+    ) as client:
+        return inprocess.in_flight(requests, bcfg.batch_size, one, desc)
 
 
 # ---------------------------------------------------------------- measuring one engine
@@ -441,7 +426,7 @@ def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict
     check_bench_settings(cfg.bench)
     spec = resolve_spec(cfg.spec)
     check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.get("max_depth"))
-    if cfg.serve.get("inprocess") and cfg.serve.engine not in ("local", "hf"):
+    if cfg.serve.get("inprocess") and cfg.serve.engine not in inprocess.ENGINES:
         raise Eagle3Error(
             f"serve.inprocess=true runs serve=local or serve=hf inside the bench; "
             f"{cfg.serve.engine} runs as its own server (serve.inprocess=false)"

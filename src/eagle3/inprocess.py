@@ -30,6 +30,7 @@ from eagle3.launch import local_job_config
 from eagle3.spec import Spec
 from eagle3.target import load_target
 
+ENGINES = ("local", "hf")  # serve.engine values this module runs
 _KEPT: dict = {}  # {"key": config key, "engine": the engine built for it}
 
 
@@ -77,22 +78,7 @@ class LocalEngine(InProcess):
         }
 
     def run(self, requests: list[list[int]], bcfg, desc: str) -> tuple[list[dict], float]:
-        """All requests with bench.batch_size in flight; (records in prompt order, wall seconds)."""
-        with tqdm(total=len(requests), desc=desc, leave=False) as bar:
-            started = time.perf_counter()
-            if bcfg.batch_size == 1:
-                records = []
-                for ids in requests:
-                    records.append(self.request(ids, bcfg))
-                    bar.update()
-            else:
-                with ThreadPoolExecutor(bcfg.batch_size) as pool:
-                    futures = [pool.submit(self.request, ids, bcfg) for ids in requests]
-                    records = []
-                    for future in futures:
-                        records.append(future.result())
-                        bar.update()
-            return records, time.perf_counter() - started
+        return in_flight(requests, bcfg.batch_size, lambda ids: self.request(ids, bcfg), desc)
 
 
 class HFGenerate(InProcess):
@@ -152,6 +138,27 @@ class HFGenerate(InProcess):
                 ]
                 bar.update(len(batch))
             return records, time.perf_counter() - started
+
+
+def in_flight(requests: list, batch_size: int, one, desc: str) -> tuple[list[dict], float]:
+    """one(request) for every request with batch_size in flight; (records in request order, wall
+    seconds). Batch 1 runs in this thread. Interrupted (Ctrl-C, SIGTERM), it returns at once and
+    cancels the requests not yet started; the caller stops the engine, which ends those in flight."""
+    with tqdm(total=len(requests), desc=desc, leave=False) as bar:
+        started, records = time.perf_counter(), []
+        if batch_size == 1:
+            for request in requests:
+                records.append(one(request))
+                bar.update()
+            return records, time.perf_counter() - started
+        pool = ThreadPoolExecutor(batch_size)
+        try:
+            for future in [pool.submit(one, request) for request in requests]:
+                records.append(future.result())
+                bar.update()
+            return records, time.perf_counter() - started
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def completion_length(row: list[int], eos: int | None) -> int:
