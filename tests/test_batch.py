@@ -34,11 +34,30 @@ def references(tiny_target):
     return [(p, reference_greedy(tiny_target.model, p, NEW_TOKENS)) for p in prompts]
 
 
-@pytest.mark.parametrize("name", ["off", "d2", "d6", "d8s4k3"])
-def test_batched_greedy_equals_each_prompt_alone(tiny_target, fitted, references, name):
+@pytest.mark.parametrize(
+    "name, static",
+    [
+        ("off", False),
+        ("d2", False),
+        ("d6", False),
+        ("d8s4k3", False),
+        ("off", True),
+        ("d8s4k3", True),
+    ],
+)
+def test_batched_greedy_equals_each_prompt_alone(tiny_target, fitted, references, name, static):
     """Five prompts of different lengths, three rows: requests join as rows free up; each output is
-    the target's greedy decode, and each request's accepted lengths are the batch-1 decoder's."""
-    decoder = BatchDecoder(tiny_target, fitted, spec(name), max_batch_size=3)
+    the target's greedy decode, and each request's accepted lengths are the batch-1 decoder's.
+    static: the steps run at the shapes CUDA graphs replay (two and one rows padded to a batch of
+    three, power-of-two cache widths)."""
+    decoder = BatchDecoder(
+        tiny_target,
+        fitted,
+        spec(name),
+        max_batch_size=3,
+        graph_batch_sizes=(),
+        static_shapes=static,
+    )
     requests = [decoder.add(prompt, NEW_TOKENS) for prompt, _ in references]
     results = decoder.generate_all(requests)
     single = SpecDecoder(tiny_target, fitted, spec(name), fused=False)
@@ -50,10 +69,14 @@ def test_batched_greedy_equals_each_prompt_alone(tiny_target, fitted, references
     assert not decoder.busy and not decoder.rows
 
 
-def test_staggered_arrivals_stops_and_a_cancel(tiny_target, fitted, references):
+@pytest.mark.parametrize("static", [False, True])
+def test_staggered_arrivals_stops_and_a_cancel(tiny_target, fitted, references, static):
     """Requests arrive at different steps, two stop on a token at different steps, one is cancelled
-    after it has streamed 6 tokens; everyone else still gets exactly the greedy decode."""
-    decoder = BatchDecoder(tiny_target, fitted, spec("d6"), max_batch_size=4)
+    after it has streamed 6 tokens; everyone else still gets exactly the greedy decode. static: at
+    the padded shapes of CUDA graphs (batches of 1 and 3 padded to 2 and 4)."""
+    decoder = BatchDecoder(
+        tiny_target, fitted, spec("d6"), 4, graph_batch_sizes=(2,), static_shapes=static
+    )
     arrivals = {0: [0, 1], 2: [2], 3: [3], 5: [4]}  # step -> reference indices
     streamed: dict[int, list[int]] = {}
     requests = {}
@@ -101,7 +124,15 @@ def test_context_end_and_budget(tiny_target, fitted, references):
     greedily to the end of the context, next to one that does not reach it."""
     prompt, expected = references[1]
     max_context = len(prompt) + 12
-    decoder = BatchDecoder(tiny_target, fitted, spec("d6"), 2, max_context=max_context)
+    decoder = BatchDecoder(
+        tiny_target,
+        fitted,
+        spec("d6"),
+        2,
+        max_context=max_context,
+        static_shapes=True,
+        graph_batch_sizes=(1,),
+    )
     short, long = decoder.add(prompt, 5), decoder.add(prompt, 100)
     decoder.generate_all([short, long])
     assert short.result.tokens == expected[:5]

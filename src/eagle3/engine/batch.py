@@ -24,11 +24,19 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle3.common import Eagle3Error
+from eagle3.engine.batch_graphs import BatchGreedySteps
 from eagle3.engine.batched import (
+    BatchTrees,
+    ancestor_masks,
+    causal,
     copy_row,
+    draft_mask,
     drafter_forward,
+    keep_best_rows,
     move_slots,
+    subtrees,
     target_forward,
+    tree_mask,
 )
 from eagle3.engine.decoder import GenerationResult, RequestStats, check_prompt
 from eagle3.engine.kv import SlotKV
@@ -53,7 +61,6 @@ class BatchRequest:
     started: float = field(default_factory=time.perf_counter)
     out: list[int] = field(default_factory=list)
     position: int = 0  # the root's position (tokens committed to the target's cache)
-    h_last: torch.Tensor | None = None  # the drafter's last hidden [H]
     finish: str | None = None
     result: GenerationResult | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -67,17 +74,6 @@ class BatchRequest:
     def cancel(self) -> None:
         """Leave at the next step boundary (finish_reason "abort"); safe from any thread."""
         self.cancelled = True
-
-
-@dataclass
-class BatchTrees:
-    """Every row's draft tree, [B, q] each (q = spec.depth; 1 with spec=off)."""
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    depths: torch.Tensor
-    sizes: list[int]  # nodes of each row's tree that count (1: the row verifies its root only)
-    draft_probs: dict[int, torch.Tensor]  # row -> [q, V] (sampled chains)
 
 
 class BatchDecoder:
@@ -94,7 +90,14 @@ class BatchDecoder:
         seed: int = 0,
         draft_attention: str = "explicit",
         tree_temperature: float = 1.0,
+        cuda_graphs: bool = False,
+        graph_batch_sizes: tuple[int, ...] = (),
+        static_shapes: bool = False,
     ):
+        """cuda_graphs (CUDA only): greedy steps replay a CUDA graph per (batch size, cache width),
+        the batch padded to the first of graph_batch_sizes that holds it (max_batch_size always
+        counts). static_shapes: greedy steps run at those padded shapes without graphs (what the
+        graphs compute, eagerly; for tests on CPU)."""
         if spec.enabled and drafter is None:
             raise Eagle3Error(f"spec {spec.label} needs a drafter; use spec=off for plain decoding")
         if max_batch_size < 1:
@@ -125,7 +128,7 @@ class BatchDecoder:
             self.device,
             batch=max_batch_size,
         )
-        self.drafter_lean = self.drafter_kv = None
+        self.drafter_lean = self.drafter_kv = self.hidden = None
         if self.drafter is not None:
             if not LeanDrafter.supports(self.drafter):
                 raise Eagle3Error("engine.max_batch_size > 1: this drafter's layer is not batched")
@@ -141,6 +144,15 @@ class BatchDecoder:
                 self.device,
                 batch=max_batch_size,
             )
+            # each row's drafter hidden state after its last committed token (rows move with the caches)
+            self.hidden = torch.zeros(
+                max_batch_size,
+                dc.hidden_size,
+                dtype=self.drafter.fc.weight.dtype,
+                device=self.device,
+            )
+        graphs = cuda_graphs and self.device.type == "cuda"
+        self.greedy = BatchGreedySteps(self, graph_batch_sizes, graphs or static_shapes, graphs)
         self.steps = 0  # speculative steps taken (each shared by every row in flight)
         self.row_steps = 0  # rows over those steps (row_steps / steps: the mean batch)
         self.decode_time_s = self.prefill_time_s = 0.0  # host wall time in decode() / prefill()
@@ -238,6 +250,7 @@ class BatchDecoder:
         copy_row(self.target_kv, source, dest, min(length, self.target_kv.max_len))
         if self.drafter_kv is not None:
             copy_row(self.drafter_kv, source, dest, min(length, self.drafter_kv.max_len))
+            self.hidden[dest] = self.hidden[source]
 
     def _complete(self, request: BatchRequest) -> None:
         stats = request.stats
@@ -306,8 +319,8 @@ class BatchDecoder:
                 roots, device=self.device
             )
             hidden = self._extend(rows, next_ids, aux, positions, mask)
-            for index, r in enumerate(joining):
-                r.h_last = hidden[index, lengths[index] - 1]
+            last = torch.tensor(lengths, device=self.device) - 1
+            self.hidden[rows] = hidden[torch.arange(len(joining), device=self.device), last]
         elapsed = time.perf_counter() - started
         self.prefill_time_s += elapsed
         for r, root in zip(joining, roots):
@@ -332,16 +345,24 @@ class BatchDecoder:
     # ------------------------------------------------------------ decode
 
     def decode(self) -> None:
-        """One draft + verify + commit over every row."""
+        """One draft + verify + commit over every row: a greedy batch on BatchGreedySteps' device
+        path (CUDA graphs on a GPU), a batch with a sampled row step by step here."""
         t0 = time.perf_counter()
         self.steps += 1
         batch = len(self.rows)
         self.row_steps += batch
+        if not any(r.sampling.random for r in self.rows):
+            committed, draft_s, verify_s = self.greedy.step(self.rows)
+            self.decode_time_s += time.perf_counter() - t0
+            for request, new in zip(self.rows, committed):
+                self._record(request, new, draft_s, verify_s)
+            return
         rows = slice(0, batch)
         position = torch.tensor([r.position for r in self.rows], device=self.device)
         roots = torch.tensor([r.root for r in self.rows], device=self.device)
         if self.drafter is not None:
-            trees = self.draft(roots, position)
+            trees = self.draft(roots, position, self.hidden[rows])
+            trees.sizes = self.tree_sizes([r.position for r in self.rows])
         else:
             zero = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
             trees = BatchTrees(roots[:, None], zero, zero, [1] * batch, {})
@@ -356,14 +377,24 @@ class BatchDecoder:
             self._extend_committed(rows, news, paths, aux, position)
         t3 = time.perf_counter()
         self.decode_time_s += t3 - t0
-        for request, path, new in zip(self.rows, paths, news):
-            stats = request.stats
-            stats.verify_steps += 1
-            stats.accepted_per_step.append(len(path) - 1)
-            stats.draft_time_s += (t1 - t0) + (t3 - t2)
-            stats.verify_time_s += t2 - t1
-            request.position += len(new)
-            self._commit(request, new)
+        for request, new in zip(self.rows, news):
+            self._record(request, new, (t1 - t0) + (t3 - t2), t2 - t1)
+
+    def _record(self, request: BatchRequest, new: list[int], draft_s: float, verify_s: float):
+        """A step's committed tokens (accepted drafts, then the bonus) and its times."""
+        stats = request.stats
+        stats.verify_steps += 1
+        stats.accepted_per_step.append(len(new) - 1)
+        stats.draft_time_s += draft_s
+        stats.verify_time_s += verify_s
+        request.position += len(new)
+        self._commit(request, new)
+
+    def tree_sizes(self, positions: list[int]) -> list[int]:
+        """Nodes each row verifies: the whole tree, or its root alone where the tree would pass the
+        context."""
+        depth = self.spec.depth if self.spec.enabled else 1
+        return [depth if p + depth <= self.max_context else 1 for p in positions]
 
     def verify(self, trees: BatchTrees, position: torch.Tensor):
         """One target forward over every row's tree; keeps each accepted path's K/V.
@@ -418,7 +449,7 @@ class BatchDecoder:
 
     def _extend_committed(self, rows: slice, news, paths, aux, position) -> None:
         """The drafter over each row's committed tokens (the accepted nodes' aux states, the token
-        after each), padded to the longest row; each row's last hidden becomes its h_last."""
+        after each), padded to the longest row; each row's last hidden becomes its row of self.hidden."""
         batch, width = len(news), max(len(new) for new in news)
         ids = torch.tensor([new + [0] * (width - len(new)) for new in news], device=self.device)
         nodes = torch.tensor(
@@ -429,18 +460,27 @@ class BatchDecoder:
         mask = causal(positions, int(position.max()) + width)
         hidden = self._extend(rows, ids, states, positions, mask)
         last = torch.tensor([len(new) - 1 for new in news], device=self.device)
-        h_last = hidden[torch.arange(batch, device=self.device), last]
-        for request, h in zip(self.rows, h_last):
-            request.h_last = h
+        self.hidden[rows] = hidden[torch.arange(batch, device=self.device), last]
 
     # ------------------------------------------------------------ drafting
 
-    def draft(self, roots: torch.Tensor, position: torch.Tensor) -> BatchTrees:
+    def draft(
+        self,
+        roots: torch.Tensor,
+        position: torch.Tensor,
+        h_last: torch.Tensor,
+        cache_width: int | None = None,
+        sample: bool = True,
+    ) -> BatchTrees:
         """Every row's EAGLE-2 dynamic tree (a chain when topk=1), SpecDecoder.draft's steps with a
-        batch dimension; a row whose tree would pass the context verifies its root only."""
+        batch dimension, from each row's root, position and drafter hidden h_last [B, H] (sizes left
+        to the caller). cache_width: the cache slots attention reads (None: as many as are in use).
+        sample: sampled chains draw their children from the drafter (False: every row greedy)."""
         k, steps, dev, batch = self.spec.topk, self.spec.steps, self.device, roots.numel()
         sampled = [
-            index for index, r in enumerate(self.rows) if r.sampling.random and self.spec.chain
+            index
+            for index, r in enumerate(self.rows)
+            if sample and r.sampling.random and self.spec.chain
         ]
         total = 1 + k + (steps - 1) * k * k
         tokens = [roots[:, None]]
@@ -452,8 +492,7 @@ class BatchDecoder:
         }
         slot_of = torch.full((batch, total), -1, dtype=torch.long, device=dev)
         frontier = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        h_last = torch.stack([r.h_last for r in self.rows])[:, None]
-        frontier_hidden = h_last
+        frontier_hidden = h_last[:, None]
         count = 1
         rows = slice(0, batch)
         for step in range(steps):
@@ -465,7 +504,7 @@ class BatchDecoder:
                     position[:, None] + (step - 1) * k + torch.arange(width, device=dev),
                 )
                 all_parents = torch.cat(parents, dim=1)
-                kv_len = int(position.max()) + step * k
+                kv_len = cache_width or int(position.max()) + step * k
                 mask = draft_mask(frontier, slot_of, all_parents, position, step, kv_len)
                 ids = torch.cat(tokens, dim=1).gather(1, frontier)
                 pos = (position[:, None] + step - 1).expand(batch, width)
@@ -500,8 +539,6 @@ class BatchDecoder:
             count += width * k
         nodes = keep_best_rows(torch.cat(scores, dim=1), self.spec.depth - 1)
         trees = subtrees(nodes, torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(depths, 1))
-        fits = (position + self.spec.depth <= self.max_context).tolist()
-        trees.sizes = [self.spec.depth if fit else 1 for fit in fits]
         trees.draft_probs = {i: torch.cat(q_rows[i]) for i in sampled}  # chains keep every node
         return trees
 
@@ -516,68 +553,3 @@ class BatchDecoder:
             1, drafter.to_target_ids(torch.arange(q_draft.shape[-1], device=self.device)), q_draft
         )
         q_rows[index].append(q_target)
-
-
-# ---------------------------------------------------------------- row-wise tree and mask pieces
-
-
-def causal(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """[B, m, kv_len]: the query at slot positions[b, i] sees every slot up to its own."""
-    cols = torch.arange(kv_len, device=positions.device)
-    return cols[None, None, :] <= positions[:, :, None]
-
-
-def tree_mask(position: torch.Tensor, ancestors: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """[B, q, kv_len]: each row's committed prefix (slots < position) and its tree's ancestors
-    (slots position..position+q-1)."""
-    q = ancestors.shape[-1]
-    cols = torch.arange(kv_len, device=position.device)
-    relative = cols[None, :] - position[:, None]  # [B, kv_len]
-    inside = (relative >= 0) & (relative < q)
-    picked = ancestors.gather(2, relative.clamp(0, q - 1)[:, None, :].expand(-1, q, -1))
-    return (relative < 0)[:, None, :] | (inside[:, None, :] & picked)
-
-
-def draft_mask(frontier, slot_of, parents, position, step: int, kv_len: int) -> torch.Tensor:
-    """[B, w, kv_len]: frontier nodes (depth `step`) see their row's committed prefix and their
-    ancestors' draft slots."""
-    batch, width = frontier.shape
-    cols = torch.arange(kv_len, device=frontier.device)
-    mask = (cols[None, None, :] < position[:, None, None]).expand(batch, width, kv_len).clone()
-    current = frontier
-    for _ in range(step):
-        mask.scatter_(2, slot_of.gather(1, current)[:, :, None], True)
-        current = parents.gather(1, current)
-    return mask
-
-
-def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """[B, q, q]: entry (b, i, j) is True when node j is node i or one of its ancestors in row b."""
-    batch, q = parents.shape
-    chain = [torch.arange(q, device=parents.device).expand(batch, q)]
-    for _ in range(max_depth):
-        chain.append(parents.gather(1, chain[-1]))
-    lineage = torch.stack(chain, dim=2)  # [B, q, depth + 1]
-    return (lineage[:, :, :, None] == chain[0][:, None, None, :]).any(dim=2)
-
-
-def keep_best_rows(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """[B, count + 1]: per row the root and its `count` best-scoring nodes, in creation order
-    (tree.keep_best row by row)."""
-    order = torch.sort(scores[:, 1:], dim=1, descending=True, stable=True).indices[:, :count] + 1
-    root = torch.zeros(scores.shape[0], 1, dtype=torch.long, device=scores.device)
-    return torch.cat([root, order.sort(dim=1).values], dim=1)
-
-
-def subtrees(nodes, tokens, parents, depths) -> BatchTrees:
-    """Each row's tree restricted to its `nodes` (ascending, closed under ancestors), re-indexed."""
-    new_index = torch.zeros_like(tokens)
-    arange = torch.arange(nodes.shape[1], device=nodes.device).expand_as(nodes)
-    new_index.scatter_(1, nodes, arange)
-    return BatchTrees(
-        tokens.gather(1, nodes),
-        new_index.gather(1, parents.gather(1, nodes)),
-        depths.gather(1, nodes),
-        [nodes.shape[1]] * nodes.shape[0],
-        {},
-    )

@@ -11,11 +11,24 @@ share one attention call. The numbers per row are those of LeanLlama.forward / L
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from eagle3.engine.kv import SlotKV
 from eagle3.engine.llama import LeanBlocks, LeanDrafter, LeanLlama, gated_mlp, rotate
+
+
+@dataclass
+class BatchTrees:
+    """Every row's draft tree, [B, q] each (q = spec.depth; 1 with spec=off)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    sizes: list[int]  # nodes of each row's tree that count (1: the row verifies its root only)
+    draft_probs: dict[int, torch.Tensor]  # row -> [q, V] (sampled chains)
 
 
 def split_heads(blocks: LeanBlocks, qkv: torch.Tensor, cos, sin):
@@ -58,6 +71,19 @@ def move_slots(kv: SlotKV, rows: torch.Tensor, sources: torch.Tensor, dests: tor
     """Every layer's K/V at (rows[i], sources[i]) copied to (rows[i], dests[i]) (accepted paths)."""
     if rows.numel():
         kv.buffer[:, :, rows, :, dests] = kv.buffer[:, :, rows, :, sources]
+
+
+def permute_slots(kv: SlotKV, rows: int, position: torch.Tensor, order: torch.Tensor) -> None:
+    """Rows 0..rows-1: every layer's K/V at slots position + order[b, i] moved to position + i
+    (accepted path first, the rest after it, where nothing attends before it is rewritten)."""
+    buffer = kv.buffer[:, :, :rows]
+    two, layers, _, heads, _, dim = buffer.shape
+    offsets = torch.arange(order.shape[1], device=order.device)
+    expand = lambda slots: slots[None, None, :, None, :, None].expand(
+        two, layers, rows, heads, -1, dim
+    )
+    moved = buffer.gather(4, expand(position[:, None] + order))
+    buffer.scatter_(4, expand(position[:, None] + offsets), moved)
 
 
 def copy_row(kv: SlotKV, source: int, dest: int, length: int) -> None:
@@ -112,3 +138,68 @@ def drafter_forward(
         hidden = hidden + F.linear(merge_heads(lean, out), layer.o)
         hidden = hidden + gated_mlp(lean.norm(hidden, layer.post_norm), layer.gate_up, layer.down)
     return hidden
+
+
+# ---------------------------------------------------------------- row-wise tree and mask pieces
+
+
+def causal(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[B, m, kv_len]: the query at slot positions[b, i] sees every slot up to its own."""
+    cols = torch.arange(kv_len, device=positions.device)
+    return cols[None, None, :] <= positions[:, :, None]
+
+
+def tree_mask(position: torch.Tensor, ancestors: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[B, q, kv_len]: each row's committed prefix (slots < position) and its tree's ancestors
+    (slots position..position+q-1)."""
+    q = ancestors.shape[-1]
+    cols = torch.arange(kv_len, device=position.device)
+    relative = cols[None, :] - position[:, None]  # [B, kv_len]
+    inside = (relative >= 0) & (relative < q)
+    picked = ancestors.gather(2, relative.clamp(0, q - 1)[:, None, :].expand(-1, q, -1))
+    return (relative < 0)[:, None, :] | (inside[:, None, :] & picked)
+
+
+def draft_mask(frontier, slot_of, parents, position, step: int, kv_len: int) -> torch.Tensor:
+    """[B, w, kv_len]: frontier nodes (depth `step`) see their row's committed prefix and their
+    ancestors' draft slots."""
+    batch, width = frontier.shape
+    cols = torch.arange(kv_len, device=frontier.device)
+    mask = (cols[None, None, :] < position[:, None, None]).expand(batch, width, kv_len).clone()
+    current = frontier
+    for _ in range(step):
+        mask.scatter_(2, slot_of.gather(1, current)[:, :, None], True)
+        current = parents.gather(1, current)
+    return mask
+
+
+def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[B, q, q]: entry (b, i, j) is True when node j is node i or one of its ancestors in row b."""
+    batch, q = parents.shape
+    chain = [torch.arange(q, device=parents.device).expand(batch, q)]
+    for _ in range(max_depth):
+        chain.append(parents.gather(1, chain[-1]))
+    lineage = torch.stack(chain, dim=2)  # [B, q, depth + 1]
+    return (lineage[:, :, :, None] == chain[0][:, None, None, :]).any(dim=2)
+
+
+def keep_best_rows(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """[B, count + 1]: per row the root and its `count` best-scoring nodes, in creation order
+    (tree.keep_best row by row)."""
+    order = torch.sort(scores[:, 1:], dim=1, descending=True, stable=True).indices[:, :count] + 1
+    root = torch.zeros(scores.shape[0], 1, dtype=torch.long, device=scores.device)
+    return torch.cat([root, order.sort(dim=1).values], dim=1)
+
+
+def subtrees(nodes, tokens, parents, depths) -> BatchTrees:
+    """Each row's tree restricted to its `nodes` (ascending, closed under ancestors), re-indexed."""
+    new_index = torch.zeros_like(tokens)
+    arange = torch.arange(nodes.shape[1], device=nodes.device).expand_as(nodes)
+    new_index.scatter_(1, nodes, arange)
+    return BatchTrees(
+        tokens.gather(1, nodes),
+        new_index.gather(1, parents.gather(1, nodes)),
+        depths.gather(1, nodes),
+        [nodes.shape[1]] * nodes.shape[0],
+        {},
+    )

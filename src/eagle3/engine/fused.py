@@ -25,6 +25,25 @@ from eagle3.engine.runners import Graphed
 from eagle3.engine.tree import ancestor_mask, keep_best, subtree, top_children
 
 
+def mark(device: torch.device):
+    """A point in the device's stream (a recorded CUDA event), or the host clock on a CPU."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def phase_seconds(marks) -> tuple[float, float]:
+    """Marks around the draft, verify (and extend) phases -> (draft + extend, verify) seconds;
+    events are complete once the step's read returned."""
+    if isinstance(marks[0], float):
+        spans = [b - a for a, b in zip(marks, marks[1:])]
+    else:
+        spans = [a.elapsed_time(b) / 1000 for a, b in zip(marks, marks[1:])]
+    return spans[0] + sum(spans[2:]), spans[1]
+
+
 @dataclass
 class Pending:
     """A launched step: its host copy's slot, its phase marks and the mark after its copy."""
@@ -150,20 +169,9 @@ class FusedGreedy:
         return min(self.width, kv.max_len)
 
     def _mark(self):
-        if self.device.type != "cuda":
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return mark(self.device)
 
-    @staticmethod
-    def _durations(marks) -> tuple[float, float]:
-        """(draft + extend, verify) seconds; events are complete once the step's read returned."""
-        if isinstance(marks[0], float):
-            spans = [b - a for a, b in zip(marks, marks[1:])]
-        else:
-            spans = [a.elapsed_time(b) / 1000 for a, b in zip(marks, marks[1:])]
-        return spans[0] + sum(spans[2:]), spans[1]
+    _durations = staticmethod(phase_seconds)
 
     # ------------------------------------------------------------ the device side (static shapes)
 

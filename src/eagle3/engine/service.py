@@ -281,7 +281,7 @@ def build_service(cfg: DictConfig) -> EngineService:
     )
     max_batch = int(cfg.engine.get("max_batch_size") or 1)
     if max_batch > 1:
-        return batched_service(cfg, target, drafter, spec, source, max_batch)
+        return batched_service(cfg, target, drafter, spec, source, max_batch, use_graphs)
     decoder = SpecDecoder(
         target,
         drafter,
@@ -310,7 +310,9 @@ def build_service(cfg: DictConfig) -> EngineService:
     return EngineService(decoder, target.tokenizer, cfg.serve, source, cfg.target.name)
 
 
-def batched_service(cfg: DictConfig, target, drafter, spec, source: str, max_batch: int):
+def batched_service(
+    cfg: DictConfig, target, drafter, spec, source: str, max_batch: int, cuda_graphs: bool
+):
     """The service over a BatchScheduler: up to max_batch requests share each step."""
     from eagle3.engine.batch import BatchDecoder
     from eagle3.engine.scheduler import BatchScheduler
@@ -324,6 +326,8 @@ def batched_service(cfg: DictConfig, target, drafter, spec, source: str, max_bat
         seed=cfg.engine.seed,
         draft_attention=cfg.engine.draft_attention,
         tree_temperature=cfg.engine.tree_temperature,
+        cuda_graphs=cuda_graphs,
+        graph_batch_sizes=tuple(cfg.engine.graph_batch_sizes or ()),
     )
     log.info(
         "engine ready: target %s, spec %s, drafter %s, context %d, batches up to %d requests",
