@@ -9,6 +9,9 @@ others by one prefill), and leave when they finish; the rows stay packed (the la
 into a freed one), so every forward reads a view of the caches. spec=off is the same loop with a
 root-only tree. The per-request arithmetic is SpecDecoder's (engine/decoder.py): the same tree,
 the same acceptance rules, the same positions; greedy output equals the target's own greedy decode.
+A batch of greedy requests steps through BatchGreedySteps (engine/batch_graphs.py: the same step at
+fixed shapes, kept on the device, replayed from CUDA graphs on a GPU); a batch with a sampled request
+steps through the methods below.
 
 Driven by step() (tests call it directly to place arrivals at exact steps); engine/scheduler.py
 runs it on a thread behind the server.
