@@ -3,14 +3,17 @@ and a bench job over several suites."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
-from test_bench import export_untrained_drafter
+import torch
+from engine_helpers import PROMPTS
 
 from eagle3 import inprocess
 from eagle3.bench import run_job
 from eagle3.common import Eagle3Error
+from eagle3.counters import counter_delta
 from eagle3.spec import resolve_spec
 from eagle3.suites import load_suite, suite_name
 
@@ -18,11 +21,28 @@ TINY = ("target=tiny-llama", "tracking.enabled=false", "bench.repeats=1", "bench
 
 
 @pytest.fixture(scope="module")
-def drafter(test_root):
+def drafter(test_root, tiny_target, tiny_fitted_drafter):
+    """The drafter fitted to tiny-llama's greedy rollouts, exported: it gets drafts accepted."""
     from eagle3.common import compose
+    from eagle3.export import export_drafter
 
-    cfg = compose([f"paths.root={test_root}", "target=tiny-llama"])
-    return export_untrained_drafter(cfg, test_root / "drafters" / "tiny-untrained")
+    out = test_root / "drafters" / "tiny-fitted"
+    if not (out / "vllm" / "config.json").exists():
+        cfg = compose([f"paths.root={test_root}", "target=tiny-llama"])
+        fitted = copy.deepcopy(tiny_fitted_drafter)
+        fitted.config.target_num_layers = tiny_target.num_layers
+        # the exporter wants every draft slot mapped: the fitted tokens first, then unused ones
+        seen = fitted.t2d.nonzero().flatten().tolist()
+        size = fitted.config.draft_vocab_size
+        rest = [t for t in range(tiny_target.vocab_size) if t not in set(seen)][: size - len(seen)]
+        vocab = torch.tensor(seen + rest)
+        t2d = torch.zeros(tiny_target.vocab_size, dtype=torch.bool)
+        t2d[vocab] = True
+        fitted.set_vocab_map(vocab - torch.arange(size), t2d)
+        export_drafter(
+            cfg, fitted, {"note": "fitted to tiny-llama's rollouts, for engine tests"}, out
+        )
+    return out
 
 
 def test_several_suites_are_the_first_prompts_of_each(make_cfg):
@@ -64,6 +84,22 @@ def test_inprocess_measures_what_the_server_measures(make_cfg, tmp_path, drafter
     assert inside["accept_length"] == pytest.approx(served["accept_length"])
     assert inside["accept_per_pos"] == pytest.approx(served["accept_per_pos"])
     assert all(r["ttft_s"] is not None and 0 < r["ttft_s"] <= r["latency_s"] for r in b)
+
+
+def test_counters_before_a_pass_stay_as_they_were(make_cfg, drafter, tiny_target):
+    """The bench reads engine.counters() before and after a pass and keeps the difference: the
+    acceptance per position of a pass in-process is the pass's own, not zero (the fitted drafter on
+    the prompts it was fitted to accepts drafts at the first position)."""
+    cfg = make_cfg(*TINY, "spec.depth=4", f"drafter.path={drafter}", "serve.inprocess=true")
+    spec = resolve_spec(cfg.spec)
+    engine = inprocess.engine_for(cfg, spec, drafter)
+    prompts = [tiny_target.tokenizer(text)["input_ids"] for text in PROMPTS]
+    before = engine.counters()
+    copied = json.loads(json.dumps(before))
+    engine.run(prompts, cfg.bench, "pass")
+    inprocess.release()
+    assert before == copied
+    assert counter_delta(before, engine.counters())["accepted_per_pos"][0] > 0
 
 
 def test_an_engine_is_kept_for_the_next_job_with_its_config(make_cfg, drafter):

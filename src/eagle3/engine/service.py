@@ -212,6 +212,8 @@ class EngineService:
         c = self.counters
         return {
             **c.__dict__,
+            # a copy: an in-process caller keeps this dict while later requests add to the counters
+            "accepted_per_pos": list(c.accepted_per_pos),
             "tau": c.completion_tokens / c.num_drafts if c.num_drafts else 0.0,
             "spec": self.decoder.spec.label,
             "drafter": self.drafter_source,
