@@ -42,16 +42,14 @@ class BatchGreedySteps:
         self.reach = max(self.q, spec.steps * spec.topk) if spec.enabled else 1
         end = decoder.max_context + self.reach
         self.widths = sorted({min(2**n, end) for n in range(8, max(8, (end - 1).bit_length()) + 1)})
-        self.staged = torch.zeros(
-            3, top, dtype=torch.long, device=self.device
-        )  # root, position, size
+        # what the host writes before a step: each row's root, position and tree size
+        self.staged = torch.zeros(3, top, dtype=torch.long, device=self.device)
         self.packed = torch.zeros(top, 1 + self.max_commit, dtype=torch.long, device=self.device)
         self.hidden_in = None if decoder.hidden is None else torch.zeros_like(decoder.hidden)
         self.phases = [self.draft, self.verify] + ([self.extend] if spec.enabled else [])
         self.graphs: dict[tuple[int, int], list[Graphed]] = {}
-        self.held: dict[
-            tuple[int, int], list
-        ] = {}  # each shape's phase outputs, kept out of the pool
+        # each shape's phase outputs, kept alive so that no later capture reuses their memory
+        self.held: dict[tuple[int, int], list] = {}
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.shape = (0, 0)  # (rows, cache width) of the step being run
 
