@@ -30,9 +30,9 @@ from eagle3.common import Eagle3Error
 from eagle3.engine.batch_graphs import BatchGreedySteps
 from eagle3.engine.batched import (
     BatchTrees,
-    ancestor_masks,
     causal,
     copy_row,
+    counted_ancestors,
     draft_mask,
     drafter_forward,
     keep_best_rows,
@@ -403,11 +403,8 @@ class BatchDecoder:
         """One target forward over every row's tree; keeps each accepted path's K/V.
         -> (path node indices per row, bonus token per row, aux [B, q, 3H], tree tokens per row)."""
         batch, q = trees.tokens.shape
-        ancestors = ancestor_masks(trees.parents, max(self.spec.steps, 0))
-        ancestors &= torch.tensor(trees.sizes, device=self.device)[:, None, None] > torch.arange(
-            q, device=self.device
-        )
-        ancestors |= torch.eye(q, dtype=torch.bool, device=self.device)
+        sizes = torch.tensor(trees.sizes, device=self.device)
+        ancestors, _ = counted_ancestors(trees.parents, sizes, max(self.spec.steps, 0))
         slots = position[:, None] + torch.arange(q, device=self.device)
         kv_len = int(position.max()) + q
         mask = tree_mask(position, ancestors, kv_len)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from eagle3.engine.batched import (
-    ancestor_masks,
     causal,
+    counted_ancestors,
     permute_slots,
     target_forward,
     tree_mask,
@@ -125,9 +125,7 @@ class BatchGreedySteps:
         decoder, (batch, _), q = self.decoder, self.shape, self.q
         position, sizes = self.staged[1, :batch], self.staged[2, :batch]
         index = torch.arange(q, device=self.device)
-        counted = sizes[:, None] > index  # [B, q]: the nodes a row verifies
-        ancestors = ancestor_masks(self.parents, max(decoder.spec.steps, 0)) & counted[:, None, :]
-        ancestors |= torch.eye(q, dtype=torch.bool, device=self.device)
+        ancestors, counted = counted_ancestors(self.parents, sizes, max(decoder.spec.steps, 0))
         mask = tree_mask(position, ancestors, self.span(decoder.target_kv))
         lean = decoder.target_lean
         positions = (position[:, None] + self.depths).clamp_max(lean.cos.shape[0] - 1)

@@ -183,6 +183,15 @@ def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return (lineage[:, :, :, None] == chain[0][:, None, None, :]).any(dim=2)
 
 
+def counted_ancestors(parents: torch.Tensor, sizes: torch.Tensor, max_depth: int):
+    """ancestor_masks restricted to the nodes each row verifies (the first sizes[b]), every node its
+    own ancestor -> (ancestors [B, q, q], counted [B, q])."""
+    q = parents.shape[1]
+    counted = sizes[:, None] > torch.arange(q, device=parents.device)
+    ancestors = ancestor_masks(parents, max_depth) & counted[:, None, :]
+    return ancestors | torch.eye(q, dtype=torch.bool, device=parents.device), counted
+
+
 def keep_best_rows(scores: torch.Tensor, count: int) -> torch.Tensor:
     """[B, count + 1]: per row the root and its `count` best-scoring nodes, in creation order
     (tree.keep_best row by row)."""
