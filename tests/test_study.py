@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from eagle3.common import Eagle3Error
-from eagle3.study import fit_log, needed_for, row_counts
+from eagle3.study import fit_log, needed_for, row_counts, rows_for_tokens
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -33,6 +33,23 @@ def test_row_counts_take_fractions_and_counts():
         row_counts([0.5, 50], 40)
     with pytest.raises(Eagle3Error, match="at least two distinct sizes"):
         row_counts([1.0, 40], 40)
+
+
+def test_rows_for_tokens_are_the_shortest_prefixes_holding_them():
+    lengths = [5, 1, 7, 3, 3, 9, 2]
+
+    def brute_force(tokens):
+        return next(n for n in range(1, len(lengths) + 1) if sum(lengths[:n]) >= tokens)
+
+    sizes = [1, 5, 6, 6.5, 13, 14, 30]
+    assert rows_for_tokens(sizes, lengths) == sorted({brute_force(t) for t in sizes})
+    assert rows_for_tokens([6, 13], lengths) == [2, 3]
+    with pytest.raises(
+        Eagle3Error, match="study.sizes entry 31: 31 tokens, but the train split holds 30"
+    ):
+        rows_for_tokens([5, 31], lengths)
+    with pytest.raises(Eagle3Error, match="at least two distinct sizes"):
+        rows_for_tokens([6.5, 13], lengths)
 
 
 def test_study_trains_nested_sizes_measures_and_logs(make_cfg, own_artifacts, tmp_path):
@@ -112,6 +129,16 @@ def test_study_trains_nested_sizes_measures_and_logs(make_cfg, own_artifacts, tm
     again = study.run(make_cfg(*_with(cfg, gsm8k), "study.sizes=[0.25,0.75,1.0]"))
     assert again.hash != out.hash
     assert len(sorted(own_artifacts.glob("train/*/manifest.json"))) == len(trained) + 1
+
+    # sizes in training tokens: the shortest prefixes holding them
+    exact, past = points[0]["train_tokens"], points[1]["train_tokens"] + 1
+    by_tokens = study.run(
+        make_cfg(*_with(cfg, gsm8k), "study.size_unit=tokens", f"study.sizes=[{exact},{past}]")
+    )
+    token_points = json.loads((by_tokens.path / "study.json").read_text())["points"]
+    assert [p["rows"] for p in token_points] == [points[0]["rows"], points[1]["rows"] + 1]
+    assert token_points[0]["train_hash"] == points[0]["train_hash"]
+    assert token_points[1]["train_tokens"] >= past
 
 
 def _with(cfg, gsm8k: Path) -> list[str]:
@@ -233,3 +260,31 @@ def test_train_limit_takes_a_prefix_and_names_the_split_size():
         Eagle3Error, match=r"train.limit=6: the data's train split holds 5 rows \(use 1..5\)"
     ):
         first_rows(dataset, 6)
+
+
+def test_compare_labels_studies_by_their_own_overrides_and_subtracts_the_first(make_cfg, tmp_path):
+    from eagle3 import study
+
+    paths = []
+    for name, sizes in (("a", [(10, 1.2), (40, 1.5)]), ("b", [(10, 1.25), (40, 1.45)])):
+        result = _result(name * 3, 1, sizes)
+        result["overrides"] = [f"data.source={name}.jsonl", "study.size_unit=tokens"]
+        result["points"][-1]["suite_tau"] = {"vicuna": sizes[-1][1]}
+        paths.append(tmp_path / name / "study.json")
+        paths[-1].parent.mkdir()
+        paths[-1].write_text(json.dumps(result))
+    cfg = make_cfg(f"paths.artifacts={tmp_path / 'artifacts'}", "tracking.enabled=false")
+    folder = study.compare(cfg, paths)
+    rows = [line.split(" | ") for line in (folder / "compare.md").read_text().splitlines()[4:]]
+    assert [(r[0].strip("| "), r[1], r[2], r[3]) for r in rows] == [
+        ("data.source=a.jsonl", "1,000", "1.200", "+0.000"),
+        ("data.source=a.jsonl", "4,000", "1.500", "+0.000"),
+        ("data.source=b.jsonl", "1,000", "1.250", "+0.050"),
+        ("data.source=b.jsonl", "4,000", "1.450", "-0.050"),
+    ]
+    assert (folder / "compare.png").stat().st_size > 10_000
+    other = _result("ccc", 1, [(10, 1.3), (40, 1.6)], spec="d4")
+    paths.append(tmp_path / "c.json")
+    paths[-1].write_text(json.dumps(other))
+    with pytest.raises(Eagle3Error, match="spec d4 on \\['vicuna'\\].*not comparable"):
+        study.compare(cfg, paths)

@@ -3,12 +3,14 @@ from the data hashes): first-turn copies (another, sampled answer to every first
 from packaged files other than the bench suites, and prompts the target writes itself.
 
 Copies stay in their conversation's split; packaged and self-written prompts join the train
-split only, so the validation slice (and val tau_hat) stays the same with or without them. Every
+split only (shuffled in among its rows), so the validation slice (and val tau_hat) stays the same
+with or without them. Every
 added row is a single user turn: the data stage's regeneration answers it.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,13 +66,14 @@ def check_not_a_suite(source: DictConfig, suites: DictConfig) -> None:
 
 def packaged_prompts(sources, suites: DictConfig, counts: dict) -> list[dict]:
     """Single-turn prompts from files shipped in installed packages (data.extra_sources): rows whose
-    `where` fields match, their `field` text as the user turn; ids <package>:<index>."""
+    `where` fields match, their `field` text as the user turn; ids <package>:<file stem>:<row index>."""
     conversations = []
     for source in sources:
         check_not_a_suite(source, suites)
         where = dict(source.get("where") or {})
         unless = dict(source.get("unless") or {})
         rows = read_rows(installed_file(source.package, source.file))
+        name = f"{source.package}:{Path(source.file).stem}"  # two files of a package: distinct ids
         kept = 0
         for index, row in enumerate(rows):
             if any(row.get(k) != v for k, v in where.items()):
@@ -84,10 +87,10 @@ def packaged_prompts(sources, suites: DictConfig, counts: dict) -> list[dict]:
                     f"field `{source.field}`"
                 )
             conversations.append(
-                {"id": f"{source.package}:{index}", "messages": [{"role": "user", "content": text}]}
+                {"id": f"{name}:{index}", "messages": [{"role": "user", "content": text}]}
             )
             kept += 1
-        counts[f"extra_source_{source.package}:{Path(source.file).stem}"] = kept
+        counts[f"extra_source_{name}"] = counts.get(f"extra_source_{name}", 0) + kept
     return conversations
 
 
@@ -187,4 +190,8 @@ def more_prompts(
         train += written
         counts["self_prompts"] = len(written)
         log.info("data: %d prompts written by the target", len(written))
+    if len(train) > len(splits["train"]):
+        # among the source's rows, not after them: train.limit's prefixes (the study's nested sizes)
+        # then hold every kind of prompt in proportion
+        random.Random(dcfg.seed).shuffle(train)
     return {**splits, "train": train}

@@ -12,6 +12,7 @@ study.json, study.png and study.md.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import time
@@ -50,9 +51,43 @@ def row_counts(sizes, n_train: int) -> list[int]:
                 f"study.sizes entry {size}: {rows} rows, but the train split holds {n_train}"
             )
         counts.add(rows)
+    return distinct(counts, sizes)
+
+
+def rows_for_tokens(sizes, row_tokens: list[int]) -> list[int]:
+    """Train rows per drafter, ascending: the shortest prefix of the split holding each size's tokens
+    (row_tokens: each row's tokens as trained, cut at train.max_length), so that data sets of other
+    row lengths are compared at equal token passes."""
+    cumulative, total = [], 0
+    for tokens in row_tokens:
+        total += tokens
+        cumulative.append(total)
+    counts = set()
+    for size in sizes:
+        wanted = float(size)
+        if not 0 < wanted <= total:
+            raise Eagle3Error(
+                f"study.sizes entry {size}: {wanted:,.0f} tokens, but the train split holds {total:,}"
+            )
+        counts.add(bisect.bisect_left(cumulative, wanted) + 1)
+    return distinct(counts, sizes)
+
+
+def distinct(counts: set[int], sizes) -> list[int]:
     if len(counts) < 2:
         raise Eagle3Error(f"study.sizes={list(sizes)}: a fit needs at least two distinct sizes")
     return sorted(counts)
+
+
+def size_rows(cfg: DictConfig, data_path: Path) -> tuple[list[int], int]:
+    """(train rows per drafter, rows in the train split) for study.sizes in study.size_unit."""
+    split = load_splits(data_path)["train"]
+    if cfg.study.size_unit == "rows":
+        return row_counts(cfg.study.sizes, len(split)), len(split)
+    if cfg.study.size_unit != "tokens":
+        raise Eagle3Error(f"study.size_unit={cfg.study.size_unit!r}: use rows or tokens")
+    lengths = [min(len(ids), cfg.train.max_length) for ids in split["input_ids"]]
+    return rows_for_tokens(cfg.study.sizes, lengths), len(split)
 
 
 def size_cfg(cfg: DictConfig, rows: int, n_train: int) -> DictConfig:
@@ -64,7 +99,11 @@ def size_cfg(cfg: DictConfig, rows: int, n_train: int) -> DictConfig:
 
 
 def study_output(cfg: DictConfig, data_hash: str) -> StageOutput:
-    study = {k: v for k, v in to_plain(cfg.study).items() if k not in ("log_from", "references")}
+    study = {
+        k: v
+        for k, v in to_plain(cfg.study).items()
+        if k not in ("log_from", "references", "compare", "label")
+    }
     sections = {
         "study": study,
         "train": to_plain(cfg.train),
@@ -377,9 +416,9 @@ def train_sizes(cfg: DictConfig, data) -> list[dict]:
         raise Eagle3Error(
             f"train.init_from={cfg.train.init_from}: the study trains every size from scratch"
         )
-    n_train = len(load_splits(data.path)["train"])
+    sizes, n_train = size_rows(cfg, data.path)
     points = []
-    for rows in row_counts(cfg.study.sizes, n_train):
+    for rows in sizes:
         sized = size_cfg(cfg, rows, n_train)
         started = time.monotonic()
         log.info("study: drafter on %d of %d train rows", rows, n_train)
@@ -460,6 +499,8 @@ def run(cfg: DictConfig) -> StageOutput:
     result = {
         "hash": out.hash,
         "data_hash": data.hash,
+        "overrides": job_overrides(),
+        "label": cfg.study.get("label"),
         "spec": resolve_spec(cfg.spec).label,
         "title": study_title(cfg, resolve_spec(cfg.spec).label),
         "suites": [suite_name(str(s)) for s in cfg.study.suites],
@@ -524,8 +565,132 @@ def log_from(cfg: DictConfig, paths: list[Path]) -> Path:
     return folder
 
 
+# ---------------------------------------------------------------- studies of other data, side by side
+
+
+def job_overrides() -> list[str]:
+    """The command-line overrides of this Hydra job (what tells a multirun's studies apart)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:  # not under Hydra (called from Python)
+        return []
+
+
+def labelled(paths: list[Path]) -> list[dict]:
+    """The study.json files, each labelled by its study.label, else by the overrides not every one
+    shares, else by its data hash."""
+    results = []
+    for path in paths:
+        if not path.exists():
+            raise Eagle3Error(f"study.compare: {path} does not exist (a study.json)")
+        results.append(json.loads(path.read_text()))
+    shared = set.intersection(*(set(r.get("overrides", [])) for r in results))
+    for result in results:
+        own = [o for o in result.get("overrides", []) if o not in shared]
+        result["label"] = result.get("label") or " ".join(own) or f"data {result['data_hash']}"
+    first = results[0]
+    for path, other in zip(paths[1:], results[1:]):
+        if (other["spec"], other["suites"]) != (first["spec"], first["suites"]):
+            raise Eagle3Error(
+                f"study.compare: {path} measured spec {other['spec']} on {other['suites']}, "
+                f"{paths[0]} spec {first['spec']} on {first['suites']}: engine τ not comparable"
+            )
+    return results
+
+
+def compare_table(results: list[dict]) -> str:
+    """Each study's points (tokens, engine τ, per suite) and their difference from the first study's
+    point at the nearest token count."""
+    suites = results[0]["suites"]
+    head = ["study", "tokens", "engine τ", "Δ first", *suites]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base = results[0]["points"]
+    for result in results:
+        for point in result["points"]:
+            near = min(base, key=lambda b: abs(math.log(b["train_tokens"] / point["train_tokens"])))
+            cells = [
+                result["label"],
+                f"{point['train_tokens']:,}",
+                _num(point["engine_tau"]),
+                f"{point['engine_tau'] - near['engine_tau']:+.3f}",
+                *(_num(point["suite_tau"].get(s)) for s in suites),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compare_plot(results: list[dict], path: Path) -> Path:
+    """Engine τ against training tokens with each study's fit; per suite, each study's τ at its
+    largest size minus the first study's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (curves, bars) = plt.subplots(1, 2, figsize=(12, 4.5))
+    suites = results[0]["suites"]
+    width = 0.8 / max(len(results) - 1, 1)
+    for n, result in enumerate(results):
+        xs = [p["train_tokens"] for p in result["points"]]
+        ys = [p["engine_tau"] for p in result["points"]]
+        color = f"C{n}"
+        curves.plot(xs, ys, "o", color=color, label=result["label"])
+        if len(xs) > 1 and len(set(xs)) > 1:
+            fit = fit_log(xs, ys)
+            grid = [min(xs), max(xs)]
+            curves.plot(grid, [fit["a"] + fit["b"] * math.log(x) for x in grid], "--", color=color)
+        if n:
+            last, base = result["points"][-1], results[0]["points"][-1]
+            deltas = [last["suite_tau"][s] - base["suite_tau"][s] for s in suites]
+            bars.bar([i + (n - 1) * width for i in range(len(suites))], deltas, width, color=color)
+    curves.set(
+        xscale="log", xlabel="training tokens (log)", ylabel=f"engine τ ({results[0]['spec']})"
+    )
+    curves.grid(alpha=0.3, which="both")
+    curves.legend(fontsize=7)
+    bars.axhline(0, color="grey", lw=0.8)
+    bars.set_xticks([i + width * (len(results) - 2) / 2 for i in range(len(suites))], suites)
+    bars.set(ylabel=f"engine τ − {results[0]['label']}", title="at each study's largest size")
+    bars.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def compare(cfg: DictConfig, paths: list[Path]) -> Path:
+    """Studies of the same recipe on other data (a multirun over data options) side by side: one
+    plot and table in <artifacts>/study/compare-<hash>, logged as one MLflow run."""
+    results = labelled(paths)
+    hash_ = config_hash(sorted(r["hash"] for r in results))
+    folder = Path(cfg.paths.artifacts) / "study" / f"compare-{hash_}"
+    folder.mkdir(parents=True, exist_ok=True)
+    text = compare_table(results)
+    (folder / "compare.md").write_text(f"# Engine τ of studies on other data\n\n{text}\n")
+    (folder / "compare.json").write_text(json.dumps(results, indent=2))
+    files = [
+        folder / "compare.md",
+        folder / "compare.json",
+        compare_plot(results, folder / "compare.png"),
+    ]
+    if cfg.tracking.enabled:
+        import mlflow
+
+        with tracking.stage_run(cfg, "study-compare", artifact_hash=hash_):
+            for path in files:
+                mlflow.log_artifact(str(path))
+    print(text)
+    print(f"study: {folder}")
+    return folder
+
+
 @app
 def main(cfg: DictConfig) -> None:
+    if cfg.study.get("compare"):
+        compare(cfg, [Path(str(p)) for p in cfg.study.compare])
+        return
     if cfg.study.log_from:
         sources = cfg.study.log_from
         sources = [sources] if isinstance(sources, str) else list(sources)
