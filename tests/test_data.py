@@ -531,23 +531,28 @@ def test_another_draft_vocab_reuses_the_regenerated_answers(make_cfg, own_artifa
 def test_reuse_answers_takes_another_logs_answers_and_generates_the_rest(
     make_cfg, own_artifacts, tmp_path, monkeypatch
 ):
-    """data.regen.reuse_answers: the answers another regeneration logged for these conversations' turns are
-    taken (here its first turns, the log ending in a line cut by a kill) and only the other turns are
+    """data.regen.reuse_answers: the answers other regenerations logged for these conversations' turns are
+    taken (here their first turns, split over two logs that share one answer, the first ending in a line cut
+    by a kill; a turn is taken once) and only the other turns are
     generated (the generator wrapped to count its prompts); greedy, they come out as the full run's. The
     setting is part of where the answers live (they need not be what these settings would generate)."""
     first = data.run(regen_cfg(make_cfg, own_artifacts))
     records = turn_records(first.path)
     first_turns = [r for r in records if r["turn"] == 0]
     assert 0 < len(first_turns) < len(records)  # the fixture has later turns to generate
-    source = tmp_path / "turns.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in first_turns) + '{"id": "cut", "tu')
+    source, more = tmp_path / "turns.jsonl", tmp_path / "more.jsonl"  # a list of two logs
+    half = len(first_turns) // 2
+    source.write_text(
+        "".join(json.dumps(r) + "\n" for r in first_turns[:half]) + '{"id": "cut", "tu'
+    )
+    more.write_text("".join(json.dumps(r) + "\n" for r in first_turns[half - 1 :]))
     generated, generate = [], regen.LocalGenerator.generate
     monkeypatch.setattr(
         regen.LocalGenerator,
         "generate",
         lambda self, prompts: generated.extend(prompts) or generate(self, prompts),
     )
-    cfg = regen_cfg(make_cfg, own_artifacts, f"data.regen.reuse_answers={source}")
+    cfg = regen_cfg(make_cfg, own_artifacts, f"data.regen.reuse_answers=[{source},{more}]")
     assert regen.regen_log_path(cfg) != regen.regen_log_path(regen_cfg(make_cfg, own_artifacts))
     out = data.run(cfg)
     counts = out.manifest()["counts"]
@@ -954,7 +959,7 @@ SHIPPED_ANSWERS = {  # benchmarks/assets/regen-<hash>.tgz: (experiments, their p
     "22ea300a3a13": (("smollm2-h200-turns3-sampled",), "turns3s.jsonl", 33189 + 14066, {0, 1, 2}),
     # only the answers it generated: the data stage reuses the rest from 22ea300a3a13 (data.regen.reuse_answers)
     "fea6c3211aa9": (
-        ("smollm2-h200-turns3-sampled2", "smollm2-h200-scratch"),
+        ("smollm2-h200-turns3-sampled2",),
         "turns3s2.jsonl",
         14066,
         {0},
@@ -1007,6 +1012,32 @@ def test_shipped_answers_are_the_ones_their_experiments_ask_for(answer_hash):
     copies = {r["id"] for r in rows if "~" in r["id"]}
     assert {r["id"] for r in rows} - copies <= ids and {i.split("~")[0] for i in copies} <= ids
     assert {r["turn"] for r in rows if "~" in r["id"]} <= {0} and {r["turn"] for r in rows} == turns
+
+
+def test_the_scratch_recipe_finds_every_answer_it_needs_in_the_shipped_logs(tmp_path):
+    """experiment=smollm2-h200-scratch reuses two shipped logs (data.regen.reuse_answers, unpacked under the
+    artifacts folder): every turn of its prompt file is answered there, so its data stage generates nothing."""
+    from eagle3.common import compose
+    from eagle3.prompt_files import write_prompts
+
+    prompt_file = tmp_path / "turns1s2.jsonl"
+    assert write_prompts(prompt_file, 100000, 2000, True, 1, 2) == 14066
+    cfg = compose(
+        ["experiment=smollm2-h200-scratch", "paths.root=/tmp/e3", f"data.source={prompt_file}"]
+    )
+    logs = [
+        Path(str(p)).relative_to(cfg.paths.artifacts).as_posix()
+        for p in cfg.data.regen.reuse_answers
+    ]
+    answered = set()
+    for answer_hash in ("22ea300a3a13", "fea6c3211aa9"):
+        member, rows = shipped_answers(answer_hash)
+        assert member in logs
+        answered |= {(r["id"], r["turn"]) for r in rows}
+    rows = [json.loads(line) for line in prompt_file.read_text().splitlines()]
+    assert len(rows) == 3 * 14066
+    assert all(sum(m["role"] == "user" for m in r["messages"]) == 1 for r in rows)
+    assert {(r["id"], 0) for r in rows} <= answered
 
 
 def test_sampled_answers_reuse_the_greedy_ones_word_for_word():

@@ -183,8 +183,10 @@ def answer_turns(
     turn_log = TurnLog(shared)
     conversations = [c for convs in splits.values() for c in convs]
     if rcfg.get("reuse_answers"):
-        counts["regen_turns_reused"] = reuse_answers(
-            turn_log, Path(rcfg.reuse_answers), conversations
+        sources = rcfg.reuse_answers
+        sources = [sources] if isinstance(sources, str) else list(sources)
+        counts["regen_turns_reused"] = sum(
+            reuse_answers(turn_log, Path(str(source)), conversations) for source in sources
         )
     counts["regen_turns_resumed"] = sum(len(a) for a in turn_log.answers.values())
     generator = generator_for(cfg)
