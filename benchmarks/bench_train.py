@@ -120,6 +120,7 @@ def measure(
     vary: bool = False,
     cudnn: bool = True,
     compile_loss: bool = False,
+    compile_unroll: bool = False,
 ) -> dict:
     from eagle3.target import capture_hidden_states
     from eagle3.ttt import ttt_loss
@@ -151,7 +152,14 @@ def measure(
                 )
                 batch.update(aux_hidden=aux, last_hidden=last)
             loss, _ = ttt_loss(
-                drafter, batch, head, ttt, 0.8, attention=path, compile_loss=compile_loss
+                drafter,
+                batch,
+                head,
+                ttt,
+                0.8,
+                attention=path,
+                compile_loss=compile_loss,
+                compile_unroll=compile_unroll,
             )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
@@ -184,6 +192,7 @@ def measure(
         "vary": vary,
         "cudnn": cudnn,
         "compile_loss": compile_loss,
+        "compile_unroll": compile_unroll,
         "ttt": ttt,
         "s_per_step": round(seconds, 4),
         "samples_per_s": round(batch_size / seconds, 1),
@@ -258,6 +267,11 @@ def main() -> None:
         action="store_true",
         help="the soft cross-entropy torch.compile'd (train.compile_loss)",
     )
+    parser.add_argument(
+        "--compile-unroll",
+        action="store_true",
+        help="the drafter's unroll torch.compile'd (train.compile_unroll)",
+    )
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--draft-vocab", type=int, default=32000)
@@ -296,6 +310,7 @@ def main() -> None:
                         args.vary,
                         args.cudnn,
                         args.compile_loss,
+                        args.compile_unroll,
                     ),
                 }
             )
@@ -339,6 +354,7 @@ def main() -> None:
                 command += ["--vary"] if args.vary else []
                 command += [] if args.cudnn else ["--no-cudnn"]
                 command += ["--compile-loss"] if args.compile_loss else []
+                command += ["--compile-unroll"] if args.compile_unroll else []
                 command += ["--config-json", args.config_json] if args.config_json else []
                 done = subprocess.run(command, capture_output=True, text=True)
                 lines = done.stdout.strip().splitlines()

@@ -19,7 +19,7 @@ from eagle3 import outputs
 from eagle3.common import Eagle3Error, compose
 from eagle3.datamodule import BucketBatchSampler, DrafterData, collate
 from eagle3.drafter_io import CHECKPOINTS, load_trained_drafter
-from eagle3.drafter_module import compile_loss, warmup_cosine
+from eagle3.drafter_module import compile_setting, warmup_cosine
 from eagle3.outputs import train_output
 from eagle3.target import load_target
 from eagle3.train import choose_strategy, evaluation_for, fit
@@ -229,17 +229,19 @@ def test_bucket_sampler_shards_and_resumes():
     assert list(ranks[0]) != batches[0]
 
 
-def test_compile_loss_setting_and_hash(make_cfg):
-    """train.compile_loss: auto follows the device, a bad value names the key, and the setting leaves the
-    train hash alone (a speed option: the shipped drafter's recipe keeps its hash)."""
-    assert compile_loss("auto", torch.device("cuda")) and not compile_loss(
-        "auto", torch.device("cpu")
-    )
-    assert compile_loss(True, torch.device("cpu")) and not compile_loss(False, torch.device("cuda"))
-    with pytest.raises(Eagle3Error, match="train.compile_loss='yes'"):
-        compile_loss("yes", torch.device("cpu"))
+def test_compile_settings_and_hash(make_cfg):
+    """train.compile_loss / compile_unroll: auto follows the device, a bad value names the key, and the
+    settings leave the train hash alone (speed options: the shipped drafter's recipe keeps its hash)."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert compile_setting("compile_loss", "auto", cuda)
+    assert not compile_setting("compile_loss", "auto", cpu)
+    assert compile_setting("compile_unroll", True, cpu)
+    assert not compile_setting("compile_unroll", False, cuda)
+    with pytest.raises(Eagle3Error, match="train.compile_unroll='yes'"):
+        compile_setting("compile_unroll", "yes", cpu)
     hashes = {
-        train_output(make_cfg(*BASE, f"train.compile_loss={value}")).hash
+        train_output(make_cfg(*BASE, f"train.{key}={value}")).hash
+        for key in ("compile_loss", "compile_unroll")
         for value in ("auto", "true", "false")
     }
     assert len(hashes) == 1

@@ -8,7 +8,14 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from eagle3.drafter import RMSNorm, build_drafter, sdpa
-from eagle3.ttt import compiled_soft_cross_entropy, soft_cross_entropy, tau_hat, ttt_loss, unroll
+from eagle3.ttt import (
+    compiled_soft_cross_entropy,
+    compiled_unroll,
+    soft_cross_entropy,
+    tau_hat,
+    ttt_loss,
+    unroll,
+)
 
 DRAFT_VOCAB = 256
 TTT = 4
@@ -297,3 +304,22 @@ def test_masked_sdpa_repeats_kv_heads_like_enable_gqa():
     mask[:, 0] = True
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(sdpa(q, k, v, mask), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_unroll_equals_the_eager_one_across_lengths(case, tiny_target):
+    """train.compile_unroll: the compiled unroll (dynamic shapes: one compile for every length) gives the
+    eager unroll's logits and gradients, on three lengths and two batch sizes."""
+    drafter, _, _ = case
+    compiled = compiled_unroll()
+    for batch, length in ((2, 17), (2, 29), (3, 40)):
+        ids = torch.randint(0, tiny_target.vocab_size, (batch, length))
+        aux, _ = tiny_target.capture(ids)
+        results = []
+        for run in (unroll, compiled):
+            drafter.zero_grad()
+            logits = run(drafter, ids, aux, 3)
+            sum((step.float() ** 2).mean() for step in logits).backward()
+            grads = [p.grad.clone() for p in drafter.parameters() if p.requires_grad]
+            results.append(logits + grads)
+        for eager, fused in zip(*results):
+            torch.testing.assert_close(eager, fused, rtol=1e-4, atol=1e-5)

@@ -30,10 +30,10 @@ def warmup_cosine(total_steps: int, warmup_ratio: float):
     return factor
 
 
-def compile_loss(setting, device: torch.device) -> bool:
-    """train.compile_loss: auto = on a GPU."""
+def compile_setting(key: str, setting, device: torch.device) -> bool:
+    """train.compile_loss / train.compile_unroll: auto = on a GPU."""
     if setting not in ("auto", True, False):
-        raise Eagle3Error(f"train.compile_loss={setting!r}: use auto, true or false")
+        raise Eagle3Error(f"train.{key}={setting!r}: use auto, true or false")
     return device.type == "cuda" if setting == "auto" else setting
 
 
@@ -84,7 +84,8 @@ class DrafterModule(L.LightningModule):
             self.tcfg.step_decay,
             self.tcfg.attention,
             head_tokens,
-            compile_loss(self.tcfg.get("compile_loss", "auto"), self.device),
+            compile_setting("compile_loss", self.tcfg.get("compile_loss", "auto"), self.device),
+            compile_setting("compile_unroll", self.tcfg.get("compile_unroll", False), self.device),
         )
 
     def training_step(self, batch: dict, batch_idx: int):

@@ -120,6 +120,7 @@ HASH_EXCLUDED = (
     "shards",
     "val_head_tokens",
     "compile_loss",
+    "compile_unroll",
 )
 
 

@@ -192,18 +192,21 @@ def ttt_loss(
     attention: str = "sdpa",
     head_tokens: int | None = None,
     compile_loss: bool = False,
+    compile_unroll: bool = False,
 ):
     """(weighted loss, metrics) for one batch of {input_ids, loss_mask, aux_hidden, last_hidden}.
 
     metrics: loss_k, acc_k (floats, per step), correct_k / count_k (counts, for exact
     aggregation across batches and ranks), tau_hat; with head_tokens also acc_head_k,
     correct_head_k / count_head_k and tau_hat_head (module docstring). compile_loss runs the
-    soft cross-entropy torch.compile'd (see soft_cross_entropy)."""
+    soft cross-entropy torch.compile'd (see soft_cross_entropy), compile_unroll the unroll (see
+    compiled_unroll)."""
     cross_entropy = compiled_soft_cross_entropy() if compile_loss else soft_cross_entropy
+    run_unroll = compiled_unroll() if compile_unroll else unroll
     target = target_distribution(
         batch["last_hidden"], target_lm_head_weight, drafter.d2t, drafter.t2d
     )
-    step_logits = unroll(
+    step_logits = run_unroll(
         drafter,
         batch["input_ids"],
         batch["aux_hidden"],
@@ -275,3 +278,15 @@ def compiled_soft_cross_entropy():
     if _compiled_soft_cross_entropy is None:
         _compiled_soft_cross_entropy = torch.compile(soft_cross_entropy, dynamic=True)
     return _compiled_soft_cross_entropy
+
+
+_compiled_unroll = None
+
+
+def compiled_unroll():
+    """unroll through torch.compile, dynamic in the batch and the length: the drafter's steps (and their
+    backward) as fused kernels, where eager launches a few hundred small ones per batch."""
+    global _compiled_unroll
+    if _compiled_unroll is None:
+        _compiled_unroll = torch.compile(unroll, dynamic=True)
+    return _compiled_unroll
