@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from eagle3.common import Eagle3Error
-from eagle3.study import fit_log, needed_for, row_counts, rows_for_tokens
+from eagle3.study import row_counts, rows_for_tokens
+from eagle3.study_report import fit_log, needed_for
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -4,8 +4,8 @@ from packaged files other than the bench suites, and prompts the target writes i
 
 Copies stay in their conversation's split; packaged and self-written prompts join the train
 split only (shuffled in among its rows), so the validation slice (and val tau_hat) stays the same
-with or without them. Every
-added row is a single user turn: the data stage's regeneration answers it.
+with or without them. Every added row is a single user turn: the data stage's regeneration
+answers it.
 """
 
 from __future__ import annotations
