@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,8 +21,10 @@ from eagle3.lifecycle import process_alive, process_identity, start_time
 # Runs an eagle3 app with Hydra's clock pinned: the fault to show is two runs started in the
 # same second, which a real clock produces only by chance.
 SAME_SECOND = """
-import datetime, runpy, sys
+import datetime, faulthandler, runpy, signal, sys
 import hydra.core.utils
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck run's stacks, on request
 
 class Pinned(datetime.datetime):
     @classmethod
@@ -75,14 +78,29 @@ def start_serve(test_root, root, *overrides, pinned: bool = True):
 
 
 def serving(proc) -> tuple[str, int]:
-    lines = []
+    """(url, engine pid) from the serve's "serving" line. The rest of its output is read on in a thread
+    (proc.output): a pipe nobody reads fills up and blocks the serve's next write, its stop included."""
+    proc.output = []
     for line in proc.stdout:
-        lines.append(line)
+        proc.output.append(line)
         match = SERVING.search(line)
         if match:
+            threading.Thread(target=proc.output.extend, args=(proc.stdout,), daemon=True).start()
             folder = Path(re.search(r"; log (\S+)engine.log", line).group(1))
             return match.group(1), int((folder / "engine.pid").read_text())
-    raise AssertionError("serve exited: " + "".join(lines[-20:]))
+    raise AssertionError("serve exited: " + "".join(proc.output[-20:]))
+
+
+def exit_code(proc, timeout_s: float) -> int:
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # pinned runs dump every thread's stack (SAME_SECOND)
+        time.sleep(2)
+        tail = "".join(proc.output[-60:])
+        raise AssertionError(
+            f"serve still running {timeout_s} s after its signal; its output:\n{tail}"
+        ) from None
 
 
 def test_two_serves_in_the_same_second_stay_apart_and_stop_their_engines(test_root, tmp_path):
@@ -100,7 +118,7 @@ def test_two_serves_in_the_same_second_stay_apart_and_stop_their_engines(test_ro
         # a serve's stop takes up to serve.stop_timeout_s (10) + a SIGKILL wait (10) + its own teardown;
         # on a loaded 2-core machine two of them at once need more than 30 s
         for proc, (_, engine_pid), code in zip(procs, served, (0, 128 + signal.SIGHUP)):
-            assert proc.wait(90) == code
+            assert exit_code(proc, 90) == code
             assert not pid_alive(engine_pid)
     finally:
         for proc in procs:
@@ -114,7 +132,7 @@ def test_killed_serve_takes_its_engine_along(test_root, tmp_path, sig):
     try:
         url, engine_pid = serving(proc)
         proc.send_signal(sig)
-        code = proc.wait(30)
+        code = exit_code(proc, 30)
         assert code == (128 + sig if sig != signal.SIGKILL else -sig)
         # SIGKILL: the watchdog notices within serve.watchdog_poll_s and the engine drains at once
         wait_until(lambda: not pid_alive(engine_pid), 15, "engine server still running")
