@@ -137,7 +137,7 @@ class BatchGreedySteps:
         argmax = logits.argmax(dim=-1)  # [B, q]
         matches = ((self.tokens == argmax.gather(1, self.parents)) | (index == 0)) & counted
         accepted = ~(ancestors & ~matches[:, None, :]).any(dim=-1)
-        # siblings carry distinct tokens, so the accepted nodes are one chain: its deepest node ends it
+        # siblings hold distinct tokens, so the accepted nodes are one chain: its deepest node ends it
         best = ((self.depths * (q + 1) + (q - index) + 1) * accepted).argmax(dim=1, keepdim=True)
         count, bonus = self.depths.gather(1, best), argmax.gather(1, best)  # [B, 1]
         on_path = ancestors.gather(1, best[:, :, None].expand(-1, 1, q))[:, 0]
