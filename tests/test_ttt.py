@@ -308,7 +308,8 @@ def test_masked_sdpa_repeats_kv_heads_like_enable_gqa():
 
 def test_compiled_unroll_equals_the_eager_one_across_lengths(case, tiny_target):
     """train.compile_unroll: the compiled unroll (dynamic shapes: one compile for every length) gives the
-    eager unroll's logits and gradients, on three lengths and two batch sizes."""
+    eager unroll's logits and gradients, on three lengths and two batch sizes; the train stage's validation
+    and batches of one add no compile."""
     drafter, _, _ = case
     compiled = compiled_unroll()
     for batch, length in ((2, 17), (2, 29), (3, 40)):
@@ -323,3 +324,11 @@ def test_compiled_unroll_equals_the_eager_one_across_lengths(case, tiny_target):
             results.append(logits + grads)
         for eager, fused in zip(*results):
             torch.testing.assert_close(eager, fused, rtol=1e-4, atol=1e-5)
+    # the train stage's other calls compile nothing more: validation (no grad) and a batch of one
+    _, batch, lm_head = case
+    ttt_loss(drafter, batch, lm_head, 3, 0.8, compile_unroll=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    ttt_loss(drafter, {k: v[:1] for k, v in batch.items()}, lm_head, 3, 0.8, compile_unroll=True)
+    with torch.no_grad():
+        ttt_loss(drafter, batch, lm_head, 3, 0.8, compile_unroll=True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs > 0

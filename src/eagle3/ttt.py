@@ -199,10 +199,13 @@ def ttt_loss(
     metrics: loss_k, acc_k (floats, per step), correct_k / count_k (counts, for exact
     aggregation across batches and ranks), tau_hat; with head_tokens also acc_head_k,
     correct_head_k / count_head_k and tau_hat_head (module docstring). compile_loss runs the
-    soft cross-entropy torch.compile'd (see soft_cross_entropy), compile_unroll the unroll (see
-    compiled_unroll)."""
+    soft cross-entropy torch.compile'd (see soft_cross_entropy), compile_unroll the unroll of
+    training batches of two or more rows (see compiled_unroll)."""
     cross_entropy = compiled_soft_cross_entropy() if compile_loss else soft_cross_entropy
-    run_unroll = compiled_unroll() if compile_unroll else unroll
+    # validation (no grad) and a batch of one run eager: each is a guard of the compiled graph, so each
+    # would cost a compile of its own (minutes on a GPU, at every start of a resumed run)
+    compiled = compile_unroll and torch.is_grad_enabled() and batch["input_ids"].shape[0] > 1
+    run_unroll = compiled_unroll() if compiled else unroll
     target = target_distribution(
         batch["last_hidden"], target_lm_head_weight, drafter.d2t, drafter.t2d
     )
