@@ -331,10 +331,16 @@ import lightning as L, torch
 from eagle3.common import compose
 from test_train import synthetic_fit
 
-class KillAfter(L.Callback):  # a real SIGKILL of this process, at a known step
+from eagle3.lifecycle import Stopped
+
+class KillAfter(L.Callback):  # a real signal to this process, at a known step's end or validation
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.global_step == {kill_at}:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.global_step == {kill_at} and not {in_validation}:
+            os.kill(os.getpid(), signal.{signal_name})
+
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        if trainer.global_step == {kill_at} and {in_validation}:
+            os.kill(os.getpid(), signal.{signal_name})
 
 class Dump(L.Callback):  # what each rank trained on and ended with
     def __init__(self): self.ids = []
@@ -345,18 +351,29 @@ class Dump(L.Callback):  # what each rank trained on and ended with
 
 cfg = compose({overrides!r})
 callbacks = [Dump()] + ([KillAfter()] if {kill_at} >= 0 else [])
-synthetic_fit(cfg, __import__("pathlib").Path({folder!r}), callbacks, n_train={n_train})
+try:
+    synthetic_fit(cfg, __import__("pathlib").Path({folder!r}), callbacks, n_train={n_train})
+except Stopped as stop:
+    sys.exit(128 + stop.signum)
 """
 
 
 def run_script(
-    tmp_path: Path, folder: Path, overrides: list[str], kill_at: int = -1, n_train: int = 24
+    tmp_path: Path,
+    folder: Path,
+    overrides: list[str],
+    kill_at: int = -1,
+    n_train: int = 24,
+    signal_name: str = "SIGKILL",
+    in_validation: bool = False,
 ):
-    script = tmp_path / f"train_script_{kill_at}.py"
+    script = tmp_path / f"train_script_{kill_at}_{signal_name}.py"
     script.write_text(
         SCRIPT.format(
             tests=str(TESTS),
             kill_at=kill_at,
+            signal_name=signal_name,
+            in_validation=in_validation,
             folder=str(folder),
             overrides=overrides,
             n_train=n_train,
@@ -404,6 +421,37 @@ def test_resume_after_kill_is_exact(make_cfg, test_root, target, tmp_path):
     assert torch.load(killed / "rank0.pt")["ids"] == [
         i for batch in recorder.ids[4:] for i in batch
     ]
+
+
+@pytest.mark.parametrize(
+    "in_validation, step, said",
+    [(False, 5, "stopped at step 5"), (True, 3, "stopped in validation")],
+)
+def test_sigterm_stops_with_a_checkpoint_of_its_step_and_resumes_exactly(
+    make_cfg, test_root, target, tmp_path, in_validation, step, said
+):
+    """A real SIGTERM at the end of step 5, or in the validation after step 3 (2 epochs of 3 steps,
+    last.ckpt every 2 steps): the run writes last.ckpt at that step, exits with 128 + SIGTERM, and
+    the rerun trains only the steps after it and ends equal to an uninterrupted run."""
+    overrides = [f"paths.root={test_root}", *BASE, "train.epochs=2"]
+    uninterrupted, stopped = tmp_path / "uninterrupted", tmp_path / "stopped"
+    recorder = Recorder()
+    synthetic_fit(compose(overrides), uninterrupted, [recorder], target, n_train=12)
+    cut = run_script(
+        tmp_path, stopped, overrides, step, 12, signal_name="SIGTERM", in_validation=in_validation
+    )
+    assert cut.returncode == 128 + signal.SIGTERM, cut.stderr[-3000:]
+    assert said in cut.stderr
+    assert final_state(stopped)["global_step"] == step
+    resumed = run_script(tmp_path, stopped, overrides, n_train=12)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert torch.load(stopped / "rank0.pt")["ids"] == [
+        i for batch in recorder.ids[step:] for i in batch
+    ]
+    a, b = final_state(uninterrupted), final_state(stopped)
+    assert a["global_step"] == b["global_step"] == 6
+    for key, value in a["state_dict"].items():
+        assert torch.equal(value, b["state_dict"][key]), key
 
 
 def test_ddp_two_processes_gloo(make_cfg, test_root, tmp_path):

@@ -1,15 +1,20 @@
-"""Training callbacks: checkpoints (last every N steps and each epoch, best by val tau_hat) and
-throughput logging."""
+"""Training callbacks: checkpoints (last every N steps and each epoch, best by val tau_hat), a stop
+at a step's end on a signal, and throughput logging."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
 from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from eagle3.common import log
+from eagle3.lifecycle import STOP_SIGNALS, Stopped
 
 
 def checkpoint_callbacks(folder: Path, every_n_steps: int) -> list[Callback]:
@@ -39,6 +44,57 @@ def checkpoint_callbacks(folder: Path, every_n_steps: int) -> list[Callback]:
             enable_version_counter=False,
         ),
     ]
+
+
+class StopAtStepEnd(Callback):
+    """SIGTERM, SIGHUP or Ctrl-C during a one-process fit: the step under way ends, last.ckpt is
+    written at it and the run stops as the signal would, so the same command resumes there with no
+    step lost (a second signal stops at once). Multi-process fits stop at once, as before: their
+    ranks could see the signal at different steps."""
+
+    def __init__(self, last: Path):
+        self.last, self.signum = last, None
+
+    @contextlib.contextmanager
+    def installed(self, enabled: bool):
+        if not enabled or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        signals = (*STOP_SIGNALS, signal.SIGINT)
+        previous = {sig: signal.getsignal(sig) for sig in signals}
+        for sig, handler in previous.items():
+            if handler is not signal.SIG_IGN:  # an ignored signal stays ignored
+                signal.signal(sig, self.note)
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def note(self, signum, _frame) -> None:
+        if self.signum is not None:
+            raise Stopped(signum)
+        self.signum = signum
+        log.warning(
+            "train: %s: stopping at the end of this step (send it again to stop at once)",
+            signal.Signals(signum).name,
+        )
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if self.signum is None:
+            return
+        trainer.save_checkpoint(self.last)
+        log.warning(
+            "train: stopped at step %d, saved in %s (the same command resumes there)",
+            trainer.global_step,
+            self.last,
+        )
+        raise Stopped(self.signum)
+
+    def on_exception(self, trainer, module, exception) -> None:
+        if isinstance(exception, SIGTERMException):  # Lightning's own stop, raised in validation
+            trainer.save_checkpoint(self.last)
+            log.warning("train: stopped in validation, saved in %s", self.last)
 
 
 class Throughput(Callback):

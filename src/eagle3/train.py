@@ -20,16 +20,18 @@ trainer and runs the stage.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
 from eagle3.artifacts import StageOutput
-from eagle3.callbacks import Throughput, checkpoint_callbacks
+from eagle3.callbacks import StopAtStepEnd, Throughput, checkpoint_callbacks
 from eagle3.common import Eagle3Error, app, log, resolve_device
 from eagle3.datamodule import DrafterData, datasets_for
 from eagle3.distributed import lost_peer_error, peer_lost, strategy_for, under_slurm
@@ -44,6 +46,7 @@ from eagle3.drafter_io import (
     save_drafter_config,
 )
 from eagle3.drafter_module import DrafterModule
+from eagle3.lifecycle import Stopped
 from eagle3.outputs import data_output, shards_output, train_output
 from eagle3.spec import resolve_spec
 from eagle3.target import Target, load_target, tokenizer_hash
@@ -212,20 +215,28 @@ def fit(
         drafter, target.model.get_output_embeddings().weight, cfg.train, target, evaluation
     )
     throughput = Throughput(0 if cfg.trainer.progress_bar else cfg.trainer.log_every_n_steps)
-    trainer = build_trainer(cfg, folder, logger, [throughput, *callbacks])
     last = folder / CHECKPOINTS / "last.ckpt"
+    stopper = StopAtStepEnd(last)
+    trainer = build_trainer(cfg, folder, logger, [throughput, *callbacks, stopper])
     if last.exists():
         log.info("resuming from %s", last)
     cudnn = torch.backends.cuda.cudnn_sdp_enabled()  # process-wide: restored after the fit
     torch.backends.cuda.enable_cudnn_sdp(cfg.trainer.cudnn_attention)  # a no-op without CUDA
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
+        with stopper.installed(trainer.world_size == 1):
+            trainer.fit(
+                module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None
+            )
+    except SIGTERMException:  # a SystemExit with status 0: the run was stopped, not finished
+        raise Stopped(stopper.signum or signal.SIGTERM) from None
     except RuntimeError as err:
         if trainer.world_size > 1 and peer_lost(err):
             raise lost_peer_error(err, trainer.world_size, trainer.num_nodes, last) from err
         raise
     finally:
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    if stopper.signum is not None:  # signalled after the last step: the fit's last.ckpt holds it
+        raise Stopped(stopper.signum)
     if trainer.is_global_zero:
         write_weights(folder, drafter)
     return {
