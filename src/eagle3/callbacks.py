@@ -53,11 +53,12 @@ class StopAtStepEnd(Callback):
     ranks could see the signal at different steps."""
 
     def __init__(self, last: Path):
-        self.last, self.signum = last, None
+        self.last, self.signum, self.active = last, None, False
 
     @contextlib.contextmanager
     def installed(self, enabled: bool):
-        if not enabled or threading.current_thread() is not threading.main_thread():
+        self.active = enabled and threading.current_thread() is threading.main_thread()
+        if not self.active:
             yield
             return
         signals = (*STOP_SIGNALS, signal.SIGINT)
@@ -92,7 +93,7 @@ class StopAtStepEnd(Callback):
         raise Stopped(self.signum)
 
     def on_exception(self, trainer, module, exception) -> None:
-        if isinstance(exception, SIGTERMException):  # Lightning's own stop, raised in validation
+        if self.active and isinstance(exception, SIGTERMException):  # Lightning's, in validation
             trainer.save_checkpoint(self.last)
             log.warning("train: stopped in validation, saved in %s", self.last)
 
