@@ -389,6 +389,18 @@ def final_state(folder: Path) -> dict:
     return torch.load(folder / CHECKPOINTS / "last.ckpt", weights_only=False)
 
 
+def assert_same_training_state(a: dict, b: dict, steps: int) -> None:
+    """Two checkpoints hold the same step count, weights, optimizer moments and schedule."""
+    assert a["global_step"] == b["global_step"] == steps
+    for key, value in a["state_dict"].items():
+        assert torch.equal(value, b["state_dict"][key]), key
+    for opt_a, opt_b in zip(a["optimizer_states"], b["optimizer_states"]):
+        for param, state in opt_a["state"].items():
+            for name, tensor in state.items():
+                assert torch.equal(tensor, opt_b["state"][param][name]), (param, name)
+    assert a["lr_schedulers"] == b["lr_schedulers"]
+
+
 def test_resume_after_kill_is_exact(make_cfg, test_root, target, tmp_path):
     """2 epochs of 3 steps, last.ckpt every 2 steps; SIGKILL at step 5 leaves the step-4 checkpoint
     (one batch into epoch 2), the rerun resumes there; the result equals an uninterrupted run."""
@@ -408,15 +420,7 @@ def test_resume_after_kill_is_exact(make_cfg, test_root, target, tmp_path):
         i for batch in recorder.ids[4:] for i in batch
     ]
     assert sorted(recorder.ids[0]) != sorted(recorder.ids[3])  # epochs are shuffled differently
-    a, b = final_state(uninterrupted), final_state(killed)
-    assert a["global_step"] == b["global_step"] == 6
-    for key, value in a["state_dict"].items():
-        assert torch.equal(value, b["state_dict"][key]), key
-    for opt_a, opt_b in zip(a["optimizer_states"], b["optimizer_states"]):
-        for param, state in opt_a["state"].items():
-            for name, tensor in state.items():
-                assert torch.equal(tensor, opt_b["state"][param][name]), (param, name)
-    assert a["lr_schedulers"] == b["lr_schedulers"]
+    assert_same_training_state(final_state(uninterrupted), final_state(killed), steps=6)
     # the resumed run trained exactly on the batches the killed one had not checkpointed
     assert torch.load(killed / "rank0.pt")["ids"] == [
         i for batch in recorder.ids[4:] for i in batch
@@ -448,10 +452,7 @@ def test_sigterm_stops_with_a_checkpoint_of_its_step_and_resumes_exactly(
     assert torch.load(stopped / "rank0.pt")["ids"] == [
         i for batch in recorder.ids[step:] for i in batch
     ]
-    a, b = final_state(uninterrupted), final_state(stopped)
-    assert a["global_step"] == b["global_step"] == 6
-    for key, value in a["state_dict"].items():
-        assert torch.equal(value, b["state_dict"][key]), key
+    assert_same_training_state(final_state(uninterrupted), final_state(stopped), steps=6)
 
 
 def test_ddp_two_processes_gloo(make_cfg, test_root, tmp_path):
