@@ -78,12 +78,23 @@ def write_profile(step, device: str, path: str, steps: int = 2) -> None:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
+        started = time.perf_counter()
         for _ in range(steps):
             step()
         if device == "cuda":
             torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - started) * 1e3
+    averages = prof.key_averages()
     key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    Path(path).write_text(prof.key_averages().table(sort_by=key, row_limit=40))
+    on_device = [e for e in averages if e.device_type != torch.autograd.DeviceType.CPU]
+    busy_ms = sum(event.self_device_time_total for event in on_device) / 1e3
+    kernels = sum(event.count for event in on_device)
+    cpu_ms = averages.self_cpu_time_total / 1e3
+    summary = (
+        f"{steps} steps: wall {wall_ms:.1f} ms (profiler on), CPU ops {cpu_ms:.1f} ms, device "
+        f"busy {busy_ms:.1f} ms ({busy_ms / wall_ms:.0%}), {kernels / steps:.0f} kernels a step\n"
+    )
+    Path(path).write_text(summary + averages.table(sort_by=key, row_limit=50))
 
 
 def random_target(config: dict, device: str):
@@ -121,6 +132,7 @@ def measure(
     cudnn: bool = True,
     compile_loss: bool = False,
     compile_unroll: bool = False,
+    compile_target: bool = False,
 ) -> dict:
     from eagle3.target import capture_hidden_states
     from eagle3.ttt import ttt_loss
@@ -141,15 +153,19 @@ def measure(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
     target = random_target(config, device) if online else None
     layers = config["num_hidden_layers"]
+    aux_ids = [2, layers // 2, layers - 3]
+    capture = lambda ids: capture_hidden_states(target, ids, aux_ids)  # noqa: E731
+    if compile_target:
+        from eagle3.target import CompiledCapture
+
+        capture = CompiledCapture(target, aux_ids)
 
     def step():
         nonlocal batch
         batch = next(schedule, batch)  # the profiled steps after the schedule repeat the last batch
         with autocast:
             if target is not None:  # the online stage's target forward for the hidden states
-                aux, last = capture_hidden_states(
-                    target, batch["input_ids"], [2, layers // 2, layers - 3]
-                )
+                aux, last = capture(batch["input_ids"])
                 batch.update(aux_hidden=aux, last_hidden=last)
             loss, _ = ttt_loss(
                 drafter,
@@ -193,6 +209,7 @@ def measure(
         "cudnn": cudnn,
         "compile_loss": compile_loss,
         "compile_unroll": compile_unroll,
+        "compile_target": compile_target,
         "ttt": ttt,
         "s_per_step": round(seconds, 4),
         "samples_per_s": round(batch_size / seconds, 1),
@@ -272,6 +289,11 @@ def main() -> None:
         action="store_true",
         help="the drafter's unroll torch.compile'd (train.compile_unroll)",
     )
+    parser.add_argument(
+        "--compile-target",
+        action="store_true",
+        help="with --online: the target's forward torch.compile'd (train.compile_target)",
+    )
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--draft-vocab", type=int, default=32000)
@@ -311,6 +333,7 @@ def main() -> None:
                         args.cudnn,
                         args.compile_loss,
                         args.compile_unroll,
+                        args.compile_target,
                     ),
                 }
             )
@@ -355,6 +378,7 @@ def main() -> None:
                 command += [] if args.cudnn else ["--no-cudnn"]
                 command += ["--compile-loss"] if args.compile_loss else []
                 command += ["--compile-unroll"] if args.compile_unroll else []
+                command += ["--compile-target"] if args.compile_target else []
                 command += ["--config-json", args.config_json] if args.config_json else []
                 done = subprocess.run(command, capture_output=True, text=True)
                 lines = done.stdout.strip().splitlines()

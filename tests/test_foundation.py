@@ -9,7 +9,8 @@ from mlflow.tracking import MlflowClient
 
 from eagle3 import tracking
 from eagle3.artifacts import config_hash, stage_output
-from eagle3.target import capture_hidden_states, default_aux_layer_ids
+from eagle3.common import Eagle3Error
+from eagle3.target import CompiledCapture, capture_hidden_states, default_aux_layer_ids
 
 APPS = ["info"]
 
@@ -42,6 +43,41 @@ def test_tiny_llama_capture_matches_hidden_states(tiny_target):
     # the order is the configured one, not sorted: reversing the ids reverses the blocks
     aux_rev, _ = capture_hidden_states(tiny_target.model, ids, ids_[::-1])
     assert torch.equal(aux_rev, torch.cat([hs[i] for i in ids_[::-1]], dim=-1))
+
+
+def test_compiled_capture_gives_the_hooked_states_with_one_graph(tiny_target):
+    """train.compile_target: the compiled target forward gives the hooked capture's aux and final states
+    on two shapes with padding (one graph for both); a batch of one runs the hooks and compiles nothing."""
+    model, layer_ids = tiny_target.model, tiny_target.aux_layer_ids
+    capture = CompiledCapture(model, layer_ids)
+    torch._dynamo.reset()
+    for rows, length in ((3, 20), (2, 33), (1, 9)):
+        ids = torch.randint(0, tiny_target.vocab_size, (rows, length))
+        mask = torch.ones_like(ids)
+        mask[0, -3:] = 0  # right padding, as the train stage's batches have
+        for fused, hooked in zip(
+            capture(ids, mask), capture_hidden_states(model, ids, layer_ids, mask)
+        ):
+            torch.testing.assert_close(fused, hooked, rtol=1e-4, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiled_capture_refuses_a_model_that_records_other_states(tiny_target):
+    """A model whose output_hidden_states are not its layers' inputs fails at the first batch, naming
+    the setting. Simulated (every HF decoder records layer inputs): a forward hook shifts the tuple."""
+    model = tiny_target.model
+
+    def layer_outputs(_module, _args, out):
+        if out.hidden_states is not None:
+            out.hidden_states = out.hidden_states[1:] + out.hidden_states[-1:]
+        return out
+
+    handle = model.model.register_forward_hook(layer_outputs)
+    try:
+        with pytest.raises(Eagle3Error, match="compile_target=false"):
+            CompiledCapture(model, tiny_target.aux_layer_ids)(torch.randint(0, 50, (2, 8)))
+    finally:
+        handle.remove()
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from eagle3 import outputs
 from eagle3.common import Eagle3Error, compose
 from eagle3.datamodule import BucketBatchSampler, DrafterData, collate
 from eagle3.drafter_io import CHECKPOINTS, load_trained_drafter
-from eagle3.drafter_module import compile_setting, warmup_cosine
+from eagle3.drafter_module import DrafterModule, compile_setting, warmup_cosine
 from eagle3.outputs import train_output
 from eagle3.target import load_target
 from eagle3.train import choose_strategy, evaluation_for, fit
@@ -157,6 +157,31 @@ def test_loss_decreases_and_tau_rises(make_cfg, target, tmp_path, caplog):
     )
 
 
+def test_train_metrics_are_logged_on_log_steps_and_the_last(
+    make_cfg, target, tmp_path, monkeypatch
+):
+    """With the progress bar off, training_step logs its metrics only at the steps Lightning writes to
+    the loggers (every trainer.log_every_n_steps) and at the fit's last step, whose loss the result
+    reports."""
+    logged = []
+    log = DrafterModule.log
+
+    def spy(module, name, *args, **kwargs):
+        if name.startswith("train/"):
+            logged.append((module.global_step, name))
+        return log(module, name, *args, **kwargs)
+
+    monkeypatch.setattr(DrafterModule, "log", spy)
+    recorder = Recorder()
+    cfg = make_cfg(*BASE, "train.epochs=2", "trainer.log_every_n_steps=5")
+    metrics = synthetic_fit(cfg, tmp_path / "run", [recorder], target)
+    names = ["train/loss", "train/tau_hat"] + [f"train/acc_{k}" for k in range(3)]
+    # 12 steps (2 epochs of 6): Lightning's log steps 5 and 10 (global steps 4 and 9), then the last
+    assert logged == [(step, name) for step in (4, 9, 11) for name in names]
+    assert len(recorder.train_loss) == 12
+    assert metrics["train/loss"] == pytest.approx(recorder.train_loss[-1])
+
+
 def test_init_from_starts_where_the_source_ended(make_cfg, target, tmp_path):
     """train.init_from loads a trained drafter (its train folder, or its SGLang export) as the start:
     at lr 0 the run ends with exactly the source's weights, where a fresh init ends elsewhere; a
@@ -230,7 +255,7 @@ def test_bucket_sampler_shards_and_resumes():
 
 
 def test_compile_settings_and_hash(make_cfg):
-    """train.compile_loss / compile_unroll: auto follows the device, a bad value names the key, and the
+    """train.compile_loss / compile_unroll / compile_target: auto follows the device, a bad value names the key, and the
     settings leave the train hash alone (speed options: the shipped drafter's recipe keeps its hash)."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert compile_setting("compile_loss", "auto", cuda)
@@ -241,10 +266,25 @@ def test_compile_settings_and_hash(make_cfg):
         compile_setting("compile_unroll", "yes", cpu)
     hashes = {
         train_output(make_cfg(*BASE, f"train.{key}={value}")).hash
-        for key in ("compile_loss", "compile_unroll")
+        for key in ("compile_loss", "compile_unroll", "compile_target")
         for value in ("auto", "true", "false")
     }
     assert len(hashes) == 1
+
+
+def test_compiled_target_trains_as_the_hooked_one(make_cfg, target, tmp_path):
+    """train.compile_target=true: the online step reads the target through the compiled forward and its
+    losses are the eager run's, step by step (6 steps, the batch of one at the epoch's end included)."""
+    losses, graphs = [], []
+    for compiled in ("false", "true"):
+        torch._dynamo.reset()
+        recorder = Recorder()
+        cfg = make_cfg(*BASE, "train.epochs=1", f"train.compile_target={compiled}")
+        synthetic_fit(cfg, tmp_path / compiled, [recorder], target, n_train=21)
+        losses.append(recorder.train_loss)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert len(losses[0]) == 6 and graphs == [0, 1]  # the target's forward, compiled once
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
 
 
 def test_evaluation_prompts_stop_before_the_first_trained_token_and_take_the_engine_settings(

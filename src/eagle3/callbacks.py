@@ -134,8 +134,7 @@ class Throughput(Callback):
         rate = (self.sequences - sequences) * trainer.world_size / (now - since)
         between_share = 100 * (self.between - between) / (now - since)
         total, step = trainer.estimated_stepping_batches, trainer.global_step
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        tau = trainer.callback_metrics.get("train/tau_hat", torch.tensor(float("nan")))
+        loss, tau = outputs["loss"], outputs["tau_hat"]  # DrafterModule.training_step's
         eta = (now - self.started) / max(step - self.first_step, 1) * (total - step)
         log.info(
             "train: step %d/%d epoch %d loss %.4f tau_hat %.3f  %.1f samples/s (%.0f%% between steps)  "

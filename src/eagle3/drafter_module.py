@@ -14,7 +14,7 @@ from eagle3.common import Eagle3Error, log
 from eagle3.drafter import Eagle3Drafter
 from eagle3.drafter_io import CHECKPOINTS
 from eagle3.engine import measure_acceptance
-from eagle3.target import Target, capture_hidden_states
+from eagle3.target import CompiledCapture, Target
 from eagle3.ttt import tau_hat, ttt_loss
 
 
@@ -31,7 +31,7 @@ def warmup_cosine(total_steps: int, warmup_ratio: float):
 
 
 def compile_setting(key: str, setting, device: torch.device) -> bool:
-    """train.compile_loss / train.compile_unroll: auto = on a GPU."""
+    """train.compile_loss / compile_unroll / compile_target: auto = on a GPU."""
     if setting not in ("auto", True, False):
         raise Eagle3Error(f"train.{key}={setting!r}: use auto, true or false")
     return device.type == "cuda" if setting == "auto" else setting
@@ -57,6 +57,7 @@ class DrafterModule(L.LightningModule):
         self.evaluation = evaluation or {}
         self.strict_loading = False  # checkpoints omit the frozen embedding
         self.val_sums: torch.Tensor | None = None
+        self.capture = None  # the target forward of the online step (with_hidden_states)
 
     def setup(self, stage: str) -> None:
         if self.target is not None and (
@@ -67,12 +68,13 @@ class DrafterModule(L.LightningModule):
     def with_hidden_states(self, batch: dict) -> dict:
         if "aux_hidden" in batch:
             return batch
-        aux, last = capture_hidden_states(
-            self.target.model,
-            batch["input_ids"],
-            self.target.aux_layer_ids,
-            batch["attention_mask"],
-        )
+        if self.capture is None:
+            compiled = compile_setting(
+                "compile_target", self.tcfg.get("compile_target", False), self.device
+            )
+            model, layer_ids = self.target.model, self.target.aux_layer_ids
+            self.capture = CompiledCapture(model, layer_ids) if compiled else self.target.capture
+        aux, last = self.capture(batch["input_ids"], batch["attention_mask"])
         return {**batch, "aux_hidden": aux, "last_hidden": last}
 
     def step(self, batch: dict, head_tokens: int | None = None):
@@ -91,12 +93,24 @@ class DrafterModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int):
         loss, metrics = self.step(batch)
         self.stop_if_not_finite(loss, batch, batch_idx)
-        size = len(batch["id"])
-        self.log("train/loss", loss, prog_bar=True, batch_size=size)
-        self.log("train/tau_hat", metrics["tau_hat"], prog_bar=True, batch_size=size)
-        for k in range(self.tcfg.ttt_length):
-            self.log(f"train/acc_{k}", metrics[f"acc_{k}"], batch_size=size)
-        return loss
+        if self.metrics_used():
+            size = len(batch["id"])
+            self.log("train/loss", loss, prog_bar=True, batch_size=size)
+            self.log("train/tau_hat", metrics["tau_hat"], prog_bar=True, batch_size=size)
+            for k in range(self.tcfg.ttt_length):
+                self.log(f"train/acc_{k}", metrics[f"acc_{k}"], batch_size=size)
+        return {"loss": loss, "tau_hat": metrics["tau_hat"]}
+
+    def metrics_used(self) -> bool:
+        """Whether this step's train metrics are read: the progress bar shows every step, the loggers
+        get Lightning's log steps, and the fit's result is its last step. Lightning's self.log costs
+        ~1 ms of CPU a call (it moves a metric object to the device), and a GPU step here is CPU-bound."""
+        trainer = self.trainer
+        return (
+            trainer.progress_bar_callback is not None
+            or trainer._logger_connector.should_update_logs
+            or self.global_step + 1 >= trainer.estimated_stepping_batches
+        )
 
     def stop_if_not_finite(self, loss: torch.Tensor, batch: dict, batch_idx: int) -> None:
         finite = bool(torch.isfinite(loss.detach()))

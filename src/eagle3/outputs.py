@@ -121,6 +121,7 @@ HASH_EXCLUDED = (
     "val_head_tokens",
     "compile_loss",
     "compile_unroll",
+    "compile_target",
 )
 
 

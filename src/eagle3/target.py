@@ -109,6 +109,49 @@ def capture_hidden_states(model, input_ids, layer_ids, attention_mask=None):
     return captured[-1], out.last_hidden_state
 
 
+def recorded_hidden_states(model, input_ids, layer_ids, attention_mask=None):
+    """capture_hidden_states through the model's own `output_hidden_states` (hidden_states[i] is the
+    input of layer i in HF's decoder models): no hooks, so the forward compiles as one graph."""
+    out = model.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        use_cache=False,
+        output_hidden_states=True,
+    )
+    return torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1), out.last_hidden_state
+
+
+class CompiledCapture:
+    """The online train step's target forward: recorded_hidden_states through torch.compile (dynamic in
+    the batch and the length), where the eager HF forward launches ~30 small ops a layer. Its first call
+    checks, eagerly, that the model's hidden_states are exactly the hooked layer inputs, so a model that
+    records them elsewhere fails there instead of training on the wrong states. A batch of one runs the
+    hooks eager (dynamic shapes specialise a size of 1: it would compile a second graph)."""
+
+    def __init__(self, model: torch.nn.Module, layer_ids: list[int]):
+        self.model, self.layer_ids = model, list(layer_ids)
+        self.compiled = None
+
+    @torch.no_grad()
+    def __call__(self, input_ids, attention_mask=None):
+        if input_ids.shape[0] == 1:
+            return capture_hidden_states(self.model, input_ids, self.layer_ids, attention_mask)
+        if self.compiled is None:
+            self.check(input_ids, attention_mask)
+            self.compiled = torch.compile(recorded_hidden_states, dynamic=True)
+        return self.compiled(self.model, input_ids, self.layer_ids, attention_mask)
+
+    def check(self, input_ids, attention_mask) -> None:
+        hooked = capture_hidden_states(self.model, input_ids, self.layer_ids, attention_mask)
+        recorded = recorded_hidden_states(self.model, input_ids, self.layer_ids, attention_mask)
+        for name, a, b in zip(("aux", "final"), hooked, recorded):
+            if not torch.equal(a, b):
+                raise Eagle3Error(
+                    f"{type(self.model).__name__}: output_hidden_states differ from the inputs of "
+                    f"layers {self.layer_ids} ({name} states); set train.compile_target=false"
+                )
+
+
 # ---------------------------------------------------------------- resolving a target folder
 
 
