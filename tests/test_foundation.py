@@ -50,7 +50,7 @@ def test_compiled_capture_gives_the_hooked_states_with_one_graph(tiny_target):
     on two shapes with padding (one graph for both); a batch of one runs the hooks and compiles nothing."""
     model, layer_ids = tiny_target.model, tiny_target.aux_layer_ids
     capture = CompiledCapture(model, layer_ids)
-    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for rows, length in ((3, 20), (2, 33), (1, 9)):
         ids = torch.randint(0, tiny_target.vocab_size, (rows, length))
         mask = torch.ones_like(ids)
@@ -59,7 +59,9 @@ def test_compiled_capture_gives_the_hooked_states_with_one_graph(tiny_target):
             capture(ids, mask), capture_hidden_states(model, ids, layer_ids, mask)
         ):
             torch.testing.assert_close(fused, hooked, rtol=1e-4, atol=1e-5)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    # compiled, and at most one graph for every shape (none if an earlier test compiled these shapes)
+    assert capture.compiled is not None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= graphs + 1
 
 
 def test_compiled_capture_refuses_a_model_that_records_other_states(tiny_target):
