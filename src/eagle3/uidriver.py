@@ -10,8 +10,10 @@ import asyncio
 import base64
 import itertools
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -21,6 +23,7 @@ from pathlib import Path
 import aiohttp
 
 from eagle3.common import Eagle3Error
+from eagle3.reaper import group_alive
 
 LISTENING = re.compile(r"DevTools listening on (ws://\S+)")
 
@@ -114,14 +117,28 @@ def start_chromium(profile: Path, size: str) -> tuple[subprocess.Popen, str]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # its renderer and utility processes share its group: stopped together
     )
     for line in proc.stderr:
         found = LISTENING.search(line)
         if found:  # keep draining its log so it never blocks on a full pipe
             threading.Thread(target=proc.stderr.read, daemon=True).start()
             return proc, found.group(1)
-    proc.kill()
+    stop_chromium(proc)
     raise Eagle3Error("chromium exited before opening its DevTools port")
+
+
+def stop_chromium(proc: subprocess.Popen, wait_s: float = 10.0) -> None:
+    """SIGKILL Chromium's whole process group and wait (up to wait_s) until it is gone: a renderer or
+    utility process left running would go on writing into the profile folder while it is removed."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    deadline = time.monotonic() + wait_s
+    while group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 async def _session(browser_ws: str, size: str, script) -> None:
@@ -150,5 +167,4 @@ def drive(script, size: str = "1600,1000") -> None:
         try:
             asyncio.run(_session(browser_ws, size, script))
         finally:
-            proc.kill()
-            proc.wait()
+            stop_chromium(proc)
