@@ -949,7 +949,7 @@ def test_suite_files_hold_every_prompt_of_the_shipped_suites(tmp_path):
         assert [(r["id"], r["messages"]) for r in rows] == [(p.id, p.messages) for p in prompts]
 
 
-SHIPPED_ANSWERS = {  # benchmarks/assets/regen-<hash>.tgz: (experiments, their prompt file, answered turns, turn numbers)
+SHIPPED_ANSWERS = {  # assets/regen-<hash>.tgz: (experiments, their prompt file, answered turns, turn numbers)
     "07ac172fdd52": (
         ("smollm2-h200-turns3", "smollm2-h200-turns3-v32k", "smollm2-h200-turns3-v32k-more"),
         "turns3.jsonl",
@@ -971,7 +971,7 @@ def shipped_answers(answer_hash: str) -> tuple[str, list[dict]]:
     import tarfile
 
     asset = (
-        Path(__file__).resolve().parents[1] / "benchmarks" / "assets" / f"regen-{answer_hash}.tgz"
+        Path(__file__).resolve().parents[1] / "assets" / f"regen-{answer_hash}.tgz"
     )
     with tarfile.open(asset) as archive:
         (member,) = archive.getnames()
@@ -989,7 +989,7 @@ def test_every_shipped_answer_file_is_listed_here():
 
 @pytest.mark.parametrize("answer_hash", sorted(SHIPPED_ANSWERS))
 def test_shipped_answers_are_the_ones_their_experiments_ask_for(answer_hash):
-    """benchmarks/assets/regen-<hash>.tgz: the hash is the regen log path that its experiments compute
+    """assets/regen-<hash>.tgz: the hash is the regen log path that its experiments compute
     for the H200 run's prompt file, and every answered turn belongs to a conversation of the
     shipped slice or to a first-turn copy of one (<id>~n): a config change that moves the hash makes
     this fail, and a GPU run would silently regenerate again."""
