@@ -8,6 +8,7 @@ part's sha256) and run.py, which joins, checks, installs and runs a step there w
     python3 run.py run train experiment=smollm2-h200-turns3-sampled2 'data.source=${oc.env:BUNDLE_FILES}/turns3s2.jsonl'
 
 Settings: conf/bundle/default.yaml (bundle.out, bundle.part_mib, bundle.packages, bundle.files, ...).
+With 'bundle.engines=[sglang,vllm]' it also carries those serving engines (eagle3.bundle_engines).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from eagle3 import bundle_run
+from eagle3 import bundle_engines, bundle_run
 from eagle3.common import CONF_DIR, Eagle3Error, app, log
 
 REPO_ROOT = Path(CONF_DIR).parent
@@ -139,6 +140,7 @@ def build(cfg: DictConfig) -> Path:
     wheels = out / "wheels"
     wheels.mkdir(parents=True)
     download_wheels(cfg, wheels)
+    engines = bundle_engines.add_engines(cfg.bundle, wheels) if cfg.bundle.engines else {}
     chosen = members(cfg, wheels)
     packed = out / PACKED
     pack(chosen, packed)
@@ -152,6 +154,7 @@ def build(cfg: DictConfig) -> Path:
         "wheels": sorted(n.removeprefix("wheels/") for n in chosen if n.startswith("wheels/")),
         "files": sorted(n.removeprefix("files/") for n in chosen if n.startswith("files/")),
         "source": bool(cfg.bundle.source),
+        "engines": engines,
     }
     (out / bundle_run.MANIFEST).write_text(json.dumps(manifest, indent=2))
     shutil.copy2(bundle_run.__file__, out / "run.py")
@@ -167,6 +170,11 @@ def main(cfg: DictConfig) -> None:
     print(f"bundle: {manifest_path.parent} ({len(manifest['parts'])} parts, {size:.1f} MiB)")
     print(f"  wheels: {', '.join(manifest['wheels']) or 'none'}")
     print(f"  files: {', '.join(manifest['files']) or 'none'}")
+    for engine, done in manifest["engines"].items():
+        trimmed = "; ".join(f"{w} without {', '.join(d)}" for w, d in done["trimmed"].items())
+        print(
+            f"  {engine}: {len(done['wheels'])} wheels, {done['mib']} MiB; trimmed: {trimmed or 'none'}"
+        )
     print(
         f"  on the machine: python3 run.py run <step> <overrides> (in {manifest_path.parent.name}/)"
     )
