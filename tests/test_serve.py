@@ -189,6 +189,78 @@ def test_spec_rules_match_sglangs(make_cfg):
 # ---------------------------------------------------------------- local
 
 
+# SGLang 0.5.14 registers a config its own way under a name transformers 5.17 already ships
+SGLANG_STYLE_REGISTRATION = """
+import multiprocessing, sys
+from transformers import AutoConfig, PretrainedConfig
+
+class Qwen3ASRConfig(PretrainedConfig):  # the engine's own class for the name
+    model_type = "qwen3_asr"
+
+def register():
+    AutoConfig.register("qwen3_asr", Qwen3ASRConfig)
+    return type(AutoConfig.for_model("qwen3_asr")).__qualname__
+
+def in_child(queue):
+    queue.put(register())
+
+if __name__ == "__main__":
+    print(register())
+    context = multiprocessing.get_context("spawn")  # SGLang starts its scheduler this way
+    queue = context.Queue()
+    child = context.Process(target=in_child, args=(queue,))
+    child.start()
+    print(queue.get(timeout=120))
+    child.join()
+    class Llama(PretrainedConfig):
+        model_type = "llama"
+    AutoConfig.register("llama", Llama)  # a name not configured: refused as before
+"""
+
+
+def test_sglang_launch_tolerates_the_config_names_transformers_already_has(make_cfg, tmp_path):
+    """The SGLang launch's environment (serve.tolerate_config_names=[qwen3_asr]) lets the engine and
+    the processes it spawns register qwen3_asr with transformers' real AutoConfig.register, which
+    otherwise raises; a name not configured still raises."""
+    script = tmp_path / "engine.py"
+    script.write_text(SGLANG_STYLE_REGISTRATION)
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert "ValueError: 'qwen3_asr' is already used by a Transformers config" in plain.stderr
+    cfg = make_cfg("serve=sglang-bundle", "spec=d8")
+    launch = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321)
+    assert launch.env["EAGLE3_TOLERATED_CONFIG_NAMES"] == "qwen3_asr"
+    assert launch.env["PYTHONPATH"].split(os.pathsep)[0] == str(
+        REPO / "src" / "eagle3" / "config_clash"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, **launch.env},
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.stdout.splitlines() == ["Qwen3ASRConfig", "Qwen3ASRConfig"]
+    assert "ValueError: 'llama' is already used by a Transformers config" in done.stderr
+
+
+def test_bundle_presets_launch_the_machines_python(make_cfg):
+    """serve=sglang-bundle / vllm-bundle: the engine runs in the machine's own Python (found on
+    PATH), SGLang with triton attention and no grammar backend, vLLM as a module without the
+    flashinfer sampler."""
+    import shutil
+
+    python3 = shutil.which("python3")
+    cfg = make_cfg("serve=sglang-bundle", "spec=d8")
+    argv = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321).argv
+    assert argv[:3] == [python3, "-m", "sglang.launch_server"]
+    assert argv[-4:] == ["--attention-backend", "triton", "--grammar-backend", "none"]
+    assert argv[argv.index("--dtype") + 1] == "bfloat16" and "--cuda-graph-max-bs" in argv
+    cfg = make_cfg("serve=vllm-bundle", "spec.depth=4")
+    launch = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321)
+    assert launch.argv[:5] == [python3, "-m", "vllm.entrypoints.cli.main", "serve", TARGET]
+    assert launch.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and "--enforce-eager" not in launch.argv
+
+
 def test_local_launch_passes_the_exact_config(make_cfg, tmp_path):
     """The local server gets the job's resolved config (spec, port, drafter) as its primary config;
     an eagle3 Hydra app composes it back unchanged."""

@@ -14,6 +14,7 @@ import atexit
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +32,8 @@ from eagle3.redact import mask, mask_argv, mask_text, masked_config
 from eagle3.spec import Spec
 
 ENGINES = ("local", "vllm", "sglang", "hf")
+CONFIG_CLASH_DIR = Path(__file__).resolve().parent / "config_clash"
+CLASH_NAMES_ENV = "EAGLE3_TOLERATED_CONFIG_NAMES"  # read by config_clash/sitecustomize.py
 SERVED = ("local", "vllm", "sglang")  # engines that run as a server process
 _LIVE: set[EngineProcess] = set()
 
@@ -96,7 +99,10 @@ class Launch:
 
 
 def engine_python(scfg) -> str:
-    """serve.python; a relative path is taken from the eagle3 checkout (where `make setup` puts the venvs)."""
+    """serve.python; a relative path is taken from the eagle3 checkout (where `make setup` puts the
+    venvs), a bare name (python3) from PATH (a machine whose own Python holds the engine)."""
+    if "/" not in str(scfg.python):
+        return shutil.which(str(scfg.python)) or str(scfg.python)
     path = Path(str(scfg.python)).expanduser()
     return str(path if path.is_absolute() else Path(CONF_DIR).parent / path)
 
@@ -184,15 +190,19 @@ def local_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
     )
 
 
-def vllm_cli(scfg) -> str:
-    """vLLM's own command-line entry point (`vllm serve`), installed beside serve.python."""
-    return str(Path(engine_python(scfg)).with_name("vllm"))
+def vllm_cli(scfg) -> list[str]:
+    """vLLM's own command-line entry point (`vllm serve`): the `vllm` command installed beside
+    serve.python, or for a bare serve.python (a machine's own Python with vLLM installed from a
+    bundle, no command beside it) the module behind that command."""
+    if "/" not in str(scfg.python):
+        return [engine_python(scfg), "-m", "vllm.entrypoints.cli.main"]
+    return [str(Path(engine_python(scfg)).with_name("vllm"))]
 
 
 def vllm_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
     v = cfg.serve
     argv = [
-        vllm_cli(v),
+        *vllm_cli(v),
         "serve",
         str(target_path),
         "--host",
@@ -341,9 +351,22 @@ def sglang_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
     if cfg.serve.validate_args:
         sglang_parse(engine_python(cfg.serve), args)
     argv = [engine_python(cfg.serve), "-m", "sglang.launch_server", *args]
-    return Launch(
-        "sglang", argv, {k: str(v) for k, v in cfg.serve.env.items()}, cfg.serve.host, port
-    )
+    env = {k: str(v) for k, v in cfg.serve.env.items()}
+    env.update(config_clash_env(cfg.serve.get("tolerate_config_names") or [], env))
+    return Launch("sglang", argv, env, cfg.serve.host, port)
+
+
+def config_clash_env(names: list[str], env: dict[str, str]) -> dict[str, str]:
+    """The environment that lets an engine register these transformers config names although
+    transformers already has them (eagle3/config_clash/sitecustomize.py, which every Python
+    process of the engine imports at start); {} when there are none."""
+    if not names:
+        return {}
+    inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    return {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(CONFIG_CLASH_DIR), inherited) if p),
+        CLASH_NAMES_ENV: ",".join(map(str, names)),
+    }
 
 
 # ---------------------------------------------------------------- running a process
