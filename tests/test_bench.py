@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -681,3 +682,73 @@ def test_trace_phases_groups_kernels_by_graph_replay(tmp_path):
         and every.count("-- a replay of 3 kernels") == 1
         and len(every) == 2 + 3 + 4
     )
+
+
+# ---------------------------------------------------------------- an export the engine ignores
+
+
+def ignored_layer_copy(drafter: Path, out: Path) -> Path:
+    """A copy of an exported drafter as an engine serves it when it ignores the decoder layer's
+    weights (the seed's failure: SGLang skipping names it does not know): every midlayer.* tensor at
+    a fresh initialisation (norm weights 1, matrices normal(0, 0.02), seed 0), the rest as exported.
+    vLLM raises on a weight name it does not know, so it cannot be made to skip them by name: the
+    fault is written into the copy, and the engine, target and bench that meet it are real."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True)
+    shutil.copy(drafter / "config.json", out / "config.json")
+    tensors = load_file(drafter / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name, tensor in tensors.items():
+        if name.startswith("midlayer."):
+            fresh = torch.ones_like(tensor) if tensor.dim() == 1 else torch.empty_like(tensor)
+            if tensor.dim() > 1:
+                fresh.normal_(0.0, 0.02, generator=generator)
+            tensors[name] = fresh
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.slow
+def test_vllm_serving_a_drafter_whose_layer_it_ignores_is_caught(test_root, tmp_path):
+    """The shipped drafter and a copy of it whose decoder layer the engine ignores
+    (ignored_layer_copy), swept through real vLLM (CPU) on SmolLM2: the intact one is accepted, the
+    broken one gets tau ~1; the verdict says in words to check the export for it alone, and only its
+    MLflow run carries the tag."""
+    from eagle3.shipped import unpack
+
+    assert VLLM_PYTHON.exists(), "run `make vllm` (tools/setup_vllm.sh) to build .venv-vllm"
+    intact = unpack(REPO / "assets" / "drafter-4f658d4f4df1.tgz", tmp_path / "shipped") / "sglang"
+    broken = ignored_layer_copy(intact, tmp_path / "ignored")
+    out, sweep_dir = run_sweep(
+        test_root,
+        tmp_path,
+        "serve=vllm",
+        "target=smollm2-135m",
+        "target.dtype=float32",
+        "spec.depth=4",
+        f"drafter.path={intact},{broken}",
+        "bench.limit=2",
+        "bench.max_new_tokens=32",
+        "bench.ignore_eos=true",
+        "bench.repeats=1",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = [json.loads((sweep_dir / str(i) / "bench_result.json").read_text()) for i in range(2)]
+    assert [r["status"] for r in results] == ["ok", "ok"]
+    good, bad = results
+    print(
+        f"vLLM tau: shipped {good['accept_length']:.3f}, layer ignored {bad['accept_length']:.3f}"
+    )
+    assert good["output_tokens"] == bad["output_tokens"] == 2 * 32
+    assert good["accept_length"] > 1.5 and bad["accept_length"] < 1.1
+    verdict = (sweep_dir / "verdict.txt").read_text()
+    assert verdict.count("the engine accepts almost nothing: check the export") == 1
+    assert f"check the export (d4 tau {bad['accept_length']:.2f}, under 1.1)" in verdict
+    assert verdict.index(f"drafter {Path(broken).name}") < verdict.index("accepts almost nothing")
+    _, _, children = sweep_runs(tmp_path)
+    tags = {c.info.run_id: c.data.tags.get("acceptance") for c in children}
+    assert tags == {
+        good["run_id"]: None,
+        bad["run_id"]: "the engine accepts almost nothing: check the export",
+    }

@@ -182,3 +182,33 @@ def test_baseline_once_per_sweep_and_reused_only_when_asked(make_cfg, own_artifa
     assert not (tmp_path / "job3" / "baseline").exists()
     assert reused["baseline_reused"] and reused["baseline_run_id"] == "run-sweep-b"
     assert reused["baseline_age_s"] == pytest.approx(2400, abs=60)
+
+
+def test_a_drafter_the_engine_ignores_is_named_in_the_verdict_and_tagged(
+    make_cfg, tmp_path, capsys
+):
+    """tau under bench.accepts_nothing_tau (1.1): the verdict says in words that the engine accepts
+    almost nothing and to check the export, and the job's MLflow run carries the tag `acceptance`;
+    a shape accepted normally (d4, tau 2.2) gets neither."""
+    from mlflow.tracking import MlflowClient
+
+    from eagle3.bench import log_job
+    from eagle3.tracking import stage_run
+
+    cfg = make_cfg()
+    ignored = job(8, 14.0, 13.5, 14.5, accept_length=1.02, accept_per_pos=[0.02] + [0.0] * 6)
+    accepted = job(4, 30.0, 29.0, 31.0)
+    out = summarize(cfg, [ignored, accepted], tmp_path)
+    printed = capsys.readouterr().out
+    expected = (
+        "the engine accepts almost nothing: check the export (d8 tau 1.02, under 1.1): weights the "
+        "engine does not load (names, shapes, aux layer ids) leave it drafting at random"
+    )
+    assert expected in out["verdict"] and printed.count("accepts almost nothing") == 1
+    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    tags = []
+    for result in (ignored, accepted):
+        with stage_run(cfg, "bench", run_name=result["spec"]) as run:
+            log_job(cfg, {**result, "status": "ok"})
+        tags.append(client.get_run(run.info.run_id).data.tags.get("acceptance"))
+    assert tags == ["the engine accepts almost nothing: check the export", None]

@@ -34,7 +34,13 @@ from eagle3.spec import OFF, Spec, resolve_spec
 from eagle3.suites import check_bench_settings, load_suite, suite_name, suite_names
 from eagle3.target import target_path_for
 from eagle3.tracking import stage_run
-from eagle3.verdict import against_off, combine_repeats, speedup_fields
+from eagle3.verdict import (
+    ACCEPTS_NOTHING,
+    accepts_nothing,
+    against_off,
+    combine_repeats,
+    speedup_fields,
+)
 
 RESULT_FILE = "bench_result.json"
 # the spec=off measurement's metrics a job carries as baseline_<key>
@@ -611,6 +617,8 @@ def log_job(cfg: DictConfig, result: dict) -> None:
         mlflow.end_run(status="FAILED")
         return
     mlflow.set_tag("vs_spec_off", against_off(result, baseline_of(result)))
+    if accepts_nothing(result, float(cfg.bench.accepts_nothing_tau)):
+        mlflow.set_tag("acceptance", ACCEPTS_NOTHING)
     if result.get("baseline_run_id"):
         mlflow.set_tag("baseline_run_id", result["baseline_run_id"])
     mlflow.log_metrics(job_metrics(result))

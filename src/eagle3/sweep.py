@@ -168,7 +168,11 @@ def summarize(
         engine, suite, batch, max_tokens, drafter = key
         named = f", drafter {drafter}" if drafter else ""
         verdict.append(f"{engine}, {suite}, batch {batch}, {max_tokens} new tokens{named}:")
-        verdict += verdict_lines(jobs, [m for m in model_rows if _model_key(m) == key])
+        verdict += verdict_lines(
+            jobs,
+            [m for m in model_rows if _model_key(m) == key],
+            float(cfg.bench.accepts_nothing_tau),
+        )
         chosen = winner(jobs)[0]
         if chosen["spec"] != "off":
             winners.append(chosen)

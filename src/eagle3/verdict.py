@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 SPREAD_KEYS = ("tokens_per_s", "decode_tokens_per_s")  # metrics reported with a min-max range
 OFF_LABEL = "spec=off"
+ACCEPTS_NOTHING = "the engine accepts almost nothing: check the export"
 
 
 @dataclass(frozen=True)
@@ -147,13 +148,34 @@ def predicted_best(model_rows: list[dict], baseline_step_s: float) -> tuple[int,
     return best["depth"], best["predicted_tok_s"] * baseline_step_s
 
 
-def verdict_lines(jobs: list[dict], model_rows: list[dict]) -> list[str]:
+def accepts_nothing(result: dict, below_tau: float) -> bool:
+    """A speculative job whose drafts the engine (almost) never accepts: tau under below_tau
+    (bench.accepts_nothing_tau). The symptom of a drafter whose weights the engine ignored."""
+    return result.get("spec") != "off" and result.get("accept_length", 1.0) < below_tau
+
+
+def accepts_nothing_line(shapes: list[dict], below_tau: float) -> list[str]:
+    """The warning for the shapes whose tau is under below_tau (none: no line)."""
+    nothing = [r for r in shapes if accepts_nothing(r, below_tau)]
+    if not nothing:
+        return []
+    taus = ", ".join(f"{r['spec']} tau {r['accept_length']:.2f}" for r in nothing)
+    return [
+        f"{ACCEPTS_NOTHING} ({taus}, under {below_tau:g}): weights the engine does not load "
+        "(names, shapes, aux layer ids) leave it drafting at random"
+    ]
+
+
+def verdict_lines(
+    jobs: list[dict], model_rows: list[dict], accepts_nothing_tau: float = 0.0
+) -> list[str]:
     """What one group's sweep showed, in plain words; every ratio is against spec=off measured as
     the jobs' baseline (reused from an earlier sweep only when asked, and then said so)."""
     base = baseline_row(jobs)
     lines = [f"  {describe(base)}{reuse_note(jobs[0])}"]
     shapes = [r for r in jobs if r["spec"] != "off"]
     lines += [f"  {describe(r)}: {verdict_word(against_off(r, base))}" for r in shapes]
+    lines += accepts_nothing_line(shapes, accepts_nothing_tau)
     chosen, fastest, tied = winner(jobs)
     if chosen["spec"] == "off":
         how = "all slower" if against_off(fastest, base) == "slower" else "within noise"
