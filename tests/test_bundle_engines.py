@@ -112,9 +112,10 @@ def index(tmp_path) -> Path:
 
 
 MACHINE = {"torch": "2.11.0+cu130", "transformers": "5.17.0", "aiohttp": None, "numpy": "2.5.2"}
+H200_LIST = Path(__file__).resolve().parents[1] / "conf/bundle/machines/h200.txt"
 
 
-def sglang_resolution(make_cfg, index, tmp_path, machine=MACHINE):
+def sglang_resolution(make_cfg, index, tmp_path, machine):
     cfg = make_cfg(f"bundle.engine_index_args=[--no-index,--find-links,{index}]")
     eset = cfg.bundle.engine_sets.sglang
     cache = tmp_path / "downloads"
@@ -133,8 +134,15 @@ def sglang_resolution(make_cfg, index, tmp_path, machine=MACHINE):
 def test_an_engine_needs_what_the_machine_lacks_at_the_configured_pins(make_cfg, index, tmp_path):
     """The configured SGLang set against the H200's packages: exactly the four engine wheels plus the
     dependencies the machine lacks (newest allowed), nothing the machine has, nothing for another
-    platform, Python or extra, nothing left out; transformers kept at the machine's version."""
-    resolved = sglang_resolution(make_cfg, index, tmp_path)
+    platform, Python or extra, nothing left out; transformers kept at the machine's version. The
+    machine is the shipped H200 list (bundle.machine_packages' default)."""
+    machine = read_machine_packages(H200_LIST)
+    assert (machine["torch"], machine["transformers"], machine["aiohttp"]) == (
+        "2.11.0+cu130",
+        "5.17.0",
+        None,
+    )
+    resolved = sglang_resolution(make_cfg, index, tmp_path, machine)
     assert resolved.versions == {
         "sglang": "0.5.14",
         "sglang-kernel": "0.4.4",

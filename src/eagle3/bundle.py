@@ -172,9 +172,12 @@ def main(cfg: DictConfig) -> None:
     print(f"  files: {', '.join(manifest['files']) or 'none'}")
     for engine, done in manifest["engines"].items():
         trimmed = "; ".join(f"{w} without {', '.join(d)}" for w, d in done["trimmed"].items())
+        print(f"  {engine}: {len(done['wheels'])} wheels, {done['mib']} MiB")
+        print(f"    trimmed: {trimmed or 'nothing'}")
         print(
-            f"  {engine}: {len(done['wheels'])} wheels, {done['mib']} MiB; trimmed: {trimmed or 'none'}"
+            f"    kept at the machine's version: {', '.join(done['kept_from_machine']) or 'none'}"
         )
+        print(f"    left out: {', '.join(done['left_out']) or 'none'}")
     print(
         f"  on the machine: python3 run.py run <step> <overrides> (in {manifest_path.parent.name}/)"
     )
