@@ -243,6 +243,19 @@ def test_sglang_launch_tolerates_the_config_names_transformers_already_has(make_
     assert "ValueError: 'llama' is already used by a Transformers config" in done.stderr
 
 
+def test_the_config_clash_shim_still_runs_the_sitecustomize_it_shadows(make_cfg, tmp_path):
+    """A machine's own sitecustomize later on PYTHONPATH still runs in an SGLang launch."""
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import builtins\nbuiltins.MACHINE_SITE = 'ran'\n")
+    cfg = make_cfg("serve=sglang-bundle", "spec=d8")
+    env = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321).env
+    env = {**os.environ, **env, "PYTHONPATH": env["PYTHONPATH"] + os.pathsep + str(own)}
+    check = "import builtins, sitecustomize; print(builtins.MACHINE_SITE, sitecustomize.NAMES)"
+    done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == "ran frozenset({'qwen3_asr'})", done.stderr
+
+
 def test_bundle_presets_launch_the_machines_python(make_cfg):
     """serve=sglang-bundle / vllm-bundle: the engine runs in the machine's own Python (found on
     PATH), SGLang with triton attention and no grammar backend, vLLM as a module without the
