@@ -981,7 +981,7 @@ def shipped_answers(answer_hash: str) -> tuple[str, list[dict]]:
 
 
 def test_every_shipped_answer_file_is_listed_here():
-    folder = Path(__file__).resolve().parents[1] / "benchmarks" / "assets"
+    folder = Path(__file__).resolve().parents[1] / "assets"
     assert sorted(p.name for p in folder.glob("regen-*.tgz")) == sorted(
         f"regen-{h}.tgz" for h in SHIPPED_ANSWERS
     )
