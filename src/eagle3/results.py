@@ -214,43 +214,64 @@ def import_folder(folder: Path, overrides: list[str]) -> dict:
     experiment_id = setup(cfg)
     mlflow = MlflowClient(tracking_uri=cfg.tracking.uri)
     replaced = replace_earlier(mlflow, experiment_id, folder.name)
-    machine = (
-        (folder / "gpu.txt").read_text().splitlines()[1:] if (folder / "gpu.txt").exists() else []
+    parent = mlflow.create_run(experiment_id, run_name=folder.name, tags=folder_tags(folder))
+    children = (
+        train_children(mlflow, parent, folder)
+        + ddp_children(mlflow, parent, folder)
+        + bench_children(mlflow, parent, folder)
+        + engine_children(mlflow, parent, folder)
     )
-    tags = {
+    for picture in sorted(folder.glob("*.png")):  # plots made from the folder's files
+        mlflow.log_artifact(parent.info.run_id, str(picture))
+    mlflow.set_terminated(parent.info.run_id)
+    return {
+        "parent": parent.info.run_id,
+        "children": len(children),
+        "replaced": replaced,
+        "uri": cfg.tracking.uri,
+    }
+
+
+def folder_tags(folder: Path) -> dict:
+    gpu = folder / "gpu.txt"
+    machine = gpu.read_text().splitlines()[1:] if gpu.exists() else []
+    return {
         "import_source": folder.name,
         "stage": "import",
         "machine": ", ".join(machine) or "unknown",
     }
-    parent = mlflow.create_run(experiment_id, run_name=folder.name, tags=tags)
+
+
+def train_children(mlflow, parent, folder: Path) -> list:
+    """The training run of train_manifest.json, with its progress log's steps."""
+    if not (folder / "train_manifest.json").exists():
+        return []
+    manifest = json.loads((folder / "train_manifest.json").read_text())
+    counts = {
+        f"final/{k}": float(v) for k, v in manifest["counts"].items() if isinstance(v, (int, float))
+    }
+    params = flatten({k: manifest["config"][k] for k in ("train", "drafter")})
+    progress = folder / "train_progress.log"
+    steps = progress_rows(progress) if progress.exists() else []
+    val_acc = [a for a in manifest["counts"].get("val_acc") or [] if a is not None]
+    return [
+        log_child(
+            mlflow,
+            parent,
+            "train",
+            params,
+            counts,
+            val_acc,
+            steps,
+            {"stage": "train"},
+            curve_name="val_acc_per_ttt_step",
+        )
+    ]
+
+
+def ddp_children(mlflow, parent, folder: Path) -> list:
+    """One run per ddp_<N>gpu_progress.log: its training rate on N devices."""
     children = []
-    if (folder / "train_manifest.json").exists():
-        manifest = json.loads((folder / "train_manifest.json").read_text())
-        counts = {
-            f"final/{k}": float(v)
-            for k, v in manifest["counts"].items()
-            if isinstance(v, (int, float))
-        }
-        params = flatten({k: manifest["config"][k] for k in ("train", "drafter")})
-        steps = (
-            progress_rows(folder / "train_progress.log")
-            if (folder / "train_progress.log").exists()
-            else []
-        )
-        val_acc = [a for a in manifest["counts"].get("val_acc") or [] if a is not None]
-        children.append(
-            log_child(
-                mlflow,
-                parent,
-                "train",
-                params,
-                counts,
-                val_acc,
-                steps,
-                {"stage": "train"},
-                curve_name="val_acc_per_ttt_step",
-            )
-        )
     for devices in (1, 2, 4, 8):
         log = folder / f"ddp_{devices}gpu_progress.log"
         if log.exists():
@@ -266,11 +287,17 @@ def import_folder(folder: Path, overrides: list[str]) -> dict:
                     tags={"stage": "train"},
                 )
             )
+    return children
+
+
+def bench_children(mlflow, parent, folder: Path) -> list:
+    """The rows of e2e.json or e2e_<variant>.json (one engine setting each), and all suites per method."""
     e2e_files = {
         path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("e2e*.json"))
     }
     off_rows = [r for r in e2e_files.get("e2e", {"rows": []})["rows"] if r["method"] == "off"]
-    for stem, data in e2e_files.items():  # e2e.json, or e2e_<variant>.json: one engine setting each
+    children = []
+    for stem, data in e2e_files.items():
         variant = stem.removeprefix("e2e").lstrip("_")
         for name, params, metrics, curve in e2e_runs(data) + all_suites_runs(data, off_rows):
             params["engine_variant"] = variant or "default"
@@ -285,23 +312,19 @@ def import_folder(folder: Path, overrides: list[str]) -> dict:
                     tags={"stage": "bench"},
                 )
             )
+    return children
+
+
+def engine_children(mlflow, parent, folder: Path) -> list:
+    """The rows of engine_<path>.json files."""
+    children = []
     for path in sorted(folder.glob("engine_*.json")):
         path_name = path.stem.removeprefix("engine_")
         for name, params, metrics, _curve in engine_runs(json.loads(path.read_text()), path_name):
             children.append(
                 log_child(mlflow, parent, name, params, metrics, tags={"stage": "engine"})
             )
-    for picture in sorted(
-        folder.glob("*.png")
-    ):  # plots made from the folder's files (tree_shapes.py --plot)
-        mlflow.log_artifact(parent.info.run_id, str(picture))
-    mlflow.set_terminated(parent.info.run_id)
-    return {
-        "parent": parent.info.run_id,
-        "children": len(children),
-        "replaced": replaced,
-        "uri": cfg.tracking.uri,
-    }
+    return children
 
 
 def ddp_rate(steps: list[dict], devices: int) -> dict:
