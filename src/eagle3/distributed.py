@@ -5,6 +5,10 @@ NODE_RANK from the environment, SLURM's own under srun), and a one-line error wh
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,6 +34,89 @@ def under_slurm() -> bool:
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     return SLURMEnvironment.detect()
+
+
+def cluster_environment():
+    """The cluster environment Lightning itself would pick for this process (torchelastic, SLURM,
+    LSF), or None for Lightning's own (its launcher sets LOCAL_RANK and NODE_RANK per rank)."""
+    from lightning.fabric.plugins.environments import (
+        LSFEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    for kind in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment):
+        if kind.detect():
+            return kind()
+    return None
+
+
+def global_rank(devices_per_node: int) -> int:
+    """This process's global rank as Lightning will see it, known before the trainer exists: srun
+    sets SLURM_PROCID (not LOCAL_RANK or NODE_RANK) in every task."""
+    environment = cluster_environment()
+    if environment is not None:
+        return environment.global_rank()
+    return int(os.environ.get("NODE_RANK", 0)) * devices_per_node + local_rank()
+
+
+def local_rank() -> int:
+    """This process's rank on its node (its GPU index): SLURM_LOCALID under srun."""
+    environment = cluster_environment()
+    return environment.local_rank() if environment else int(os.environ.get("LOCAL_RANK", 0))
+
+
+def requeue_signal(cluster_cfg: DictConfig) -> signal.Signals:
+    """cluster.requeue_signal (USR1) as a signal number."""
+    name = str(cluster_cfg.requeue_signal).upper().removeprefix("SIG")
+    try:
+        return signal.Signals[f"SIG{name}"]
+    except KeyError:
+        raise Eagle3Error(
+            f"cluster.requeue_signal={cluster_cfg.requeue_signal} is no signal: use USR1 or USR2"
+        ) from None
+
+
+def cluster_plugins(cluster_cfg: DictConfig) -> list:
+    """Under srun: Lightning's SLURM environment listening for the signal sbatch is told to send
+    (cluster.requeue_signal): on it every rank saves hpc_ckpt_<n>.ckpt and rank 0 requeues the job."""
+    if not under_slurm():
+        return []
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return [SLURMEnvironment(requeue_signal=requeue_signal(cluster_cfg))]
+
+
+@contextlib.contextmanager
+def requeue_signal_free(cluster_cfg: DictConfig):
+    """Lightning installs its requeue handler only on a signal nobody handles yet; a submitit job
+    has its own handler (resubmit without a checkpoint) on its signal. For the fit, the signal is
+    left to Lightning; the previous handler comes back after."""
+    if not under_slurm():
+        yield
+        return
+    sig = requeue_signal(cluster_cfg)
+    previous = signal.getsignal(sig)
+    signal.signal(sig, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+
+def wait_for_rank_zero(
+    complete, folder: Path, rank: int, timeout_s: float, poll_s: float = 0.5
+) -> None:
+    """A rank > 0 after the fit: return once rank 0 marked `folder` complete (`complete()` true),
+    so every rank ends with the output finished; fail after timeout_s naming the folder."""
+    deadline = time.monotonic() + timeout_s
+    while not complete():
+        if time.monotonic() > deadline:
+            raise Eagle3Error(
+                f"rank {rank}: rank 0 did not finish {folder} within {timeout_s:.0f} s "
+                "(trainer.dist_timeout_s); see rank 0's log"
+            )
+        time.sleep(poll_s)
 
 
 def strategy_for(trainer_cfg: DictConfig, name: str):

@@ -19,7 +19,6 @@ trainer and runs the stage.
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
@@ -34,7 +33,17 @@ from eagle3.artifacts import StageOutput
 from eagle3.callbacks import StopAtStepEnd, Throughput, checkpoint_callbacks
 from eagle3.common import Eagle3Error, app, log, resolve_device
 from eagle3.datamodule import DrafterData, datasets_for
-from eagle3.distributed import lost_peer_error, peer_lost, strategy_for, under_slurm
+from eagle3.distributed import (
+    cluster_plugins,
+    global_rank,
+    local_rank,
+    lost_peer_error,
+    peer_lost,
+    requeue_signal_free,
+    strategy_for,
+    under_slurm,
+    wait_for_rank_zero,
+)
 from eagle3.drafter import Eagle3Drafter, build_drafter
 from eagle3.drafter_io import (
     BEST_WEIGHTS,
@@ -170,6 +179,7 @@ def build_trainer(cfg: DictConfig, folder: Path, logger, callbacks=()) -> L.Trai
         devices=trainer_cfg.devices,
         num_nodes=trainer_cfg.num_nodes,
         strategy=strategy_for(trainer_cfg, choose_strategy(trainer_cfg, in_multirun())),
+        plugins=cluster_plugins(cfg.cluster),
         precision=precision_for(trainer_cfg),
         max_epochs=cfg.train.epochs,
         gradient_clip_val=cfg.train.grad_clip,
@@ -189,9 +199,11 @@ def build_trainer(cfg: DictConfig, folder: Path, logger, callbacks=()) -> L.Trai
     )
 
 
-def is_launcher_rank() -> bool:
-    """False in the processes Lightning's ddp launches for ranks > 0 (they re-run this app)."""
-    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0
+def resume_checkpoint(folder: Path) -> Path | None:
+    """The newest of last.ckpt and the hpc_ckpt_<n>.ckpt Lightning saves on the requeue signal."""
+    found = [folder / CHECKPOINTS / "last.ckpt", *folder.glob("hpc_ckpt_*.ckpt")]
+    found = [path for path in found if path.exists()]
+    return max(found, key=lambda path: path.stat().st_mtime_ns) if found else None
 
 
 def fit(
@@ -218,15 +230,14 @@ def fit(
     last = folder / CHECKPOINTS / "last.ckpt"
     stopper = StopAtStepEnd(last)
     trainer = build_trainer(cfg, folder, logger, [throughput, *callbacks, stopper])
-    if last.exists():
-        log.info("resuming from %s", last)
+    resume = resume_checkpoint(folder)
+    if resume is not None:
+        log.info("resuming from %s", resume)
     cudnn = torch.backends.cuda.cudnn_sdp_enabled()  # process-wide: restored after the fit
     torch.backends.cuda.enable_cudnn_sdp(cfg.trainer.cudnn_attention)  # a no-op without CUDA
     try:
-        with stopper.installed(trainer.world_size == 1):
-            trainer.fit(
-                module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None
-            )
+        with stopper.installed(trainer.world_size == 1), requeue_signal_free(cfg.cluster):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=resume and str(resume))
     except SIGTERMException:  # a SystemExit with status 0: the run was stopped, not finished
         raise Stopped(stopper.signum or signal.SIGTERM) from None
     except RuntimeError as err:
@@ -328,7 +339,7 @@ def target_device(cfg: DictConfig) -> str:
     if cfg.train.hidden_states != "online" or cfg.trainer.accelerator == "cpu":
         return "cpu"
     device = resolve_device(cfg.target.device)
-    return f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if device.type == "cuda" else str(device)
+    return f"cuda:{local_rank()}" if device.type == "cuda" else str(device)
 
 
 def run(cfg: DictConfig, callbacks=()) -> StageOutput:
@@ -357,10 +368,12 @@ def run(cfg: DictConfig, callbacks=()) -> StageOutput:
         cfg.trainer.num_workers,
     )
     evaluation = evaluation_for(cfg, val_set)
-    if (
-        not is_launcher_rank()
-    ):  # a ddp rank > 0: train only; rank 0 owns the folder and the MLflow run
+    rank = global_rank(cfg.trainer.devices)
+    if rank > 0:  # train only; rank 0 owns the folder, its manifest and the MLflow run
         fit(cfg, target, datamodule, out.path, d2t, t2d, callbacks=callbacks, evaluation=evaluation)
+        timeout = cfg.trainer.dist_timeout_s
+        wait_for_rank_zero(lambda: out.complete, out.path, rank, timeout)
+        log.info("train: rank %d done; rank 0 wrote %s", rank, out.path)
         return out
     out.start()
     with stage_run(cfg, "train", artifact_hash=out.hash) as mlflow_run:
