@@ -142,8 +142,7 @@ def sbatch_signal(cfg_overrides: list[str], sweep_dir: Path) -> tuple[signal.Sig
 def test_the_sbatch_signal_makes_a_two_process_fit_checkpoint(make_cfg, own_artifacts, tmp_path):
     overrides = ["train.epochs=3", "tracking.enabled=false", "train.checkpoint_every_n_steps=1000"]
     cfg, argv_overrides = prepared(make_cfg, own_artifacts, tmp_path, *overrides)
-    sig, seconds = sbatch_signal(overrides, tmp_path / "sweep")
-    assert seconds == cfg.cluster.requeue_warning_s
+    sig, _ = sbatch_signal(overrides, tmp_path / "sweep")
     tasks, logs = srun_tasks(app_argv(argv_overrides), tmp_path, "4243")
     deadline = time.monotonic() + 300
     while "train: step 2/" not in logs[0].read_text(errors="replace"):

@@ -32,7 +32,7 @@ from eagle3.launch import (
 from eagle3.serve import drafter_for
 from eagle3.spec import OFF, Spec, resolve_spec
 from eagle3.suites import check_bench_settings, load_suite, suite_name, suite_names
-from eagle3.target import target_path_for
+from eagle3.target import target_path_for, target_tokenizer
 from eagle3.tracking import stage_run
 from eagle3.verdict import (
     ACCEPTS_NOTHING,
@@ -427,8 +427,6 @@ def job_identity(cfg: DictConfig) -> dict:
 def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict:
     """Validate, find drafter and prompts, measure (baseline first), compute speedup. The
     baseline is shared by the jobs of one `scope` (a sweep folder; a lone job's own folder)."""
-    from transformers import AutoTokenizer
-
     check_bench_settings(cfg.bench)
     spec = resolve_spec(cfg.spec)
     check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.get("max_depth"))
@@ -440,7 +438,7 @@ def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict
     drafter_path = drafter_for(cfg, spec)
     target_path = target_path_for(cfg)
     prompts = load_suite(cfg.bench)
-    requests = tokenize_prompts(AutoTokenizer.from_pretrained(target_path), prompts)
+    requests = tokenize_prompts(target_tokenizer(target_path, cfg.target), prompts)
     base = baseline(cfg, target_path, requests, folder, str(scope or folder))
     metrics = (
         measure(cfg, spec, drafter_path, target_path, requests, folder / "spec")

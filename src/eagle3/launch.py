@@ -220,6 +220,8 @@ def vllm_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
     ]
     if v.enforce_eager:
         argv.append("--enforce-eager")
+    if cfg.target.get("trust_remote_code", False):  # the model folder's own code (conf/target)
+        argv.append("--trust-remote-code")
     if spec.enabled:
         config = {
             "method": "eagle3",
@@ -293,6 +295,8 @@ def sglang_argv(cfg, spec: Spec, drafter_path, target_path, port) -> list[str]:
             "--speculative-num-draft-tokens",
             str(spec.depth),
         ]
+    if cfg.target.get("trust_remote_code", False):  # the model folder's own code (conf/target)
+        argv.append("--trust-remote-code")
     if api_key(s):
         argv += ["--api-key", api_key(s)]  # masked in command.json and the log
     return argv + [str(a) for a in s.extra_args]
@@ -302,7 +306,8 @@ SGLANG_PARSE = """
 import contextlib, io, json, sys
 from sglang.srt.server_args import prepare_server_args
 fields = ("model_path", "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
-          "speculative_eagle_topk", "speculative_num_draft_tokens", "tp_size", "mem_fraction_static", "dtype", "port")
+          "speculative_eagle_topk", "speculative_num_draft_tokens", "tp_size", "mem_fraction_static", "dtype", "port",
+          "trust_remote_code")
 results = []
 for argv in json.loads(sys.argv[1]):
     errors = io.StringIO()

@@ -299,17 +299,44 @@ def load_target(cfg: DictConfig, device: str | None = None) -> Target:
     dev = resolve_device(device or tcfg.device)
     dtype = resolve_dtype(tcfg.dtype, dev)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = target_tokenizer(path, tcfg)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code(tcfg)
+        )
     except OSError as err:
         raise Eagle3Error(
             f"cannot load target {path!s}: {err}. A hub id needs network access; "
             f"offline, download it elsewhere and pass target.path=<folder>"
         ) from err
+    except ValueError as err:
+        raise remote_code_error(path, err) from err
     model.to(dev).eval().requires_grad_(False)
     layers = model.config.num_hidden_layers
     aux = list(tcfg.aux_layer_ids) if tcfg.get("aux_layer_ids") else default_aux_layer_ids(layers)
     return Target(model, tokenizer, Path(path) if not isinstance(path, str) else Path(path), aux)
+
+
+def trust_remote_code(tcfg: DictConfig) -> bool:
+    """target.trust_remote_code: run the Python code a model folder ships (config.json auto_map)."""
+    return bool(tcfg.get("trust_remote_code", False))
+
+
+def target_tokenizer(path, tcfg: DictConfig):
+    """The tokenizer of the target folder (or hub id) `path`."""
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code(tcfg))
+    except ValueError as err:
+        raise remote_code_error(path, err) from err
+
+
+def remote_code_error(path, err: ValueError) -> Exception:
+    """transformers' refusal of a folder's own code, as the setting that allows it."""
+    if "trust_remote_code" not in str(err):
+        return err
+    return Eagle3Error(
+        f"target {path!s} ships its own model code (auto_map in its config): set "
+        "target.trust_remote_code=true to run it"
+    )
 
 
 def tokenizer_hash(tokenizer) -> str:

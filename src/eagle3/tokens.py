@@ -11,7 +11,12 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagle3.common import Eagle3Error
-from eagle3.target import resolve_target_path
+from eagle3.target import (
+    remote_code_error,
+    resolve_target_path,
+    target_tokenizer,
+    trust_remote_code,
+)
 
 
 def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
@@ -103,10 +108,14 @@ def loss_mask_of(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -
 
 def load_tokenizer(cfg: DictConfig):
     """The target's tokenizer and vocabulary size (no weights loaded)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
+    trust = trust_remote_code(cfg.target)
     try:
-        return AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path).vocab_size
+        tokenizer = target_tokenizer(path, cfg.target)
+        return tokenizer, AutoConfig.from_pretrained(path, trust_remote_code=trust).vocab_size
     except OSError as err:
         raise Eagle3Error(f"cannot load the tokenizer of target {path!s}: {err}") from err
+    except ValueError as err:
+        raise remote_code_error(path, err) from err
