@@ -132,10 +132,22 @@ def strategy_for(trainer_cfg: DictConfig, name: str):
     if name == "fsdp":
         from lightning.pytorch.strategies import FSDPStrategy
 
+        if not on_gpu(trainer_cfg.accelerator):
+            raise Eagle3Error(
+                "trainer.strategy=fsdp needs a GPU and this run trains on CPU (trainer.accelerator="
+                f"{trainer_cfg.accelerator}): Lightning's FSDP strategy and torch's FSDP refuse "
+                "CPU; use trainer.strategy=ddp on CPU"
+            )
         return FSDPStrategy(
             sharding_strategy=trainer_cfg.fsdp_sharding, timeout=timeout, state_dict_type="full"
         )
     return name
+
+
+def on_gpu(accelerator: str) -> bool:
+    import torch
+
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
 def peer_lost(err: BaseException) -> bool:

@@ -218,6 +218,21 @@ class DrafterModule(L.LightningModule):
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
 
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ) -> None:
+        """Under FSDP, FSDP's own clip_grad_norm_ (the norm over every rank's shard; Lightning's FSDP
+        precision refuses clipping by norm, torch.nn.utils would see one shard's norm)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrapped = self.trainer.strategy.model
+        if not isinstance(wrapped, FullyShardedDataParallel):
+            super().configure_gradient_clipping(
+                optimizer, gradient_clip_val, gradient_clip_algorithm
+            )
+        elif gradient_clip_val:
+            wrapped.clip_grad_norm_(gradient_clip_val)
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint["state_dict"]
         for key in [k for k in state if k.startswith("drafter.embed_tokens.")]:
