@@ -1,4 +1,5 @@
-"""Training across nodes, on loopback: two "nodes" of one process each (gloo, MASTER_ADDR=127.0.0.1,
+"""Training across nodes, on loopback, through the train app (`eagle3.train.main`: Hydra, the data
+stage's output, rank 0's manifest): two "nodes" of one process each (gloo, MASTER_ADDR=127.0.0.1,
 NODE_RANK 0 and 1, trainer.num_nodes=2) against one node of two processes (trainer.devices=2), the
 same global batch and seed; then one node SIGKILLed mid-run, and the rerun of both."""
 
@@ -16,15 +17,22 @@ from pathlib import Path
 import pytest
 import torch
 
-TESTS = Path(__file__).parent
+from eagle3 import data
+from eagle3.common import compose
+from eagle3.outputs import train_output
+
+FIXTURES = Path(__file__).parent / "fixtures"
 OVERRIDES = [
     "target=tiny-llama",
-    "drafter.draft_vocab_size=128",
+    "data=file",
+    f"data.source={FIXTURES / 'conversations.jsonl'}",
+    "data.val_fraction=0.2",
+    "drafter.draft_vocab_size=256",
     "train.hidden_states=online",
     "train.ttt_length=2",
-    "train.max_length=32",
-    "train.batch_size=4",
-    "train.bucket_batches=2",
+    "train.max_length=64",
+    "train.batch_size=1",  # the 8 training conversations: 4 steps on each of 2 ranks
+    "train.eval_prompts=0",
     "train.lr=3e-3",
     "train.warmup_ratio=0.1",
     "train.epochs=1",
@@ -34,24 +42,23 @@ OVERRIDES = [
     "trainer.progress_bar=false",
     "tracking.enabled=false",
 ]
-N_TRAIN = 32  # 8 batches of 4: 4 steps on each of the 2 ranks
 
+# the train app itself, with a recorder of every rank's loss per step added to its fit
 SCRIPT = """
-import json, os, signal, sys
-sys.path.insert(0, {tests!r})
-import lightning as L, torch
-from eagle3.common import compose
-from test_train import synthetic_fit
+import json, os, signal
+import lightning as L
+import eagle3.train as app
 
-class Losses(L.Callback):  # every rank's loss per step, appended as it goes (a killed rank keeps its)
+class Losses(L.Callback):  # appended as it goes (a killed rank keeps its lines)
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         with open({folder!r} + f"/losses-rank{{trainer.global_rank}}.jsonl", "a") as out:
             out.write(json.dumps([trainer.global_step, float(outputs["loss"])]) + "\\n")
         if trainer.global_step == {kill_at} and os.environ.get("NODE_RANK") == "1":
             os.kill(os.getpid(), signal.SIGKILL)  # a real kill of the second node, at a known step
 
-cfg = compose({overrides!r})
-synthetic_fit(cfg, __import__("pathlib").Path({folder!r}), [Losses()], n_train={n_train})
+plain_run = app.run
+app.run = lambda cfg: plain_run(cfg, callbacks=[Losses()])
+app.main()  # the Hydra app: its overrides are this script's arguments
 """
 
 
@@ -62,22 +69,15 @@ def free_port() -> int:
 
 
 def start(tmp_path: Path, folder: Path, overrides: list[str], env: dict, log: Path, kill_at=-1):
-    """One training process (a node of one rank, or a node of trainer.devices ranks); its output
-    goes to `log` (a file, so a process never blocks on a full pipe)."""
-    script = tmp_path / "multinode_script.py"
-    script.write_text(
-        SCRIPT.format(
-            tests=str(TESTS),
-            folder=str(folder),
-            overrides=overrides,
-            kill_at=kill_at,
-            n_train=N_TRAIN,
-        )
-    )
+    """One train app process (a node of one rank, or a node of trainer.devices ranks) recording
+    losses into `folder`; its output goes to `log` (a file, so a process never blocks on a full
+    pipe)."""
+    script = tmp_path / f"multinode_script_{kill_at}.py"
+    script.write_text(SCRIPT.format(folder=str(folder), kill_at=kill_at))
     # one torch thread per rank: two ranks on two cores, no thread pool spinning against the other
     threads = {"OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, str(script)],
+        [sys.executable, str(script), *overrides],
         env={**os.environ, "PYTHONUNBUFFERED": "1", **threads, **env},
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
@@ -120,36 +120,58 @@ def losses(folder: Path, rank: int) -> dict[int, float]:
     return found
 
 
+def artifacts_with_data(test_root: Path, tmp_path: Path, name: str) -> tuple[Path, list[str]]:
+    """An artifacts folder of its own (the train output of one config is one folder: each run
+    needs its own) holding the data stage's output; the overrides that point at it."""
+    artifacts = tmp_path / name
+    artifacts.mkdir()
+    (artifacts / "targets").symlink_to(test_root / "artifacts" / "targets")
+    overrides = [f"paths.root={test_root}", f"paths.artifacts={artifacts}", *OVERRIDES]
+    data.run(compose(overrides))
+    return artifacts, overrides
+
+
 @pytest.mark.slow
 def test_two_nodes_equal_one_node_and_resume_after_a_node_is_killed(test_root, tmp_path):
-    base = [f"paths.root={test_root}", *OVERRIDES]
+    (test_root / "artifacts" / "targets").mkdir(parents=True, exist_ok=True)
+    _, one_node = artifacts_with_data(test_root, tmp_path, "one-node-artifacts")
     one = tmp_path / "one-node"
     one.mkdir()
     log = tmp_path / "one-node.log"
-    [(code, out)] = finish([start(tmp_path, one, [*base, "trainer.devices=2"], {}, log)], [log])
+    [(code, out)] = finish([start(tmp_path, one, [*one_node, "trainer.devices=2"], {}, log)], [log])
     assert code == 0, out[-3000:]
+    assert "train: wrote" in out
     expected = [losses(one, rank) for rank in (0, 1)]
-    assert sorted(expected[0]) == [1, 2, 3, 4]
+    steps = sorted(expected[0])
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 4, steps
 
+    _, base = artifacts_with_data(test_root, tmp_path, "two-node-artifacts")
     nodes = tmp_path / "two-nodes"
     overrides = [*base, "trainer.devices=1", "trainer.num_nodes=2"]
+    folder = train_output(compose(overrides)).path
     (code0, out0), (code1, out1) = two_nodes(tmp_path, nodes, overrides, kill_at=3)
     assert code1 == -signal.SIGKILL, out1[-3000:]
     assert code0 != 0  # the surviving node fails instead of waiting for its peer
     assert "lost a process" in out0 and "rerun" in out0, out0[-3000:]
-    last = torch.load(nodes / "checkpoints" / "last.ckpt", weights_only=False)
+    last = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=False)
     assert last["global_step"] == 2  # checkpoints every 2 steps: the one before the kill
+    assert not train_output(compose(overrides)).complete
 
     (code0, out0), (code1, out1) = two_nodes(tmp_path, nodes, overrides)
     assert code0 == 0 and code1 == 0, (out0[-3000:], out1[-3000:])
     assert "resuming from" in out0
-    for rank in (0, 1):  # steps 1-3 before the kill, then 3-4 again from the step-2 checkpoint
+    # node 0 alone wrote the manifest; node 1 ended after it
+    assert "train: wrote" in out0 and "train: wrote" not in out1
+    assert f"train: rank 1 done; rank 0 wrote {folder}" in out1
+    assert train_output(compose(overrides)).complete
+    for rank in (0, 1):  # steps 1-3 before the kill, then 3 on again from the step-2 checkpoint
         lines = (nodes / f"losses-rank{rank}.jsonl").read_text().splitlines()
-        assert [json.loads(line)[0] for line in lines] == [1, 2, 3, 3, 4]
+        assert [json.loads(line)[0] for line in lines] == [1, 2, 3, *steps[2:]]
     # every step's loss on every rank equals the one-node run's: the same global batch and seed
     assert [losses(nodes, rank) for rank in (0, 1)] == expected
-    final = torch.load(nodes / "checkpoints" / "last.ckpt", weights_only=False)
-    assert final["global_step"] == 4
-    reference = torch.load(one / "checkpoints" / "last.ckpt", weights_only=False)
+    final = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=False)
+    assert final["global_step"] == steps[-1]
+    reference = train_output(compose(one_node)).path / "checkpoints" / "last.ckpt"
+    reference = torch.load(reference, weights_only=False)
     for key, value in reference["state_dict"].items():
         assert torch.equal(value, final["state_dict"][key]), key
