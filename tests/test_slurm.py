@@ -159,3 +159,51 @@ def test_the_sbatch_signal_makes_a_two_process_fit_checkpoint(make_cfg, own_arti
     assert [p.name for p in saved] == ["hpc_ckpt_1.ckpt"], rank0[-3000:]
     assert torch.load(saved[0], weights_only=False)["global_step"] >= 2
     assert "Handling auto-requeue signal" in rank0
+
+
+def test_lightning_takes_the_requeue_signal_from_a_handler_already_there(
+    make_cfg, monkeypatch, tmp_path
+):
+    """Lightning installs its requeue handler only on a signal nobody handles: a submitit job
+    already handles its own signal (USR2). With cluster.requeue_signal=USR2 the fit hands the
+    signal to Lightning, and the previous handler is back after."""
+    import lightning as L
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from submitit.core.utils import DelayedSubmission, JobPaths
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    from eagle3.distributed import cluster_plugins, requeue_signal_free
+
+    for name in ("SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES"):
+        monkeypatch.setenv(name, "1")
+    for name in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"):
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    cfg = make_cfg("cluster.requeue_signal=USR2")
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4244")
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGCONT, signal.SIGUSR2)}
+    # submitit's own job environment installs its handlers, as in a submitted job
+    SlurmJobEnvironment()._handle_signals(JobPaths(tmp_path), DelayedSubmission(print))
+    submitits = signal.getsignal(signal.SIGUSR2)
+    assert submitits.__name__ == "checkpoint_and_try_requeue"
+    try:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, plugins=cluster_plugins(cfg.cluster), logger=False
+        )
+        environment = trainer._accelerator_connector.cluster_environment
+        assert isinstance(environment, SLURMEnvironment)
+        assert environment.requeue_signal == signal.SIGUSR2
+        with requeue_signal_free(cfg.cluster):
+            trainer._signal_connector.register_signal_handlers()
+            handler = signal.getsignal(signal.SIGUSR2)
+            trainer._signal_connector.teardown()
+        assert handler.signal_handlers == [trainer._signal_connector._slurm_sigusr_handler_fn]
+        assert signal.getsignal(signal.SIGUSR2) is submitits
+        # without it Lightning leaves the signal to the handler already there
+        trainer._signal_connector.register_signal_handlers()
+        assert signal.getsignal(signal.SIGUSR2) is submitits
+        trainer._signal_connector.teardown()
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
