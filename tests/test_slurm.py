@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
@@ -112,13 +113,37 @@ def prepared(make_cfg, own_artifacts, tmp_path, *overrides: str) -> tuple:
     return cfg, argv_overrides
 
 
-def test_srun_tasks_write_one_manifest_and_one_mlflow_run(make_cfg, own_artifacts, tmp_path):
-    cfg, overrides = prepared(make_cfg, own_artifacts, tmp_path, "train.epochs=1")
-    tasks, logs = srun_tasks(app_argv(overrides), tmp_path, "4242")
+def sbatch_signal(cfg_overrides: list[str], sweep_dir: Path) -> signal.Signals:
+    """The signal the batch script SLURM would run for this training asks for (--signal=X@s)."""
+    script = submission("train", cfg_overrides, "submitit_slurm", sweep_dir)
+    return signal.Signals["SIG" + re.search(r"^#SBATCH --signal=(\w+)@\d+$", script, re.M)[1]]
+
+
+def signal_at_step(tasks: list, logs: list[Path], step: int, sig: signal.Signals) -> None:
+    """Send `sig` to every task (as SLURM does) once rank 0 logged `step`."""
+    deadline = time.monotonic() + 300
+    while f"train: step {step}/" not in logs[0].read_text(errors="replace"):
+        assert time.monotonic() < deadline and all(t.poll() is None for t in tasks), [
+            log.read_text(errors="replace")[-3000:] for log in logs
+        ]
+        time.sleep(0.2)
+    for task in tasks:
+        task.send_signal(sig)
+
+
+@pytest.mark.slow
+def test_srun_tasks_write_once_and_checkpoint_on_the_sbatch_signal(
+    make_cfg, own_artifacts, tmp_path
+):
+    """Two tasks, 3 epochs of 2 steps; the batch script's signal after step 2."""
+    overrides = ["train.epochs=3", "train.checkpoint_every_n_steps=1000"]
+    cfg, argv_overrides = prepared(make_cfg, own_artifacts, tmp_path, *overrides)
+    tasks, logs = srun_tasks(app_argv(argv_overrides), tmp_path, "4242")
+    signal_at_step(tasks, logs, 2, sbatch_signal(overrides, tmp_path / "sweep"))
     rank0, rank1 = wait_all(tasks, logs)
 
     out = train_output(cfg)
-    assert out.complete
+    assert out.complete and out.manifest()["counts"]["train_sequences"] == 8
     client = MlflowClient(tracking_uri=cfg.tracking.uri)
     experiment = client.get_experiment_by_name(cfg.tracking.experiment).experiment_id
     runs = client.search_runs([experiment], "tags.stage = 'train'")
@@ -130,34 +155,11 @@ def test_srun_tasks_write_one_manifest_and_one_mlflow_run(make_cfg, own_artifact
     assert "train: rank" not in rank0
     # both ranks trained, as one world of two (gloo)
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in rank1
-
-
-def sbatch_signal(cfg_overrides: list[str], sweep_dir: Path) -> tuple[signal.Signals, int]:
-    """The signal and warning time of the batch script SLURM would run for this training."""
-    script = submission("train", cfg_overrides, "submitit_slurm", sweep_dir)
-    name, seconds = re.search(r"^#SBATCH --signal=(\w+)@(\d+)$", script, re.M).groups()
-    return signal.Signals[f"SIG{name}"], int(seconds)
-
-
-def test_the_sbatch_signal_makes_a_two_process_fit_checkpoint(make_cfg, own_artifacts, tmp_path):
-    overrides = ["train.epochs=3", "tracking.enabled=false", "train.checkpoint_every_n_steps=1000"]
-    cfg, argv_overrides = prepared(make_cfg, own_artifacts, tmp_path, *overrides)
-    sig, _ = sbatch_signal(overrides, tmp_path / "sweep")
-    tasks, logs = srun_tasks(app_argv(argv_overrides), tmp_path, "4243")
-    deadline = time.monotonic() + 300
-    while "train: step 2/" not in logs[0].read_text(errors="replace"):
-        assert time.monotonic() < deadline and all(t.poll() is None for t in tasks), [
-            log.read_text(errors="replace")[-3000:] for log in logs
-        ]
-        time.sleep(0.2)
-    for task in tasks:  # SLURM signals every task of the step
-        task.send_signal(sig)
-    rank0, _ = wait_all(tasks, logs)
-
-    folder = train_output(cfg).path
-    saved = sorted(folder.glob("hpc_ckpt_*.ckpt"))
+    # Lightning's requeue handler saved the state at the signal (the per-step checkpoints, every
+    # 1000 steps, never fired); requeueing failed here: there is no scontrol
+    saved = sorted(out.path.glob("hpc_ckpt_*.ckpt"))
     assert [p.name for p in saved] == ["hpc_ckpt_1.ckpt"], rank0[-3000:]
-    assert torch.load(saved[0], weights_only=False)["global_step"] >= 2
+    assert 2 <= torch.load(saved[0], weights_only=False)["global_step"] < 6
     assert "Handling auto-requeue signal" in rank0
 
 
