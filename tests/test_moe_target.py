@@ -1,0 +1,92 @@
+"""The rehearsal target of the DeepSeek-V3 family (target=tiny-moe, moe-rehearsal's architecture at
+test size): built once from its config into a sharded safetensors folder with an index and SmolLM2's
+tokenizer, and its aux-layer capture equal to HF's hidden_states at the engines' indices."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eagle3.common import compose
+from eagle3.target import (
+    capture_hidden_states,
+    default_aux_layer_ids,
+    load_target,
+    resolve_target_path,
+    smollm2_tokenizer,
+)
+
+
+def tiny_moe_cfg(test_root, *overrides):
+    return compose([f"paths.root={test_root}", "target=tiny-moe", *overrides])
+
+
+def test_tiny_moe_is_a_sharded_deepseek_v3_folder_with_smollm2_tokens(test_root):
+    cfg = tiny_moe_cfg(test_root)
+    folder = resolve_target_path(cfg.target, test_root / "artifacts")
+    config = json.loads((folder / "config.json").read_text())
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and all((folder / s).exists() for s in shards)
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert (config["model_type"], config["topk_method"], config["scoring_func"]) == (
+        "deepseek_v3",
+        "noaux_tc",
+        "sigmoid",
+    )
+    names = set(index["weight_map"])
+    # MLA attention in every layer; layer 0 dense, layers 1-4 8 routed experts + 1 shared expert
+    assert all(f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight" in names for i in range(5))
+    assert "model.layers.0.mlp.gate_proj.weight" in names
+    assert not any(n.startswith("model.layers.0.mlp.experts.") for n in names)
+    for layer in range(1, 5):
+        experts = {n.split(".")[5] for n in names if f"layers.{layer}.mlp.experts." in n}
+        assert experts == {str(e) for e in range(8)}
+        assert f"model.layers.{layer}.mlp.shared_experts.down_proj.weight" in names
+    smollm2 = smollm2_tokenizer(test_root / "artifacts")
+    with safe_open(str(folder / index["weight_map"]["model.embed_tokens.weight"]), "pt") as f:
+        rows = f.get_slice("model.embed_tokens.weight").get_shape()[0]
+    assert rows == config["vocab_size"] == len(smollm2)
+    before = (folder / shards[0]).stat().st_mtime_ns
+    assert resolve_target_path(cfg.target, test_root / "artifacts") == folder  # built once
+    assert (folder / shards[0]).stat().st_mtime_ns == before
+
+
+def test_moe_aux_capture_equals_hidden_states_at_engine_indices(test_root):
+    """The hooks read the inputs of the decoder layers; HF's hidden_states[i] is the input of
+    layer i: both must agree on MLA + MoE layers, padded batches included."""
+    target = load_target(tiny_moe_cfg(test_root), device="cpu")
+    torch.manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    layers = target.num_layers
+    for layer_ids in (target.aux_layer_ids, default_aux_layer_ids(layers), [0, 1, layers - 1]):
+        aux, last = capture_hidden_states(target.model, ids, layer_ids, mask)
+        with torch.no_grad():
+            out = target.model(ids, attention_mask=mask, output_hidden_states=True)
+        expected = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1)
+        assert torch.equal(aux, expected), layer_ids
+        assert torch.equal(last, out.hidden_states[-1])
+    assert type(target.model).__name__ == "DeepseekV3ForCausalLM"
+
+
+def test_bench_refuses_the_embedded_engine_for_latent_attention(make_cfg, tmp_path):
+    """serve=local stops before looking for a drafter, naming the engines that serve the target;
+    a Llama target passes the same check."""
+
+    from eagle3 import bench
+    from eagle3.common import Eagle3Error
+
+    cfg = make_cfg("target=tiny-moe", "serve=local", "spec.depth=4")
+    with pytest.raises(Eagle3Error) as refused:
+        bench.measure_job(cfg, tmp_path / "job")
+    assert str(refused.value) == (
+        "serve=local cannot run target tiny-moe (deepseek_v3: multi-head latent attention, which "
+        "the embedded engine does not implement); use serve=sglang or serve=vllm"
+    )
+    llama = make_cfg("target=tiny-llama", "serve=local")
+    bench.check_engine_supports(llama, bench.target_path_for(llama))
