@@ -181,7 +181,8 @@ class Eagle3Drafter(nn.Module):
 
 
 def build_drafter(target, dcfg) -> Eagle3Drafter:
-    """A fresh drafter shaped for `target` (a Target), its embedding copied from the target."""
+    """A fresh drafter shaped for `target` (a Target or TargetParts), its embedding copied from the
+    target."""
     drafter = Eagle3Drafter(drafter_config(target.config, dcfg, target.aux_layer_ids))
-    drafter.embed_tokens.weight.data.copy_(target.model.get_input_embeddings().weight.data.float())
+    drafter.embed_tokens.weight.data.copy_(target.input_embedding().data.float())
     return drafter.to(target.device)

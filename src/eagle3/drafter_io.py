@@ -532,7 +532,7 @@ def load_drafter(
 def attach_target_embedding(drafter: Eagle3Drafter, target) -> Eagle3Drafter:
     """Copy the target's (frozen) input embedding into the drafter and fill in default aux ids."""
     check_drafter_for_target(drafter, target)
-    weight = target.model.get_input_embeddings().weight.data
+    weight = target.input_embedding().data
     drafter.embed_tokens.weight.data.copy_(weight.to(drafter.embed_tokens.weight.dtype))
     drafter.embed_tokens.weight.requires_grad_(False)
     drafter.config.has_embedding = True
@@ -668,5 +668,5 @@ def load_trained_drafter(
             f"{weights} does not fit the drafter in {DRAFTER_CONFIG}: missing {missing}, "
             f"unexpected {unexpected}"
         )
-    drafter.embed_tokens.weight.data.copy_(target.model.get_input_embeddings().weight.data.float())
+    drafter.embed_tokens.weight.data.copy_(target.input_embedding().data.float())
     return drafter.to(target.device)

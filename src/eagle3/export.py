@@ -24,7 +24,8 @@ from eagle3.drafter_io import (
 )
 from eagle3.lineage import lineage_for_export
 from eagle3.outputs import export_output, train_output
-from eagle3.target import load_target, target_key
+from eagle3.target import target_key
+from eagle3.target_parts import load_target_parts
 from eagle3.tracking import client, flatten, stage_run
 
 # ---------------------------------------------------------------- MLflow model registry
@@ -123,7 +124,7 @@ def run(cfg: DictConfig) -> StageOutput:
             f"no trained drafter for this config at {trained.path}: run `python -m eagle3.train` "
             "first (or `python -m eagle3.pipeline`)"
         )
-    target = load_target(cfg, device="cpu")
+    target = load_target_parts(cfg)
     drafter = load_trained_drafter(trained.path, target).cpu()
     recipe = build_recipe(cfg, drafter, trained.manifest())
     drafter.config.recipe = recipe

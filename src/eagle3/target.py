@@ -65,6 +65,12 @@ class Target:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def input_embedding(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    def output_embedding(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         return capture_hidden_states(self.model, input_ids, self.aux_layer_ids, attention_mask)
 

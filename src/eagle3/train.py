@@ -59,6 +59,7 @@ from eagle3.lifecycle import Stopped
 from eagle3.outputs import data_output, shards_output, train_output
 from eagle3.spec import resolve_spec
 from eagle3.target import Target, load_target, tokenizer_hash
+from eagle3.target_parts import TargetParts, load_target_parts
 from eagle3.tracking import stage_run
 from eagle3.vocab import load_vocab_map
 
@@ -223,9 +224,7 @@ def fit(
     drafter.set_vocab_map(d2t.to(drafter.d2t.device), t2d.to(drafter.t2d.device))
     if cfg.train.get("init_from"):
         start_from(drafter, cfg.train.init_from, target, cfg.tracking.uri)
-    module = DrafterModule(
-        drafter, target.model.get_output_embeddings().weight, cfg.train, target, evaluation
-    )
+    module = DrafterModule(drafter, target.output_embedding(), cfg.train, target, evaluation)
     throughput = Throughput(0 if cfg.trainer.progress_bar else cfg.trainer.log_every_n_steps)
     last = folder / CHECKPOINTS / "last.ckpt"
     stopper = StopAtStepEnd(last)
@@ -342,6 +341,18 @@ def target_device(cfg: DictConfig) -> str:
     return f"cuda:{local_rank()}" if device.type == "cuda" else str(device)
 
 
+def needs_whole_target(cfg: DictConfig) -> bool:
+    """Online states and measured acceptance run the target; offline training reads only its
+    embedding and head (eagle3.target_parts)."""
+    return cfg.train.hidden_states == "online" or bool(cfg.train.eval_prompts)
+
+
+def target_for(cfg: DictConfig) -> Target | TargetParts:
+    if needs_whole_target(cfg):
+        return load_target(cfg, device=target_device(cfg))
+    return load_target_parts(cfg)
+
+
 def run(cfg: DictConfig, callbacks=()) -> StageOutput:
     """Train the drafter this config describes (a no-op when its output is complete)."""
     out = train_output(cfg)
@@ -355,7 +366,7 @@ def run(cfg: DictConfig, callbacks=()) -> StageOutput:
         )
     if cfg.train.hidden_states == "offline":
         check_shards(cfg, shards_output(cfg), data.hash)
-    target = load_target(cfg, device=target_device(cfg))
+    target = target_for(cfg)
     d2t, t2d = load_vocab_map(data.path)
     train_set, val_set = datasets_for(cfg, data.path)
     check_inputs(cfg, target, data.manifest(), d2t, t2d, train_set[0] if len(train_set) else None)

@@ -1,0 +1,99 @@
+"""Offline training and export read only the target's embedding, head and final norm by name from
+its safetensors files: the same tensors as the whole model's, and a target whose other shards are
+unreadable still trains offline and exports."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from eagle3 import data, export, extract, train
+from eagle3.target import load_target, resolve_target_path
+from eagle3.target_parts import INDEX, load_target_parts
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-llama"])  # sharded and untied; one file, tied
+def test_parts_equal_the_whole_models_tensors(make_cfg, name):
+    cfg = make_cfg(f"target={name}")
+    parts = load_target_parts(cfg)
+    whole = load_target(cfg, device="cpu")
+    assert torch.equal(parts.input_embedding(), whole.model.get_input_embeddings().weight)
+    assert torch.equal(parts.output_embedding(), whole.model.get_output_embeddings().weight)
+    assert torch.equal(parts.norm, whole.model.model.norm.weight)
+    assert parts.input_embedding().dtype == whole.model.dtype
+    shape = (parts.hidden_size, parts.vocab_size, parts.num_layers, parts.aux_layer_ids)
+    assert shape == (whole.hidden_size, whole.vocab_size, whole.num_layers, whole.aux_layer_ids)
+    assert parts.config.max_position_embeddings == whole.config.max_position_embeddings
+
+
+def stage_cfg(make_cfg, artifacts: Path, folder: Path):
+    return make_cfg(
+        "target=hf",
+        f"target.path={folder}",
+        "target.aux_layer_ids=[1,2,3]",
+        "target.dtype=float32",
+        "data=file",
+        f"data.source={FIXTURES / 'conversations.jsonl'}",
+        "data.val_fraction=0.2",
+        "drafter.draft_vocab_size=256",
+        f"paths.artifacts={artifacts}",
+        "train.ttt_length=2",
+        "train.max_length=64",
+        "train.batch_size=4",
+        "train.epochs=1",
+        "train.eval_prompts=0",
+        "trainer.accelerator=cpu",
+        "trainer.progress_bar=false",
+        "export.register=false",
+    )
+
+
+def test_offline_training_and_export_never_read_the_decoder_shards(
+    make_cfg, test_root, tmp_path, one_thread
+):
+    folder = tmp_path / "target"
+    shutil.copytree(
+        resolve_target_path(make_cfg("target=tiny-moe").target, test_root / "artifacts"), folder
+    )
+    artifacts = tmp_path / "artifacts"
+    cfg = stage_cfg(make_cfg, artifacts, folder)
+    data.run(cfg)
+    extract.run(cfg)
+    before = load_file(str(train.run(cfg).path / "drafter.safetensors"))
+    shutil.rmtree(outputs_train_path(cfg))
+
+    # fault simulation: every shard without the embedding, head or final norm is overwritten with
+    # junk (tests run as root here, so a chmod would not stop the reads)
+    weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+    needed = {
+        weight_map[n] for n in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")
+    }
+    damaged = sorted(set(weight_map.values()) - needed)
+    assert len(damaged) >= 2
+    for shard in damaged:
+        (folder / shard).write_bytes(b"unreadable")
+    with pytest.raises(SafetensorError, match="deserializing header"):
+        load_target(cfg, device="cpu")  # the whole model no longer loads
+
+    out = train.run(cfg)
+    after = load_file(str(out.path / "drafter.safetensors"))
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    exported = load_file(str(export.run(cfg).path / "sglang" / "model.safetensors"))
+    best = load_file(str(out.path / "best.safetensors"))
+    assert torch.equal(exported["fc.weight"], best["fc.weight"])
+    assert torch.equal(exported["lm_head.weight"], best["lm_head.weight"])
+
+
+def outputs_train_path(cfg) -> Path:
+    from eagle3.outputs import train_output
+
+    return train_output(cfg).path
