@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import secrets
 import sys
@@ -38,6 +39,7 @@ def unique_suffix() -> str:
 
 
 OmegaConf.register_new_resolver("unique", unique_suffix, use_cache=True, replace=True)
+OmegaConf.register_new_resolver("product", lambda *xs: math.prod(int(x) for x in xs), replace=True)
 
 
 def app(task):

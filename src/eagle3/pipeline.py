@@ -26,7 +26,7 @@ from eagle3.extract_vllm import capture_launch, target_shape
 from eagle3.launch import compose_launch
 from eagle3.lifecycle import run_child
 from eagle3.outputs import STAGE_OUTPUTS
-from eagle3.plan import check_process_fit, disk_lines
+from eagle3.plan import check_plans, check_process_fit, disk_lines, stage_plans
 from eagle3.spec import resolve_spec
 from eagle3.target import resolve_target_path
 
@@ -80,18 +80,28 @@ def bench_command(cfg: DictConfig, sweep_dir: Path) -> list[str]:
     ]
 
 
-def train_command(cfg: DictConfig, sweep_dir: Path) -> list[str]:
-    """Training as a one-job multirun through pipeline.launcher (a SLURM job of
-    trainer.num_nodes x trainer.devices tasks)."""
+# the stages pipeline.launcher runs as jobs of their own (resources: conf/cluster, by app name);
+# without a launcher they run in the pipeline's process
+SUBMITTED = ("data", "extract", "train", "export")
+
+
+def stage_command(cfg: DictConfig, stage: str, sweep_dir: Path) -> list[str]:
+    """A stage as a one-job multirun through pipeline.launcher (training: a SLURM job of
+    trainer.num_nodes x trainer.devices tasks; regeneration and capture: one task on the GPUs of
+    the engine it starts)."""
     return [
         sys.executable,
         "-m",
-        "eagle3.train",
+        f"eagle3.{stage}",
         "-m",
         *user_overrides(),
         *launcher_overrides(cfg),
-        f"hydra.sweep.dir={sweep_dir / 'train'}",
+        f"hydra.sweep.dir={sweep_dir / stage}",
     ]
+
+
+def submitted(cfg: DictConfig, stage: str) -> bool:
+    return bool(cfg.pipeline.launcher) and stage in SUBMITTED
 
 
 def print_submission(cfg: DictConfig, app_name: str, overrides: list[str], sweep_dir: Path) -> None:
@@ -102,6 +112,13 @@ def print_submission(cfg: DictConfig, app_name: str, overrides: list[str], sweep
     print("      " + script.strip().replace("\n", "\n      "))
 
 
+def print_stage_plan(plans: dict, stage: str, limits: tuple[float, float]) -> None:
+    if stage in plans:
+        print("\n".join(plans[stage].lines(*limits)))
+    else:
+        print("      resources: unknown (a hub id: give target.plan.config, or a local folder)")
+
+
 def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
     """Every stage's command, output folder and status; every bench job's engine command, validated."""
     overrides = " ".join(user_overrides())
@@ -110,19 +127,23 @@ def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
     print(
         f"target {cfg.target.name} ({size}; one process holds {cfg.pipeline.process_memory_gb} GB)"
     )
+    plans = stage_plans(cfg, planned_stages(cfg))
+    limits = (float(cfg.pipeline.plan.gpu_memory_gb), float(cfg.pipeline.process_memory_gb))
     for index, stage in enumerate(planned_stages(cfg), 1):
         if stage == "bench":
             print(f"[{index}] bench: {' '.join(bench_command(cfg, sweep_dir))}")
+            print_stage_plan(plans, stage, limits)
             print_submission(cfg, "bench", bench_jobs(cfg)[0], sweep_dir)
             continue
         out = stage_output(cfg, stage)
         status = "done" if out.complete else "to run"
         command = f"python -m eagle3.{stage} {overrides}"
-        if stage == "train" and cfg.pipeline.launcher:
-            command = " ".join(train_command(cfg, sweep_dir))
+        if submitted(cfg, stage):
+            command = " ".join(stage_command(cfg, stage, sweep_dir))
         print(f"[{index}] {stage}: {command}\n      -> {out.path} ({status})")
-        if stage == "train":
-            print_submission(cfg, "train", [], sweep_dir / "train")
+        print_stage_plan(plans, stage, limits)
+        if submitted(cfg, stage):
+            print_submission(cfg, stage, [], sweep_dir / stage)
         if stage == "extract":
             print("\n".join(disk_lines(cfg)))
             if cfg.extract.backend == "vllm":
@@ -157,7 +178,11 @@ def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
         print(
             f"    bench job {' '.join(job)} ({spec.label}, {job_cfg.serve.engine}): {' '.join(launch.argv)}"
         )
-    print("plan valid: every bench job's spec and engine command passed validation")
+    check_plans(cfg, plans)
+    print(
+        "plan valid: every stage fits its GPUs and one host process, and every bench job's spec "
+        "and engine command passed validation"
+    )
 
 
 def capture_command(cfg: DictConfig, extract_dir: Path) -> list[str]:
@@ -172,8 +197,8 @@ def run_stage(cfg: DictConfig, stage: str, sweep_dir: Path) -> str:
     out = stage_output(cfg, stage)
     if out.complete:
         return f"skipped (done) -> {out.path}"
-    if stage == "train" and cfg.pipeline.launcher:
-        return run_command(cfg, train_command(cfg, sweep_dir), "training", sweep_dir / "train")
+    if submitted(cfg, stage):
+        return run_command(cfg, stage_command(cfg, stage, sweep_dir), stage, sweep_dir / stage)
     STAGE_RUNS[stage](cfg)
     return f"done -> {out.path}"
 
@@ -227,6 +252,7 @@ def main(cfg: DictConfig) -> None:
         return
     check_process_fit(cfg)
     stages = planned_stages(cfg)
+    check_plans(cfg, stage_plans(cfg, stages))
     for index, stage in enumerate(stages, 1):
         started = time.monotonic()
         print(f"[{index}/{len(stages)}] {stage} ...", flush=True)
