@@ -1,9 +1,12 @@
 """`python -m eagle3.pipeline`: data -> extract -> train -> export -> bench, in order.
 
-Each stage runs in-process through its module's `run(cfg)` and is a no-op when its output
-folder is complete; the bench runs as the multirun a user would type
+Each stage runs in-process through its module's `run(cfg)`, or, with pipeline.launcher set, as a
+job of that launcher (`python -m eagle3.<stage> -m hydra/launcher=<it>`), and is a no-op when its
+output folder is complete; the bench runs as the multirun a user would type
 (`python -m eagle3.bench -m <pipeline.bench_sweep>`). `pipeline.dry_run=true` prints the plan
-and every command, validating each bench job's spec and engine command, and runs nothing.
+(each stage's machine, GPU memory per GPU, host memory per process, disk and time: eagle3.plan)
+and every command, validating each bench job's spec and engine command, and runs nothing; a
+stage that does not fit is refused, in the dry run and before a run.
 """
 
 from __future__ import annotations
