@@ -288,3 +288,24 @@ def test_two_sweeps_in_the_same_second_stay_apart(own_artifacts, tmp_path):
         assert (sweep / "summary.md").read_text().count("| local |") == 2
     statuses = runs_by_status(tmp_path)
     assert list(statuses) == ["FINISHED"] and len(statuses["FINISHED"]) == 6
+
+
+def child_pids() -> set[int]:
+    return {
+        int(pid)
+        for task in Path("/proc/self/task").iterdir()
+        for pid in (task / "children").read_text().split()
+    }
+
+
+def test_a_spawned_childs_watchdog_is_reaped_when_the_child_ends():
+    """spawn() starts the child and its watchdog; once the child has ended, the watchdog exits
+    and is waited for (no zombie per engine start until the starter exits)."""
+    from eagle3.lifecycle import spawn
+
+    before = child_pids()
+    proc = spawn([sys.executable, "-c", "pass"], 1.0, 0.05, stdout=subprocess.DEVNULL)
+    proc.wait()
+    started = child_pids() - before - {proc.pid}
+    assert len(started) <= 1  # the watchdog, unless it has already been reaped
+    wait_until(lambda: not (child_pids() & started), 20, "the watchdog is still a child")

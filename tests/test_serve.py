@@ -392,3 +392,51 @@ def test_serve_app_refuses_a_tree_for_vllm_in_one_line(test_root, tmp_path):
         .startswith("eagle3 error: spec d10s5k4 (topk=4) is a tree")
     )
     assert not (tmp_path / "engine.log").exists()  # nothing was launched
+
+
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_serve_on_a_port_another_server_holds_names_the_engines_own_error(test_root, tmp_path):
+    """Another HTTP server holds serve.port and answers /health with 200: serve does not announce
+    it as its engine (the health check wants this launch's token) and the engine's own last log
+    lines ("Address already in use") reach the user in the one-line error."""
+    port = free_port("127.0.0.1")
+    served = tmp_path / "other"
+    served.mkdir()
+    (served / "health").write_text("ok")
+    argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+    other = subprocess.Popen(argv, cwd=served, stderr=subprocess.DEVNULL)
+    try:
+        wait = time.monotonic() + 30
+        while not answers(f"http://127.0.0.1:{port}/health"):
+            assert time.monotonic() < wait
+            time.sleep(0.1)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "eagle3.serve",
+                "target=tiny-llama",
+                "spec=off",
+                "engine.cpu_threads=1",
+                f"serve.port={port}",
+                f"paths.root={test_root}",
+                f"hydra.run.dir={tmp_path}/run",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert other.poll() is None  # the other server was left alone
+    finally:
+        other.kill()
+        other.wait()
+    assert out.returncode == 1 and "serving" not in out.stdout
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("eagle3 error: local server exited with code 1 before becoming healthy")
+    assert "address already in use" in last.lower()

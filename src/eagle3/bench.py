@@ -60,6 +60,7 @@ BASELINE_IGNORES = (
     "max_tokens_limit",
     "api_key_env",
     "max_depth",
+    "error_lines",
 )
 
 

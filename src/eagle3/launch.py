@@ -14,6 +14,7 @@ import atexit
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -27,7 +28,7 @@ import httpx
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3.common import CONF_DIR, Eagle3Error, api_key, log
-from eagle3.lifecycle import spawn
+from eagle3.lifecycle import LAUNCH_TOKEN_ENV, spawn
 from eagle3.redact import mask, mask_argv, mask_text, masked_config
 from eagle3.spec import Spec
 
@@ -88,6 +89,11 @@ class Launch:
     stop_timeout_s: float = 30.0  # serve.stop_timeout_s: SIGTERM to SIGKILL
     watchdog_poll_s: float = 0.5  # serve.watchdog_poll_s: how often the watchdog checks its starter
     api_key: str | None = field(default=None, repr=False)  # clients send it (serve.api_key_env)
+    # our local server answers /health with this token (handed over in LAUNCH_TOKEN_ENV): a health
+    # check then proves it reached this engine, not another server on the same port. Engines that
+    # cannot echo it (vLLM, SGLang) are refused a port another process already listens on.
+    launch_token: str | None = field(default=None, repr=False)
+    error_lines: int = 5  # serve.error_lines: last lines of the engine's log an error quotes
 
     @property
     def headers(self) -> dict[str, str]:
@@ -145,6 +151,7 @@ def compose_launch(
     launch = composer(cfg, spec, drafter_path, target_path, port)
     launch.stop_timeout_s = scfg.stop_timeout_s
     launch.watchdog_poll_s = scfg.watchdog_poll_s
+    launch.error_lines = scfg.error_lines
     launch.api_key = api_key(scfg)
     return launch
 
@@ -180,13 +187,15 @@ def local_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
         "hydra.run.dir={folder}/hydra",
         "hydra.output_subdir=null",
     ]
+    token = secrets.token_hex(16)
     return Launch(
         "local",
         argv,
-        {},
+        {LAUNCH_TOKEN_ENV: token},
         cfg.serve.host,
         port,
         files={"engine_config.yaml": OmegaConf.to_yaml(OmegaConf.create(job))},
+        launch_token=token,
     )
 
 
@@ -391,6 +400,11 @@ class EngineProcess:
         return self.launch.base_url
 
     def start(self) -> EngineProcess:
+        if self.launch.launch_token is None and port_in_use(self.launch.host, self.launch.port):
+            raise EngineFailed(
+                f"{self.launch.host}:{self.launch.port} is already in use by another process: "
+                "stop it or set serve.port=0 (a free port)"
+            )
         self.folder.mkdir(parents=True, exist_ok=True)
         for name, text in self.launch.files.items():
             (self.folder / name).write_text(text)
@@ -431,21 +445,39 @@ class EngineProcess:
         url = self.base_url + self.launch.health_path
         while time.monotonic() < deadline:
             if not self.alive():
-                raise EngineFailed(
+                raise self.failure(
                     f"{self.launch.engine} server exited with code {self.proc.returncode} before "
-                    f"becoming healthy (log: {self.log_path})",
-                    self.log_tail(),
+                    "becoming healthy"
                 )
-            try:
-                if httpx.get(url, timeout=poll_s * 4).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if self.answers_health(url, poll_s * 4):
+                return
             time.sleep(poll_s)
-        raise EngineFailed(
-            f"{self.launch.engine} server not healthy after {timeout_s:.0f}s (log: {self.log_path})",
-            self.log_tail(),
-        )
+        raise self.failure(f"{self.launch.engine} server not healthy after {timeout_s:.0f}s")
+
+    def answers_health(self, url: str, timeout_s: float) -> bool:
+        """GET url answers 200 and, when the launch has a token, echoes it (our engine, not
+        another server that happens to hold the port)."""
+        try:
+            response = httpx.get(url, timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        if response.status_code != 200:
+            return False
+        if self.launch.launch_token is None:
+            return True
+        try:
+            return response.json().get("launch") == self.launch.launch_token
+        except (ValueError, AttributeError):
+            return False
+
+    def failure(self, message: str) -> EngineFailed:
+        """EngineFailed naming the log and quoting its last serve.error_lines lines (the engine's
+        own words: "Address already in use", an unknown flag)."""
+        tail = self.log_tail()
+        last = [line.strip() for line in tail.splitlines() if line.strip()]
+        quoted = " | ".join(last[-self.launch.error_lines :]) if self.launch.error_lines else ""
+        ends = f"; its log ends: {quoted}" if quoted else ""
+        return EngineFailed(f"{message} (log: {self.log_path}){ends}", tail)
 
     def check_alive(self, grace_s: float = 0.0) -> None:
         """Raise EngineFailed if the server is gone; grace_s waits for a dying one (a dropped
@@ -456,10 +488,8 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 pass
         if not self.alive():
-            raise EngineFailed(
-                f"{self.launch.engine} server died (exit code {self.proc.returncode}; "
-                f"log: {self.log_path})",
-                self.log_tail(),
+            raise self.failure(
+                f"{self.launch.engine} server died (exit code {self.proc.returncode})"
             )
 
     def stop(self, timeout_s: float = 30) -> None:
@@ -494,6 +524,13 @@ class EngineProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something already accepts connections on host:port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        return sock.connect_ex((host, port)) == 0
 
 
 def _group_alive(pgid: int) -> bool:

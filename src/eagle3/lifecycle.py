@@ -4,7 +4,8 @@
   KeyboardInterrupt), so `finally` blocks stop engines and MLflow marks the run KILLED.
 - `spawn()`: a child in its own process group plus a watchdog (eagle3/reaper.py) that ends the
   group when the starter dies without cleaning up (SIGKILL, OOM killer): bounded by the
-  watchdog's poll interval plus the child's grace period.
+  watchdog's poll interval plus the child's grace period. The watchdog exits with the group and
+  is waited for by a thread (no zombie left per engine start).
 - `process_identity()` / `process_alive()`: pid + start time, so a run left RUNNING by a killed
   process can be recognised later (the pid alone may have been reused).
 """
@@ -21,6 +22,9 @@ from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 REAPER = Path(__file__).with_name("reaper.py")
+# The environment variable that hands a started engine server its launch token: its /health
+# answers with it, so a health check proves it reached the engine this process started.
+LAUNCH_TOKEN_ENV = "EAGLE3_LAUNCH_TOKEN"
 
 
 class Stopped(BaseException):
@@ -47,7 +51,7 @@ def spawn(argv: list[str], grace_s: float, poll_s: float, **popen_kwargs) -> sub
     """Popen in a new session (its own process group) with a watchdog that SIGTERMs the group as
     soon as this process is gone, and SIGKILLs it grace_s later."""
     proc = subprocess.Popen(argv, start_new_session=True, **popen_kwargs)
-    subprocess.Popen(
+    proc.watchdog = subprocess.Popen(
         [
             sys.executable,
             "-s",
@@ -62,7 +66,13 @@ def spawn(argv: list[str], grace_s: float, poll_s: float, **popen_kwargs) -> sub
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    reap_in_background(proc.watchdog)
     return proc
+
+
+def reap_in_background(proc: subprocess.Popen) -> None:
+    """Wait for `proc` in a daemon thread, so that its exit status is collected as soon as it ends."""
+    threading.Thread(target=proc.wait, daemon=True, name=f"reap-{proc.pid}").start()
 
 
 def run_child(argv: list[str], grace_s: float, poll_s: float, **popen_kwargs) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from eagle3.common import Eagle3Error, app
-from eagle3.launch import EngineFailed, check_spec_for_engine, start_engine, untrained_fallback
+from eagle3.launch import check_spec_for_engine, start_engine, untrained_fallback
 from eagle3.outputs import resolve_drafter_path, serving_folder
 from eagle3.shipped import shipped_drafter, wanted
 from eagle3.spec import Spec, resolve_spec
@@ -48,10 +48,7 @@ def main(cfg: DictConfig) -> None:
     try:
         while engine.alive():
             time.sleep(1)
-        raise EngineFailed(
-            f"{cfg.serve.engine} server exited with code {engine.proc.returncode}",
-            engine.log_tail(),
-        )
+        raise engine.failure(f"{cfg.serve.engine} server exited with code {engine.proc.returncode}")
     except KeyboardInterrupt:
         pass
     finally:

@@ -1,7 +1,8 @@
 """HTTP server for the embedded decoder: `python -m eagle3.engine.server <hydra overrides>`.
 
 Routes: SGLang-native POST /generate, OpenAI POST /v1/completions and /v1/chat/completions
-(non-streaming and SSE streaming), GET /v1/models, GET /health, GET /stats (cumulative
+(non-streaming and SSE streaming), GET /v1/models, GET /health (with the launch token its starter
+handed over in EAGLE3_LAUNCH_TOKEN: proof that a health check reached this server), GET /stats (cumulative
 acceptance counters, named like vLLM's spec-decode metrics). With engine.max_batch_size 1 one
 request decodes at a time (the fused batch-1 decoder; requests queue on a lock); above 1 up to that
 many share each step (engine/scheduler.py, continuous batching). Bad requests answer 400 naming the
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import signal
 import socket
 import threading
@@ -29,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3.common import Eagle3Error, api_key, app, log
 from eagle3.engine.service import EngineService, Generation, Reply, build_service
+from eagle3.lifecycle import LAUNCH_TOKEN_ENV
 
 # ---------------------------------------------------------------- request schemas
 
@@ -176,9 +179,11 @@ def create_app(service: EngineService):
         message = f"internal error: {type(err).__name__}: {err}"
         return JSONResponse({"error": {"message": message, "type": "internal"}}, 500)
 
+    launch_token = os.environ.get(LAUNCH_TOKEN_ENV)
+
     @api.get("/health")
     def health():
-        return {"status": "ok"}
+        return {"status": "ok", "launch": launch_token}
 
     @api.get("/stats")
     def stats():
