@@ -6,12 +6,15 @@
   group when the starter dies without cleaning up (SIGKILL, OOM killer): bounded by the
   watchdog's poll interval plus the child's grace period. The watchdog exits with the group and
   is waited for by a thread (no zombie left per engine start).
+- `watch_runs()`: a watchdog (eagle3/run_reaper.py) that marks the MLflow runs of this process
+  KILLED when the process is killed outright (the runs a stage or a sweep left RUNNING).
 - `process_identity()` / `process_alive()`: pid + start time, so a run left RUNNING by a killed
   process can be recognised later (the pid alone may have been reused).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -22,6 +25,8 @@ from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 REAPER = Path(__file__).with_name("reaper.py")
+RUN_REAPER = Path(__file__).with_name("run_reaper.py")
+_RUN_WATCHDOGS: dict[tuple[str, str], subprocess.Popen] = {}
 # The environment variable that hands a started engine server its launch token: its /health
 # answers with it, so a health check proves it reached the engine this process started.
 LAUNCH_TOKEN_ENV = "EAGLE3_LAUNCH_TOKEN"
@@ -73,6 +78,33 @@ def spawn(argv: list[str], grace_s: float, poll_s: float, **popen_kwargs) -> sub
 def reap_in_background(proc: subprocess.Popen) -> None:
     """Wait for `proc` in a daemon thread, so that its exit status is collected as soon as it ends."""
     threading.Thread(target=proc.wait, daemon=True, name=f"reap-{proc.pid}").start()
+
+
+def watch_runs(uri: str, experiment_id: str, poll_s: float) -> None:
+    """Once per (store, experiment) and process: start eagle3/run_reaper.py, which marks this
+    process's runs still RUNNING there KILLED as soon as the process is gone without having
+    stopped it (it is stopped at a normal exit, when every run has been closed)."""
+    if (uri, experiment_id) in _RUN_WATCHDOGS:
+        return
+    identity = process_identity()
+    argv = [sys.executable, "-s", str(RUN_REAPER), identity["eagle3.pid"]]
+    argv += [identity["eagle3.pid_start"], str(poll_s), identity["eagle3.host"], uri, experiment_id]
+    watchdog = subprocess.Popen(
+        argv,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _RUN_WATCHDOGS[(uri, experiment_id)] = watchdog
+    reap_in_background(watchdog)
+
+
+@atexit.register
+def _stop_run_watchdogs() -> None:
+    for watchdog in _RUN_WATCHDOGS.values():
+        if watchdog.poll() is None:
+            watchdog.kill()
 
 
 def run_child(argv: list[str], grace_s: float, poll_s: float, **popen_kwargs) -> int:

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from eagle3 import tracking
 from eagle3.costmodel import fit_step_cost, predict
-from eagle3.lifecycle import process_identity
+from eagle3.lifecycle import process_identity, watch_runs
 from eagle3.load import write_load_summary
 from eagle3.redact import mask_argv
 
@@ -74,6 +74,7 @@ class BenchSweepCallback(Callback):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         client = tracking.client(config)
         experiment_id = tracking.setup(config)
+        watch_runs(config.tracking.uri, experiment_id, config.tracking.watchdog_poll_s)
         run = client.create_run(
             experiment_id,
             run_name=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}",

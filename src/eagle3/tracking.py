@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3.artifacts import git_commit
-from eagle3.lifecycle import Stopped, process_alive, process_identity
+from eagle3.lifecycle import Stopped, process_alive, process_identity, watch_runs
 from eagle3.redact import masked_config
 
 KIND_TAG = "mlflow.experimentKind"  # read by the MLflow 3 UI to pick the experiment's view
@@ -123,7 +123,9 @@ def stage_run(
         return
     import mlflow
 
-    end_dead_runs(cfg, setup(cfg))
+    experiment_id = setup(cfg)
+    end_dead_runs(cfg, experiment_id)
+    watch_runs(cfg.tracking.uri, experiment_id, cfg.tracking.watchdog_poll_s)
     all_tags = {
         "stage": stage,
         "git_commit": git_commit() or "unknown",
