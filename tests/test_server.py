@@ -445,3 +445,43 @@ def test_missing_drafter_is_refused(test_root):
     )
     with pytest.raises(Eagle3Error, match="does not exist"):
         build_service(cfg)
+
+
+@pytest.mark.parametrize(
+    "route, body, field",
+    [
+        ("/generate", '{"text": "caf\\ud800"}', "text"),
+        ("/v1/completions", '{"prompt": "a \\udfff b", "max_tokens": 2}', "prompt"),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "\\ud83d"}]}',
+            "content",
+        ),
+    ],
+)
+def test_a_lone_surrogate_is_400_naming_the_field(server, route, body, field):
+    """JSON may escape half of a UTF-16 pair ("\\ud800"): not text a tokenizer can take."""
+    client, _ = server
+    reply = client.post(route, content=body.encode(), headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    message = reply.json()["error"]["message"]
+    assert field in message and "surrogate" in message
+    assert client.get("/health").status_code == 200
+
+
+def test_a_temperature_beyond_float32_samples_uniformly_over_the_allowed_tokens():
+    """1e308 is a valid temperature: logits / 1e308 is 0 for every finite logit (uniform), and a
+    token masked out with -inf (outside the draft vocabulary) keeps probability 0, not NaN."""
+    from eagle3.engine.sampling import probabilities
+
+    logits = torch.tensor([3.0, -1.0, float("-inf"), 0.5])
+    for top_p in (1.0, 0.99):
+        probs = probabilities(logits, 1e308, top_p)
+        assert probs.tolist() == pytest.approx([1 / 3, 1 / 3, 0.0, 1 / 3])
+
+
+def test_an_infinite_temperature_is_400(server):
+    client, _ = server
+    body = b'{"text": "hi", "sampling_params": {"temperature": Infinity}}'
+    reply = client.post("/generate", content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and "temperature" in reply.json()["error"]["message"]

@@ -1,4 +1,5 @@
-"""Pieces every app shares: the Hydra entry point, user-facing errors, device/dtype choice."""
+"""Pieces every app shares: the Hydra entry point (one-line errors and stops), user-facing errors,
+device/dtype choice."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import logging
 import math
 import os
 import secrets
+import signal
 import sys
 import warnings
 from pathlib import Path
 
 import hydra
 import torch
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3.lifecycle import Stopped, raise_on_signals
@@ -56,11 +59,47 @@ def app(task):
                 raise
             print(f"eagle3 error: {err}  (add debug=true for the traceback)", file=sys.stderr)
             sys.exit(1)
+
+    hydra_app = hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(guarded)
+
+    @functools.wraps(task)
+    def stoppable(*args, **kwargs):
+        """A stop anywhere (in a job, or in Hydra between a sweep's jobs) is one line."""
+        try:
+            return hydra_app(*args, **kwargs)
         except Stopped as stop:
             print(f"eagle3: {stop}", file=sys.stderr)
             sys.exit(128 + stop.signum)
+        except KeyboardInterrupt:
+            print("eagle3: interrupted (Ctrl-C)", file=sys.stderr)
+            sys.exit(128 + signal.SIGINT)
 
-    return hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(guarded)
+    return stoppable
+
+
+class WritableOutputs(Callback):
+    """Before a run or a sweep starts: its output folder (under paths.root, which EAGLE3_ROOT sets)
+    can be created, or one line says which folder and how to fix it (not Hydra's traceback)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        make_output_folder(config.hydra.run.dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        make_output_folder(config.hydra.sweep.dir)
+
+
+def make_output_folder(folder: str) -> None:
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        root = os.environ.get("EAGLE3_ROOT")
+        origin = f"EAGLE3_ROOT={root}" if root else "paths.root"
+        print(
+            f"eagle3 error: cannot create the output folder {folder} ({err.strerror}): set "
+            f"{origin} to a folder you can write (or paths.root=... on the command line)",
+            file=sys.stderr,
+        )
+        sys.exit(1)
 
 
 def installed_file(package: str, wanted: str) -> Path:

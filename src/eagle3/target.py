@@ -196,6 +196,11 @@ def resolve_target_path(tcfg: DictConfig, artifacts: Path) -> Path | str:
         if path.exists():
             if not (path / "config.json").exists():
                 raise Eagle3Error(f"target.path {path} has no config.json: not an HF model folder")
+            if not any((path / name).exists() for name in TOKENIZER_FILES):
+                raise Eagle3Error(
+                    f"target.path {path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy "
+                    "the model's tokenizer files into it (tokenizer.save_pretrained(folder))"
+                )
             return path
         if str(tcfg.path).startswith((".", "/", "~")) or str(tcfg.path).count("/") != 1:
             raise Eagle3Error(
@@ -205,6 +210,11 @@ def resolve_target_path(tcfg: DictConfig, artifacts: Path) -> Path | str:
     raise Eagle3Error(
         f"unknown target.kind {tcfg.kind!r}: use gguf_package, random, random_moe or hf"
     )
+
+
+# The files an HF folder holds its tokenizer in, one of which every tokenizer writes: the fast
+# tokenizer, a SentencePiece model, a BPE vocabulary, a WordPiece vocabulary.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def target_path_for(cfg: DictConfig) -> Path | str:

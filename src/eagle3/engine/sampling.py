@@ -33,8 +33,13 @@ class Sampling:
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Softmax(logits / temperature) restricted to the top-p nucleus, renormalised (float32)."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    """Softmax(logits / temperature) restricted to the top-p nucleus, renormalised (float32).
+    A temperature beyond float32's range (1e308 is a valid request) divides in float64: in float32
+    it would be inf, and a token masked out with -inf logits (outside the draft vocabulary) would
+    turn every probability into NaN."""
+    wide = temperature > torch.finfo(torch.float32).max
+    scaled = logits.double() / temperature if wide else logits.float() / temperature
+    probs = torch.softmax(scaled, dim=-1).float()
     if top_p >= 1.0:
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)

@@ -46,7 +46,7 @@ Seed = Annotated[int | None, Field(ge=0, lt=2**64, strict=True)]
 
 class SamplingParams(Strict):
     max_new_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -66,7 +66,7 @@ class OpenAIRequest(Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: Seed = None
@@ -228,7 +228,11 @@ def create_app(service: EngineService):
 
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        ids = req.prompt if isinstance(req.prompt, list) else service.encode_text(req.prompt)
+        ids = (
+            req.prompt
+            if isinstance(req.prompt, list)
+            else service.encode_text(req.prompt, "prompt")
+        )
         service.check_request(ids, req.max_tokens, ())
         generation = Generation(
             ids,

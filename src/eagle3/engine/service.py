@@ -76,6 +76,18 @@ class Counters:
         self.verify_time_s += s.verify_time_s
 
 
+def check_unicode(text: str, field: str) -> None:
+    """Refuse (400) text holding half of a UTF-16 surrogate pair: JSON can escape one ("\\ud800"),
+    but it is not a character, and no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise Eagle3Error(
+            f"{field}: a lone surrogate {text[err.start]!r} at character {err.start} is not valid "
+            "Unicode (send both halves of a surrogate pair, or the character itself)"
+        ) from None
+
+
 class EngineService:
     """The decoder, its tokenizer and the cumulative counters; generate() serialises requests."""
 
@@ -127,10 +139,13 @@ class EngineService:
                 self.cancel_all.set()
                 self.idle.wait_for(lambda: self.active == 0, timeout=grace_s)
 
-    def encode_text(self, text: str) -> list[int]:
+    def encode_text(self, text: str, field: str = "text") -> list[int]:
+        check_unicode(text, field)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        for index, message in enumerate(messages):
+            check_unicode(message["content"], f"messages.{index}.content")
         return self.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=True,

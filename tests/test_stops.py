@@ -1,0 +1,124 @@
+"""Ordinary stops and user errors end an app with one line naming the cause (no traceback):
+SIGTERM between a sweep's jobs, Ctrl-C during regeneration, an EAGLE3_ROOT that cannot be created,
+an HF target folder without a tokenizer, a misspelt option in a sweep."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra.experimental.callback import Callback
+
+from eagle3.common import compose
+
+TESTS = Path(__file__).resolve().parent
+
+
+class TermAfterFirstJob(Callback):
+    """Sends this process SIGTERM as the sweep's first job ends: a real signal, delivered at the one
+    moment a test cannot hit by timing (Hydra's launcher between two jobs)."""
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        if config.hydra.job.num == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run_app(module: str, *overrides: str, env: dict | None = None, timeout_s: float = 300):
+    return subprocess.run(
+        [sys.executable, "-m", module, *overrides],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_sigterm_between_bench_jobs_is_one_line(test_root, tmp_path):
+    """Two jobs that fail fast (serve=hf does not speculate); SIGTERM once the first has ended."""
+    out = run_app(
+        "eagle3.bench",
+        "-m",
+        "spec=d4,d8",
+        "serve=hf",
+        "target=tiny-llama",
+        f"paths.root={tmp_path}",
+        f"paths.artifacts={test_root}/artifacts",
+        "+hydra.callbacks.term_after_first._target_=test_stops.TermAfterFirstJob",
+        env={"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert out.returncode == 128 + signal.SIGTERM, out.stderr
+    assert "Traceback" not in out.stderr
+    assert last_line(out.stderr) == "eagle3: stopped by SIGTERM"
+    assert len(list(tmp_path.glob("multirun/*/*/*/bench_result.json"))) == 1  # job 2 never ran
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_regeneration_is_one_line(own_artifacts, tmp_path):
+    overrides = [
+        "target=tiny-llama",
+        f"paths.root={tmp_path}",
+        f"paths.artifacts={own_artifacts}",
+        "tracking.enabled=false",
+        "data.limit=6",
+        "data.regenerate=true",
+        "data.regen.max_new_tokens=64",
+    ]
+    from eagle3.regen import regen_log_path
+
+    log = regen_log_path(compose(overrides))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagle3.data", *overrides],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (log.exists() and log.read_bytes().count(b"\n") >= 1):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        stderr = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, stderr
+    assert "Traceback" not in stderr
+    assert last_line(stderr) == "eagle3: interrupted (Ctrl-C)"
+
+
+def test_an_eagle3_root_that_cannot_be_created_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = run_app("eagle3.info", "target=tiny-llama", env={"EAGLE3_ROOT": str(blocker / "root")})
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    line = last_line(out.stderr)
+    assert line.startswith(f"eagle3 error: cannot create the output folder {blocker}/root/outputs/")
+    assert f"set EAGLE3_ROOT={blocker}/root to a folder you can write" in line
+
+
+def test_an_hf_target_folder_without_a_tokenizer_is_one_line(tiny_target, tmp_path):
+    tiny = tiny_target.path
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(tiny / name, folder / name)
+    out = run_app(
+        "eagle3.info", "target=hf", f"target.path={folder}", f"hydra.run.dir={tmp_path}/run"
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert last_line(out.stderr).startswith(
+        f"eagle3 error: target.path {folder} has no tokenizer (tokenizer.json, tokenizer.model"
+    )
