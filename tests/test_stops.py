@@ -122,3 +122,17 @@ def test_an_hf_target_folder_without_a_tokenizer_is_one_line(tiny_target, tmp_pa
     assert last_line(out.stderr).startswith(
         f"eagle3 error: target.path {folder} has no tokenizer (tokenizer.json, tokenizer.model"
     )
+
+
+def test_info_finds_the_engine_venvs_where_the_launcher_does(make_cfg, tmp_path):
+    """Run from elsewhere (paths.root is another folder): info names the interpreter the launcher
+    would start, relative to the checkout, and says whether it is there."""
+    from eagle3.info import engines_available
+    from eagle3.launch import engine_python
+
+    found = engines_available(make_cfg(f"paths.root={tmp_path}"))
+    for engine in ("vllm", "sglang"):
+        python = Path(engine_python(make_cfg(f"serve={engine}").serve))
+        assert python.is_relative_to(Path(__file__).resolve().parents[1])
+        assert str(python) in found[engine]
+        assert found[engine].startswith("venv found" if python.exists() else "not installed")

@@ -3,35 +3,34 @@ which engines are available; with drafter.path, the drafter's lineage (the train
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from eagle3.common import app
+from eagle3.common import CONF_DIR, app
+from eagle3.launch import engine_python
 from eagle3.lineage import chain_to, lineage_lines, lineage_of
 from eagle3.shipped import KEYWORD, asset_manifest, asset_path
 from eagle3.target import load_target
 
 
 def engines_available(cfg: DictConfig) -> dict[str, str]:
-    root = Path(cfg.paths.root)
-    vllm_python = root / ".venv-vllm" / "bin" / "python"
-    sglang_python = root / ".venv-sglang" / "bin" / "python"
-    return {
-        "local": "available",
-        "vllm": f"venv found ({vllm_python})"
-        if vllm_python.exists()
-        else "not installed (make vllm)",
-        "sglang": (
-            "importable"
-            if importlib.util.find_spec("sglang")
-            else f"parser venv found ({sglang_python})"
-            if sglang_python.exists()
-            else "not installed (make sglang)"
-        ),
-    }
+    """Whether each engine's interpreter is there, found as the launcher finds it: the configured
+    serve.python for the engine in use, conf/serve/<engine>.yaml's for the others (a relative path
+    is inside the eagle3 checkout, wherever the app runs from)."""
+    found = {"local": "available"}
+    for engine, make in (("vllm", "make vllm"), ("sglang", "make sglang")):
+        scfg = cfg.serve if cfg.serve.engine == engine else OmegaConf.load(serve_yaml(engine))
+        python = Path(engine_python(scfg))
+        found[engine] = (
+            f"venv found ({python})" if python.exists() else f"not installed: no {python} ({make})"
+        )
+    return found
+
+
+def serve_yaml(engine: str) -> Path:
+    return Path(CONF_DIR) / "serve" / f"{engine}.yaml"
 
 
 def drafter_lineage(cfg: DictConfig) -> list[dict]:
