@@ -136,3 +136,26 @@ def test_info_finds_the_engine_venvs_where_the_launcher_does(make_cfg, tmp_path)
         assert python.is_relative_to(Path(__file__).resolve().parents[1])
         assert str(python) in found[engine]
         assert found[engine].startswith("venv found" if python.exists() else "not installed")
+
+
+def test_a_misspelt_option_in_a_sweep_is_one_line_before_any_run(make_cfg, tmp_path):
+    store = tmp_path / "mlruns" / "mlflow.db"
+    make_cfg()  # the store, empty
+    out = run_app(
+        "eagle3.bench",
+        "-m",
+        "spec=d2,d4",
+        "target=tiny-llama",
+        f"paths.root={tmp_path}",
+        f"tracking.uri=sqlite:///{store}",
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert last_line(out.stderr).startswith(
+        "eagle3 error: spec=d2: no such option; spec is one of "
+    )
+    assert "d4" in last_line(out.stderr).split("one of ")[1].split(", ")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
+    experiment = client.get_experiment_by_name("eagle3")
+    assert experiment is None or client.search_runs([experiment.experiment_id]) == []  # no run

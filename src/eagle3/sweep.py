@@ -70,6 +70,7 @@ class BenchSweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.hydra.job.name != BENCH_JOB or not config.tracking.enabled:
             return
+        check_group_choices(list(config.hydra.overrides.task))
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         client = tracking.client(config)
@@ -106,6 +107,33 @@ class BenchSweepCallback(Callback):
                 file=sys.stderr,
             )
             sys.exit(1)
+
+
+def check_group_choices(overrides: list[str]) -> None:
+    """Every option a sweep names for a config group (`spec=d2,d4`) exists, or one line names the
+    missing one and the options there are: before the parent run is opened (Hydra would fail on
+    that job only after the sweep had started)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    loader = GlobalHydra.instance().config_loader()
+    for override in OverridesParser.create().parse_overrides(overrides):
+        group = override.key_or_group
+        options = loader.get_group_options(group, results_filter=ObjectType.CONFIG)
+        if override.is_delete() or override.package is not None or not options:
+            continue
+        values = (
+            override.sweep_string_iterator() if override.is_sweep_override() else [override.value()]
+        )
+        for value in values:
+            if str(value) not in options:
+                print(
+                    f"eagle3 error: {group}={value}: no such option; {group} is one of "
+                    f"{', '.join(options)}",
+                    file=sys.stderr,
+                )
+                sys.exit(1)
 
 
 def _kill_if_running(client, run_id: str) -> None:
