@@ -114,3 +114,25 @@ def test_run_py_names_missing_parts_and_refuses_a_damaged_one(make_cfg, tmp_path
 def test_a_missing_extra_file_is_named(make_cfg, tmp_path):
     with pytest.raises(Eagle3Error, match="bundle.files: /nonexistent/x.jsonl does not exist"):
         make_bundle(make_cfg, tmp_path, "bundle.files=[/nonexistent/x.jsonl]")
+
+
+def test_a_step_run_from_a_bundle_records_the_commit_it_was_packed_from(make_cfg, tmp_path):
+    """The bundled source has no git history; its runs and manifests still name the commit."""
+    from eagle3.artifacts import git_commit
+
+    _, manifest_path, _ = make_bundle(
+        make_cfg, tmp_path, "bundle.source=true", "bundle.part_mib=64"
+    )
+    manifest = json.loads(manifest_path.read_text())
+    home = tmp_path / "home"
+    assert bundle_run.gather(manifest, [manifest_path.parent], home) == []
+    bundle_run.install(manifest, home)
+    _, env, cwd = bundle_run.step_command("bench", [], home)
+    probe = "from eagle3.artifacts import git_commit; print(git_commit())"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, cwd=cwd, capture_output=True, text=True
+    )
+    assert done.stdout.strip() == git_commit() != "None", done.stderr
+    assert sorted(p.name for p in manifest_path.parent.iterdir()) == sorted(
+        [bundle_run.MANIFEST, "run.py", *(p["name"] for p in manifest["parts"])]
+    )

@@ -56,9 +56,17 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the checkout (or bundled source) holding src/
+COMMIT_FILE = "GIT_COMMIT"  # written into a bundle's source by eagle3.bundle
+
+
 def git_commit(cwd: Path | None = None) -> str | None:
     """HEAD's commit, with `-dirty` when tracked files differ from it (the code that ran is then
-    not that commit: a working tree copied without its history, edits in progress)."""
+    not that commit: a working tree copied without its history, edits in progress). Source
+    unpacked from a bundle has no history: the commit it was packed from is in its COMMIT_FILE."""
+    packed = SOURCE_ROOT / COMMIT_FILE
+    if cwd is None and packed.exists():
+        return packed.read_text().strip() or None
 
     def git(*args: str) -> str | None:
         try:

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagle3 import bundle_engines, bundle_run
+from eagle3.artifacts import COMMIT_FILE, git_commit
 from eagle3.common import CONF_DIR, Eagle3Error, app, log
 
 REPO_ROOT = Path(CONF_DIR).parent
@@ -105,6 +106,9 @@ def members(cfg: DictConfig, wheels: Path) -> dict[str, Path]:
     chosen |= {f"files/{name}": path for name, path in configured_files(cfg).items()}
     if cfg.bundle.source:
         chosen |= {f"source/{name}": REPO_ROOT / name for name in source_files()}
+        commit = wheels.parent / COMMIT_FILE  # the source has no history there: name its commit
+        commit.write_text(f"{git_commit() or 'unknown'}\n")
+        chosen[f"source/{COMMIT_FILE}"] = commit
     return chosen
 
 
@@ -145,6 +149,7 @@ def build(cfg: DictConfig) -> Path:
     packed = out / PACKED
     pack(chosen, packed)
     shutil.rmtree(wheels)
+    (out / COMMIT_FILE).unlink(missing_ok=True)
     digest = bundle_run.sha256_of([packed])
     parts = split_parts(packed, max(1, int(float(cfg.bundle.part_mib) * 2**20)))
     manifest = {
