@@ -289,3 +289,52 @@ def test_shape_search_probes_then_the_cost_models_depth_then_tpe(tmp_path):
                 max_tree_nodes(shape["spec.steps"], shape["spec.topk"]) >= shape["spec.depth"] - 1
             )
     assert len({(s["spec.depth"], s["spec.topk"]) for s in shapes[3:]}) > 1  # TPE explores
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_shape_search_never_measures_a_shape_twice(tmp_path, seed):
+    """Chains of depth 2..6 after the probes 2 and 6 (no results yet, so TPE proposes the rest):
+    each of the five trials measures a depth no other trial did."""
+    import optuna
+
+    from eagle3.shapesearch import CostModelSampler
+
+    sampler = CostModelSampler(str(tmp_path), [2, 6], seed=seed)
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    space = {
+        "spec.depth": optuna.distributions.IntUniformDistribution(2, 6),
+        "spec.topk": optuna.distributions.CategoricalDistribution([1]),
+    }
+    depths = []
+    for number in range(5):
+        trial = study.ask()
+        depths.append(trial._suggest("spec.depth", space["spec.depth"]))
+        trial._suggest("spec.topk", space["spec.topk"])
+        study.tell(trial, float(number))
+    assert sorted(depths) == [2, 3, 4, 5, 6]
+
+
+def test_shape_search_picks_another_branching_for_a_measured_chain(tmp_path):
+    """depth fixed at 4: once the chain is measured, the next trials are trees (topk 2, then 4
+    with their steps), never the chain again."""
+    import optuna
+    from omegaconf import OmegaConf
+
+    from eagle3.shapesearch import CostModelSampler, shape_of, tree_steps
+
+    cfg = OmegaConf.create({"search": {"min_steps": 2, "max_steps": 2}})
+    sampler = CostModelSampler(str(tmp_path), [4], seed=0)
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    space = {
+        "spec.depth": optuna.distributions.IntUniformDistribution(4, 4),
+        "spec.topk": optuna.distributions.CategoricalDistribution([1, 2, 4]),
+    }
+    shapes = []
+    for number in range(3):
+        trial = study.ask()
+        for name, dist in space.items():
+            trial._suggest(name, dist)
+        tree_steps(cfg, trial)
+        shapes.append(shape_of(trial.params))
+        study.tell(trial, float(number))
+    assert sorted(shapes, key=str) == sorted([(4, 1, None), (4, 2, 2), (4, 4, 2)], key=str)

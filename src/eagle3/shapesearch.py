@@ -7,6 +7,8 @@ Two pieces plug into the sweeper:
   `probe_depths`; their step times and per-position acceptance (eagle3.costmodel, through the
   sweep summary's cost_model_rows) predict the tok/s of every chain depth in the space, and the
   predicted best depth is the next trial. Optuna's TPE sampler proposes the rest.
+- No shape twice: a TPE proposal that would repeat a shape another trial already measured (or is
+  measuring) becomes the nearest choice that does not (unmeasured()).
 - tree_steps (custom_search_space): spec.steps is searched only for trees (topk > 1); a chain
   drafts depth-1 steps, so its trials carry no spec.steps.
 A job returns its median tok/s to the sweeper (0 for a failed job: ranked last, the search goes on);
@@ -85,7 +87,8 @@ class CostModelSampler(optuna.samplers.BaseSampler):
         planned = self.planned(trial.number)
         if planned is not None and param_name in planned:
             return planned[param_name]
-        return self.tpe.sample_independent(study, trial, param_name, param_distribution)
+        value = self.tpe.sample_independent(study, trial, param_name, param_distribution)
+        return unmeasured(value, param_name, param_distribution, trial, study)
 
     def after_trial(self, study, trial, state, values) -> None:
         self.tpe.after_trial(study, trial, state, values)
@@ -111,3 +114,55 @@ class CostModelSampler(optuna.samplers.BaseSampler):
             else:
                 self.seeded[number] = {}
         return self.seeded.get(number) or None
+
+
+# ---------------------------------------------------------------- no shape measured twice
+
+
+def shape_of(params: dict) -> tuple:
+    """A trial's speculation shape: (depth, topk, steps); a chain has no steps of its own."""
+    topk = int(params.get(TOPK, 1))
+    return (int(params[DEPTH]), topk, int(params[STEPS]) if topk > 1 and STEPS in params else None)
+
+
+def taken_shapes(study, trial) -> set[tuple]:
+    """The shapes of every other trial of the study (finished, failed or running)."""
+    return {
+        shape_of(t.params)
+        for t in study.get_trials(deepcopy=False)
+        if t.number != trial.number and DEPTH in t.params
+    }
+
+
+def choices_of(distribution) -> list:
+    if hasattr(distribution, "choices"):
+        return list(distribution.choices)
+    return depth_choices(distribution)
+
+
+def unmeasured(value, name: str, distribution, trial, study):
+    """TPE's proposal for `name`, or, when it would repeat an already-measured shape, the nearest
+    choice that does not (a repeated shape is a wasted trial). Depth is decided first: a depth
+    whose chain is measured is avoided only when chains are all the search tries (topk 1)."""
+    if name not in (DEPTH, TOPK, STEPS):
+        return value
+    taken = taken_shapes(study, trial)
+    topks = next(
+        (choices_of(t.distributions[TOPK]) for t in study.trials if TOPK in t.distributions), [1]
+    )
+
+    def repeats(candidate) -> bool:
+        params = {**trial.params, name: candidate}
+        if name == DEPTH:
+            return topks == [1] and shape_of({**params, TOPK: 1}) in taken
+        if name == TOPK:
+            return int(candidate) == 1 and shape_of(params) in taken
+        return shape_of(params) in taken
+
+    if not repeats(value):
+        return value
+    numeric = name != TOPK
+    options = choices_of(distribution)
+    if numeric:
+        options = sorted(options, key=lambda c: abs(c - value))
+    return next((c for c in options if not repeats(c)), value)
