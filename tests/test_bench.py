@@ -752,3 +752,73 @@ def test_vllm_serving_a_drafter_whose_layer_it_ignores_is_caught(test_root, tmp_
         good["run_id"]: None,
         bad["run_id"]: "the engine accepts almost nothing: check the export",
     }
+
+
+def test_spreads_apart_by_more_than_their_width():
+    from eagle3.verdict import Spread
+
+    off = Spread(10.0, 9.0, 11.0)  # width 2
+    assert Spread(14.5, 14.0, 15.0).apart(off)  # 14 - 11 = 3 > 2
+    assert Spread(5.5, 5.0, 6.0).apart(off)
+    assert not Spread(13.5, 13.0, 14.0).apart(off)  # 2 is not more than the width
+    assert not Spread(30.0, 12.0, 40.0).apart(off)  # a wide range: width 28
+    assert not Spread(10.0, 9.5, 10.5).apart(off)
+
+
+@pytest.mark.parametrize("min_repeats, passes", [(2, 2), (3, 3)])
+def test_passes_stop_once_apart_from_spec_off(make_cfg, tmp_path, min_repeats, passes):
+    """The in-process engine on tiny-llama, 3 repeats against a spec=off spread it cannot reach
+    (1e9 tok/s): after bench.min_repeats passes the ranges are apart and the job stops there."""
+    from transformers import AutoTokenizer
+
+    from eagle3 import inprocess
+    from eagle3.bench import measure, tokenize_prompts
+    from eagle3.spec import OFF
+    from eagle3.target import target_path_for
+    from eagle3.verdict import Spread
+
+    cfg = make_cfg(
+        "target=tiny-llama",
+        "serve.inprocess=true",
+        "engine.cpu_threads=1",
+        "bench.limit=1",
+        "bench.max_new_tokens=4",
+        "bench.warmup=0",
+        "bench.repeats=3",
+        f"bench.min_repeats={min_repeats}",
+    )
+    path = target_path_for(cfg)
+    requests = tokenize_prompts(AutoTokenizer.from_pretrained(path), load_suite(cfg.bench))
+    try:
+        result = measure(cfg, OFF, None, path, requests, tmp_path, Spread(1e9, 1e9, 1e9))
+    finally:
+        inprocess.release()
+    assert result["repeats"] == passes and len(result["tokens_per_s_runs"]) == passes
+    assert len(json.loads((tmp_path / "requests.json").read_text())) == passes
+
+
+def test_sweep_progress_counts_jobs_and_estimates_what_is_left(tmp_path):
+    import os
+    import re
+    import time
+
+    from omegaconf import OmegaConf
+
+    from eagle3.sweep import job_count, progress_line
+
+    grid = OmegaConf.create(
+        {"sweeper": {}, "overrides": {"task": ["spec=d4,d8", "bench.batch_size=1,4,8", "seed=1"]}}
+    )
+    assert job_count(grid) == 6
+    assert (
+        job_count(OmegaConf.create({"sweeper": {"n_trials": 10}, "overrides": {"task": []}})) == 10
+    )
+    for job in ("0", "1"):
+        (tmp_path / job / ".hydra").mkdir(parents=True)
+        (tmp_path / job / ".hydra" / "config.yaml").write_text("")
+    assert progress_line(tmp_path, 6) == "bench job 1 of 6"
+    (tmp_path / "0" / "bench_result.json").write_text("{}")
+    started = time.time() - 100
+    os.utime(tmp_path / "0" / ".hydra" / "config.yaml", (started, started))
+    line = progress_line(tmp_path, 6)
+    assert re.fullmatch(r"bench job 2 of 6; 1 done in 10[01] s, about 50[0-5] s left", line), line

@@ -36,6 +36,7 @@ from eagle3.target import folder_text_config, latent_attention, target_path_for,
 from eagle3.tracking import stage_run
 from eagle3.verdict import (
     ACCEPTS_NOTHING,
+    Spread,
     accepts_nothing,
     against_off,
     combine_repeats,
@@ -297,10 +298,18 @@ def measure_pass(engine, cfg: DictConfig, spec: Spec, requests, desc: str) -> di
 
 
 def measure(
-    cfg: DictConfig, spec: Spec, drafter_path, target_path, requests: list[list[int]], folder: Path
+    cfg: DictConfig,
+    spec: Spec,
+    drafter_path,
+    target_path,
+    requests: list[list[int]],
+    folder: Path,
+    against: Spread | None = None,
 ) -> dict:
     """Start the engine with `spec`, warm up, run the suite bench.repeats times, stop it; the
-    median of the passes with the spread of their tok/s (eagle3.verdict.combine_repeats)."""
+    median of the passes with the spread of their tok/s (eagle3.verdict.combine_repeats). Against
+    spec=off's spread, the passes stop after bench.min_repeats once the two ranges are apart by more
+    than either's width (Spread.apart)."""
     bcfg = cfg.bench
     folder.mkdir(parents=True, exist_ok=True)
     engine = open_engine(cfg, spec, drafter_path, target_path, folder)
@@ -309,13 +318,33 @@ def measure(
     try:
         if bcfg.warmup:
             engine.run(requests[: bcfg.warmup], bcfg, "warmup")
+        started = time.monotonic()
         for index in range(repeats):
             desc = f"{cfg.serve.engine} {spec.label} {index + 1}/{repeats}"
             passes.append(measure_pass(engine, cfg, spec, requests, desc))
+            if settled(passes, against, bcfg.min_repeats):
+                log.info("%s: tok/s apart from spec=off after %d passes", spec.label, len(passes))
+                break
+            left_s = (time.monotonic() - started) / len(passes) * (repeats - len(passes))
+            if left_s:
+                log.info(
+                    "%s: pass %d/%d done, about %.0f s of passes left",
+                    desc,
+                    index + 1,
+                    repeats,
+                    left_s,
+                )
     finally:
         engine.stop()
     (folder / "requests.json").write_text(json.dumps([p.pop("records") for p in passes], indent=1))
     return combine_repeats(passes)
+
+
+def settled(passes: list[dict], against: Spread | None, min_repeats: int) -> bool:
+    """Enough passes: at least min_repeats, and their tok/s range apart from spec=off's."""
+    if against is None or len(passes) < max(int(min_repeats), 1):
+        return False
+    return Spread.of([p["tokens_per_s"] for p in passes]).apart(against)
 
 
 # ---------------------------------------------------------------- the baseline, cached
@@ -328,7 +357,7 @@ def baseline_output(cfg: DictConfig, scope: str | None = None):
     bench = {
         k: v
         for k, v in to_plain(cfg.bench).items()
-        if k not in ("suites", "reuse_baseline", "cost_model_depths")
+        if k not in ("suites", "reuse_baseline", "cost_model_depths", "min_repeats")
     }
     suite = (
         [to_plain(cfg.bench.suites.get(name)) for name in suite_names(cfg.bench)]
@@ -455,7 +484,7 @@ def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict
     requests = tokenize_prompts(target_tokenizer(target_path, cfg.target), prompts)
     base = baseline(cfg, target_path, requests, folder, str(scope or folder))
     metrics = (
-        measure(cfg, spec, drafter_path, target_path, requests, folder / "spec")
+        measure(cfg, spec, drafter_path, target_path, requests, folder / "spec", off_spread(base))
         if spec.enabled
         else {k: v for k, v in base.items() if not k.startswith("baseline_")}
     )
@@ -466,6 +495,13 @@ def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict
         drafter=str(drafter_path) if drafter_path else None, drafter_hash=drafter_hash(drafter_path)
     )
     return metrics
+
+
+def off_spread(base: dict) -> Spread | None:
+    """spec=off's tok/s spread, when measured over more than one pass (one pass has no range)."""
+    if base.get("repeats", 1) < 2 or "tokens_per_s_min" not in base:
+        return None
+    return Spread.from_result(base, "tokens_per_s")
 
 
 def run_job(
@@ -659,6 +695,7 @@ def main(cfg: DictConfig) -> float | None:
     folder = Path(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:
         sweep_dir = Path(hydra_cfg.sweep.dir)
+        log.info(sweep.progress_line(sweep_dir, sweep.job_count(hydra_cfg)))
         result = run_job(cfg, folder, sweep.parent_run_id(sweep_dir), sweep_dir)
         return job_value(result)  # the score a search ranks jobs by (search=shapes)
     result = run_job(cfg, folder)

@@ -13,6 +13,7 @@ import atexit
 import csv
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,35 @@ def check_group_choices(overrides: list[str]) -> None:
                     file=sys.stderr,
                 )
                 sys.exit(1)
+
+
+def job_count(hydra_cfg) -> int | None:
+    """The jobs a sweep runs: the search's n_trials, else the grid's size (None if unknown)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if hydra_cfg.sweeper.get("n_trials"):
+        return int(hydra_cfg.sweeper.n_trials)
+    count = 1
+    try:
+        for override in OverridesParser.create().parse_overrides(list(hydra_cfg.overrides.task)):
+            if override.is_sweep_override():
+                count *= len(list(override.sweep_string_iterator()))
+    except Exception:  # a sweep syntax without a finite list (an interval): no estimate
+        return None
+    return count
+
+
+def progress_line(sweep_dir: Path, total: int | None) -> str:
+    """Which job of how many is starting and, from the jobs done so far, about how long the sweep
+    has left (the first job also measured spec=off: the estimate errs long)."""
+    done = len(list(sweep_dir.glob("*/bench_result.json")))
+    line = f"bench job {done + 1}" + (f" of {total}" if total else "")
+    started = [p.stat().st_mtime for p in sweep_dir.glob("*/.hydra/config.yaml")]
+    if not done or not total or not started:
+        return line
+    elapsed = time.time() - min(started)
+    left = elapsed / done * max(total - done, 0)
+    return f"{line}; {done} done in {elapsed:.0f} s, about {left:.0f} s left"
 
 
 def _kill_if_running(client, run_id: str) -> None:

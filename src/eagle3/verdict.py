@@ -40,6 +40,12 @@ class Spread:
     def overlaps(self, other: Spread) -> bool:
         return self.low <= other.high and other.low <= self.high
 
+    def apart(self, other: Spread) -> bool:
+        """The ranges are apart by more than the wider of the two: a further pass landing within
+        the spread seen so far leaves them apart (bench.min_repeats stops a job's passes there)."""
+        width = max(self.high - self.low, other.high - other.low)
+        return self.low - other.high > width or other.low - self.high > width
+
     def over(self, base: Spread) -> Spread:
         """This / base: the ratio of medians, the range from the extremes."""
         return Spread(self.median / base.median, self.low / base.high, self.high / base.low)
