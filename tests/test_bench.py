@@ -813,12 +813,13 @@ def test_sweep_progress_counts_jobs_and_estimates_what_is_left(tmp_path):
     assert (
         job_count(OmegaConf.create({"sweeper": {"n_trials": 10}, "overrides": {"task": []}})) == 10
     )
+    (tmp_path / "bench_jobs.json").write_text(json.dumps({"jobs": job_count(grid)}))
     for job in ("0", "1"):
         (tmp_path / job / ".hydra").mkdir(parents=True)
         (tmp_path / job / ".hydra" / "config.yaml").write_text("")
-    assert progress_line(tmp_path, 6) == "bench job 1 of 6"
+    assert progress_line(tmp_path) == "bench job 1 of 6"
     (tmp_path / "0" / "bench_result.json").write_text("{}")
     started = time.time() - 100
     os.utime(tmp_path / "0" / ".hydra" / "config.yaml", (started, started))
-    line = progress_line(tmp_path, 6)
+    line = progress_line(tmp_path)
     assert re.fullmatch(r"bench job 2 of 6; 1 done in 10[01] s, about 50[0-5] s left", line), line

@@ -4,6 +4,7 @@ an HF target folder without a tokenizer, a misspelt option in a sweep."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -61,6 +62,8 @@ def test_sigterm_between_bench_jobs_is_one_line(test_root, tmp_path):
     assert "Traceback" not in out.stderr
     assert last_line(out.stderr) == "eagle3: stopped by SIGTERM"
     assert len(list(tmp_path.glob("multirun/*/*/*/bench_result.json"))) == 1  # job 2 never ran
+    jobs = next(tmp_path.glob("multirun/*/*/bench_jobs.json"))
+    assert json.loads(jobs.read_text()) == {"jobs": 2} and "bench job 1 of 2" in out.stdout
 
 
 @pytest.mark.slow

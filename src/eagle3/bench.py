@@ -695,7 +695,7 @@ def main(cfg: DictConfig) -> float | None:
     folder = Path(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:
         sweep_dir = Path(hydra_cfg.sweep.dir)
-        log.info(sweep.progress_line(sweep_dir, sweep.job_count(hydra_cfg)))
+        log.info(sweep.progress_line(sweep_dir))
         result = run_job(cfg, folder, sweep.parent_run_id(sweep_dir), sweep_dir)
         return job_value(result)  # the score a search ranks jobs by (search=shapes)
     result = run_job(cfg, folder)

@@ -27,6 +27,7 @@ from eagle3.load import write_load_summary
 from eagle3.redact import mask_argv
 
 PARENT_FILE = "bench_parent_run.json"
+JOBS_FILE = "bench_jobs.json"  # how many jobs the sweep runs (for the time-left estimate)
 BENCH_JOB = "bench"
 COLUMNS = (
     "engine",
@@ -69,11 +70,14 @@ def parent_run_id(sweep_dir: Path) -> str | None:
 
 class BenchSweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if config.hydra.job.name != BENCH_JOB or not config.tracking.enabled:
+        if config.hydra.job.name != BENCH_JOB:
             return
         check_group_choices(list(config.hydra.overrides.task))
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        (sweep_dir / JOBS_FILE).write_text(json.dumps({"jobs": job_count(config.hydra)}))
+        if not config.tracking.enabled:
+            return
         client = tracking.client(config)
         experiment_id = tracking.setup(config)
         watch_runs(config.tracking.uri, experiment_id, config.tracking.watchdog_poll_s)
@@ -153,9 +157,11 @@ def job_count(hydra_cfg) -> int | None:
     return count
 
 
-def progress_line(sweep_dir: Path, total: int | None) -> str:
+def progress_line(sweep_dir: Path) -> str:
     """Which job of how many is starting and, from the jobs done so far, about how long the sweep
     has left (the first job also measured spec=off: the estimate errs long)."""
+    jobs = sweep_dir / JOBS_FILE
+    total = json.loads(jobs.read_text())["jobs"] if jobs.exists() else None
     done = len(list(sweep_dir.glob("*/bench_result.json")))
     line = f"bench job {done + 1}" + (f" of {total}" if total else "")
     started = [p.stat().st_mtime for p in sweep_dir.glob("*/.hydra/config.yaml")]
