@@ -327,13 +327,7 @@ def measure(
                 break
             left_s = (time.monotonic() - started) / len(passes) * (repeats - len(passes))
             if left_s:
-                log.info(
-                    "%s: pass %d/%d done, about %.0f s of passes left",
-                    desc,
-                    index + 1,
-                    repeats,
-                    left_s,
-                )
+                log.info("%s done, about %.0f s of passes left", desc, left_s)
     finally:
         engine.stop()
     (folder / "requests.json").write_text(json.dumps([p.pop("records") for p in passes], indent=1))
