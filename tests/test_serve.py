@@ -440,3 +440,18 @@ def test_serve_on_a_port_another_server_holds_names_the_engines_own_error(test_r
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("eagle3 error: local server exited with code 1 before becoming healthy")
     assert "address already in use" in last.lower()
+
+
+def test_an_engine_without_a_launch_token_is_refused_a_port_in_use(tmp_path):
+    """vLLM and SGLang cannot echo a launch token: a port something already listens on (a real
+    HTTP server answering 200) is refused before anything starts."""
+    port = free_port("127.0.0.1")
+    holder = EngineProcess(http_server_launch(port), tmp_path / "holder").start()
+    try:
+        holder.wait_healthy(60)
+        launch = Launch("vllm", ["sleep", "300"], {}, "127.0.0.1", port)
+        with pytest.raises(EngineFailed, match=f"127.0.0.1:{port} is already in use"):
+            EngineProcess(launch, tmp_path / "vllm").start()
+        assert not (tmp_path / "vllm" / "engine.log").exists()  # nothing was started
+    finally:
+        holder.stop(5)
