@@ -96,14 +96,16 @@ def watch_runs(uri: str, experiment_id: str, poll_s: float) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    watchdog.started_by = os.getpid()
     _RUN_WATCHDOGS[(uri, experiment_id)] = watchdog
     reap_in_background(watchdog)
 
 
 @atexit.register
 def _stop_run_watchdogs() -> None:
+    """At a normal exit of the process that started them (not of a forked child)."""
     for watchdog in _RUN_WATCHDOGS.values():
-        if watchdog.poll() is None:
+        if watchdog.started_by == os.getpid() and watchdog.poll() is None:
             watchdog.kill()
 
 
