@@ -19,8 +19,11 @@ runs it on a thread behind the server.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,6 +49,7 @@ from eagle3.engine.kv import SlotKV
 from eagle3.engine.llama import LeanDrafter, LeanLlama
 from eagle3.engine.runners import eager_attention
 from eagle3.engine.sampling import Sampling, greedy_path, probabilities, sampled_path
+from eagle3.engine.schedule import Schedule
 from eagle3.engine.tree import top_children
 from eagle3.spec import Spec
 from eagle3.target import Target
@@ -74,6 +78,13 @@ class BatchRequest:
     def root(self) -> int:
         return self.out[-1]
 
+    @property
+    def context(self) -> list[int]:
+        """The tokens in the target's cache when the request joins a batch: its prompt, and when it
+        decoded elsewhere first (engine/scheduler.py's batch-1 path), what it committed there but
+        its last token (the next step's root)."""
+        return self.prompt + self.out[:-1]
+
     def cancel(self) -> None:
         """Leave at the next step boundary (finish_reason "abort"); safe from any thread."""
         self.cancelled = True
@@ -96,13 +107,22 @@ class BatchDecoder:
         cuda_graphs: bool = False,
         graph_batch_sizes: tuple[int, ...] = (),
         static_shapes: bool = False,
+        schedule: Schedule | None = None,
+        deterministic: bool = False,
     ):
         """cuda_graphs (CUDA only): greedy steps replay a CUDA graph per (batch size, cache width),
         the batch padded to the first of graph_batch_sizes that holds it (max_batch_size always
         counts). static_shapes: greedy steps run at those padded shapes without graphs (what the
-        graphs compute, eagerly; for tests on CPU)."""
-        if spec.enabled and drafter is None:
-            raise Eagle3Error(f"spec {spec.label} needs a drafter; use spec=off for plain decoding")
+        graphs compute, eagerly; for tests on CPU). schedule: the shape of each step chosen by the
+        rows in it (engine/schedule.py; None: `spec` at every step). deterministic: the target and
+        the drafter run on float64 copies of their weights (below)."""
+        self.schedule = schedule or Schedule.fixed(spec)
+        shapes = self.schedule.shapes
+        wide = [s for s in shapes if s.enabled]
+        if wide and drafter is None:
+            raise Eagle3Error(
+                f"spec {wide[0].label} needs a drafter; use spec=off for plain decoding"
+            )
         if max_batch_size < 1:
             raise Eagle3Error(f"engine.max_batch_size={max_batch_size}: must be >= 1")
         if not LeanLlama.supports(target.model):
@@ -110,15 +130,18 @@ class BatchDecoder:
                 f"engine.max_batch_size={max_batch_size} batches a plain Llama target only "
                 f"({target.config.model_type} here); use engine.max_batch_size=1"
             )
+        self.deterministic = deterministic
+        if deterministic:
+            target, drafter = float64_copies(target, drafter if wide else None)
         self.target, self.spec, self.max_batch_size = target, spec, max_batch_size
-        self.drafter = drafter if spec.enabled else None
+        self.drafter = drafter if wide else None
         limit = target.config.max_position_embeddings
         self.max_context = min(max_context or limit, limit)
         self.device = target.device
         self.generator = torch.Generator().manual_seed(seed)
         self.tree_temperature = float(tree_temperature)
         dtype = target.model.model.embed_tokens.weight.dtype
-        q = spec.depth if spec.enabled else 1
+        q = max(s.depth for s in shapes)  # spec=off verifies its root alone: depth 1
         # a row's verify writes up to depth slots past its root, also where the tree does not fit
         self.target_lean = LeanLlama(target, self.max_context + q)
         config = target.config
@@ -135,7 +158,7 @@ class BatchDecoder:
         if self.drafter is not None:
             if not LeanDrafter.supports(self.drafter):
                 raise Eagle3Error("engine.max_batch_size > 1: this drafter's layer is not batched")
-            room = self.max_context + q + spec.steps * spec.topk
+            room = self.max_context + max(s.depth + s.steps * s.topk for s in wide)
             self.drafter_lean = LeanDrafter(self.drafter, room, draft_attention == "explicit")
             dc = self.drafter.config
             self.drafter_kv = SlotKV(
@@ -155,9 +178,14 @@ class BatchDecoder:
                 device=self.device,
             )
         graphs = cuda_graphs and self.device.type == "cuda"
-        self.greedy = BatchGreedySteps(self, graph_batch_sizes, graphs or static_shapes, graphs)
+        self.greedy = {
+            shape: BatchGreedySteps(self, shape, graph_batch_sizes, graphs or static_shapes, graphs)
+            for shape in shapes
+        }
         self.steps = 0  # speculative steps taken (each shared by every row in flight)
         self.row_steps = 0  # rows over those steps (row_steps / steps: the mean batch)
+        self.rows_per_step: Counter[int] = Counter()  # rows in flight -> steps taken with that many
+        self.shape_steps: Counter[str] = Counter()  # shape label -> steps taken with that shape
         self.decode_time_s = self.prefill_time_s = 0.0  # host wall time in decode() / prefill()
         self.rows: list[BatchRequest] = []  # in flight, row i of the caches
         self.waiting: list[BatchRequest] = []
@@ -189,12 +217,31 @@ class BatchDecoder:
             on_tokens=on_tokens,
             stats=RequestStats(
                 prompt_tokens=len(prompt_ids),
-                draft_tokens_per_step=self.spec.depth - 1 if self.spec.enabled else 0,
+                draft_tokens_per_step=max(s.depth for s in self.schedule.shapes) - 1,
+                draft_tokens=0,
             ),
         )
         with self.lock:
             self.waiting.append(request)
         return request
+
+    def take_lone(self) -> BatchRequest | None:
+        """The waiting request when it is the only one (no rows in flight, no one else waiting),
+        taken off the queue; else None."""
+        with self.lock:
+            if self.rows or len(self.waiting) != 1:
+                return None
+            return self.waiting.pop()
+
+    def resume(self, request: BatchRequest) -> None:
+        """A request that committed request.out elsewhere joins at the next step (its context
+        prefilled, its last token the root)."""
+        with self.lock:
+            self.waiting.insert(0, request)
+
+    @property
+    def arrivals(self) -> bool:
+        return bool(self.waiting)
 
     @property
     def busy(self) -> bool:
@@ -304,9 +351,10 @@ class BatchDecoder:
         started = time.perf_counter()
         lo = len(self.rows)
         rows = slice(lo, lo + len(joining))
-        lengths = [len(r.prompt) for r in joining]
+        contexts = [r.context for r in joining]
+        lengths = [len(c) for c in contexts]
         width = max(lengths)
-        ids = torch.tensor([r.prompt + [0] * (width - len(r.prompt)) for r in joining])
+        ids = torch.tensor([c + [0] * (width - len(c)) for c in contexts])
         ids = ids.to(self.device)
         positions = torch.arange(width, device=self.device).expand(len(joining), width)
         mask = causal(positions, width)
@@ -314,7 +362,11 @@ class BatchDecoder:
             self.target_lean, self.target_kv, rows, ids, positions, positions, mask
         )
         last = logits[torch.arange(len(joining)), torch.tensor(lengths) - 1]
-        roots = [self._first_token(row, r.sampling) for row, r in zip(last, joining)]
+        resumed = [bool(r.out) for r in joining]
+        roots = [
+            r.root if again else self._first_token(row, r.sampling)
+            for row, r, again in zip(last, joining, resumed)
+        ]
         if self.drafter is not None:
             next_ids = ids.clone()
             next_ids[:, :-1] = ids[:, 1:]
@@ -326,11 +378,12 @@ class BatchDecoder:
             self.hidden[rows] = hidden[torch.arange(len(joining), device=self.device), last]
         elapsed = time.perf_counter() - started
         self.prefill_time_s += elapsed
-        for r, root in zip(joining, roots):
-            r.position = len(r.prompt)
-            r.stats.prefill_time_s = elapsed
+        for r, root, again, length in zip(joining, roots, resumed, lengths):
+            r.position = length
+            r.stats.prefill_time_s += elapsed
             self.rows.append(r)
-            self._commit(r, [root])
+            if not again:
+                self._commit(r, [root])
 
     def _first_token(self, logits: torch.Tensor, sampling: Sampling) -> int:
         if sampling.random:
@@ -354,57 +407,61 @@ class BatchDecoder:
         self.steps += 1
         batch = len(self.rows)
         self.row_steps += batch
+        shape = self.schedule.shape_for(batch)
+        self.rows_per_step[batch] += 1
+        self.shape_steps[shape.label] += 1
         if not any(r.sampling.random for r in self.rows):
-            committed, draft_s, verify_s = self.greedy.step(self.rows)
+            committed, draft_s, verify_s = self.greedy[shape].step(self.rows)
             self.decode_time_s += time.perf_counter() - t0
             for request, new in zip(self.rows, committed):
-                self._record(request, new, draft_s, verify_s)
+                self._record(request, new, draft_s, verify_s, shape)
             return
         rows = slice(0, batch)
         position = torch.tensor([r.position for r in self.rows], device=self.device)
         roots = torch.tensor([r.root for r in self.rows], device=self.device)
-        if self.drafter is not None:
-            trees = self.draft(roots, position, self.hidden[rows])
-            trees.sizes = self.tree_sizes([r.position for r in self.rows])
+        if shape.enabled:
+            trees = self.draft(roots, position, self.hidden[rows], shape=shape)
+            trees.sizes = self.tree_sizes([r.position for r in self.rows], shape)
         else:
             zero = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
             trees = BatchTrees(roots[:, None], zero, zero, [1] * batch, {})
         t1 = time.perf_counter()
-        paths, bonuses, aux, tokens = self.verify(trees, position)
+        paths, bonuses, aux, tokens = self.verify(trees, position, shape)
         t2 = time.perf_counter()
         news = [
             [row[node] for node in path[1:]] + [bonus]
             for row, path, bonus in zip(tokens, paths, bonuses)
         ]
-        if self.drafter is not None:
+        if self.drafter is not None:  # also at spec=off steps: a later step's shape may draft
             self._extend_committed(rows, news, paths, aux, position)
         t3 = time.perf_counter()
         self.decode_time_s += t3 - t0
         for request, new in zip(self.rows, news):
-            self._record(request, new, (t1 - t0) + (t3 - t2), t2 - t1)
+            self._record(request, new, (t1 - t0) + (t3 - t2), t2 - t1, shape)
 
-    def _record(self, request: BatchRequest, new: list[int], draft_s: float, verify_s: float):
+    def _record(self, request: BatchRequest, new: list[int], draft_s, verify_s, shape: Spec):
         """A step's committed tokens (accepted drafts, then the bonus) and its times."""
         stats = request.stats
         stats.verify_steps += 1
+        stats.draft_tokens += shape.depth - 1
         stats.accepted_per_step.append(len(new) - 1)
         stats.draft_time_s += draft_s
         stats.verify_time_s += verify_s
         request.position += len(new)
         self._commit(request, new)
 
-    def tree_sizes(self, positions: list[int]) -> list[int]:
+    def tree_sizes(self, positions: list[int], shape: Spec) -> list[int]:
         """Nodes each row verifies: the whole tree, or its root alone where the tree would pass the
         context."""
-        depth = self.spec.depth if self.spec.enabled else 1
+        depth = shape.depth
         return [depth if p + depth <= self.max_context else 1 for p in positions]
 
-    def verify(self, trees: BatchTrees, position: torch.Tensor):
+    def verify(self, trees: BatchTrees, position: torch.Tensor, shape: Spec):
         """One target forward over every row's tree; keeps each accepted path's K/V.
         -> (path node indices per row, bonus token per row, aux [B, q, 3H], tree tokens per row)."""
         batch, q = trees.tokens.shape
         sizes = torch.tensor(trees.sizes, device=self.device)
-        ancestors, _ = counted_ancestors(trees.parents, sizes, max(self.spec.steps, 0))
+        ancestors, _ = counted_ancestors(trees.parents, sizes, max(shape.steps, 0))
         slots = position[:, None] + torch.arange(q, device=self.device)
         kv_len = int(position.max()) + q
         mask = tree_mask(position, ancestors, kv_len)
@@ -471,16 +528,19 @@ class BatchDecoder:
         h_last: torch.Tensor,
         cache_width: int | None = None,
         sample: bool = True,
+        shape: Spec | None = None,
     ) -> BatchTrees:
         """Every row's EAGLE-2 dynamic tree (a chain when topk=1), SpecDecoder.draft's steps with a
         batch dimension, from each row's root, position and drafter hidden h_last [B, H] (sizes left
         to the caller). cache_width: the cache slots attention reads (None: as many as are in use).
-        sample: sampled chains draw their children from the drafter (False: every row greedy)."""
-        k, steps, dev, batch = self.spec.topk, self.spec.steps, self.device, roots.numel()
+        sample: sampled chains draw their children from the drafter (False: every row greedy).
+        shape: the step's spec (None: the decoder's)."""
+        shape = shape or self.spec
+        k, steps, dev, batch = shape.topk, shape.steps, self.device, roots.numel()
         sampled = [
             index
             for index, r in enumerate(self.rows)
-            if sample and r.sampling.random and self.spec.chain
+            if sample and r.sampling.random and shape.chain
         ]
         total = 1 + k + (steps - 1) * k * k
         tokens = [roots[:, None]]
@@ -537,7 +597,7 @@ class BatchDecoder:
             )
             frontier = count + best
             count += width * k
-        nodes = keep_best_rows(torch.cat(scores, dim=1), self.spec.depth - 1)
+        nodes = keep_best_rows(torch.cat(scores, dim=1), shape.depth - 1)
         trees = subtrees(nodes, torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(depths, 1))
         trees.draft_probs = {i: torch.cat(q_rows[i]) for i in sampled}  # chains keep every node
         return trees
@@ -553,3 +613,14 @@ class BatchDecoder:
             1, drafter.to_target_ids(torch.arange(q_draft.shape[-1], device=self.device)), q_draft
         )
         q_rows[index].append(q_target)
+
+
+def float64_copies(target: Target, drafter):
+    """engine.deterministic: the target and the drafter with their weights in float64 (bf16 and
+    float32 weights convert exactly). A kernel's summation order (which changes with the batch, the
+    tree width and the cache width) then moves a logit by ~1e-16 of its size, so two runs commit
+    different tokens only where two logits tie that closely; in the weights' own dtype the same
+    order changes reach 1e-7 (float32) to 1e-2 (bf16) and flip near-ties."""
+    model = copy.deepcopy(target.model).to(torch.float64)
+    wide = dataclasses.replace(target, model=model)
+    return wide, None if drafter is None else copy.deepcopy(drafter).to(torch.float64)

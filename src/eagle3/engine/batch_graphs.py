@@ -29,11 +29,12 @@ from eagle3.engine.runners import Graphed
 
 
 class BatchGreedySteps:
-    def __init__(self, decoder, batch_sizes: tuple[int, ...], static: bool, graphs: bool):
-        """static: pad a batch to the first of batch_sizes (and max_batch_size) that holds it and the
-        cache width to a power of two (False: the batch and the width the rows use). graphs: replay
-        each static shape from a CUDA graph."""
-        self.decoder, spec, self.device = decoder, decoder.spec, decoder.device
+    def __init__(self, decoder, spec, batch_sizes: tuple[int, ...], static: bool, graphs: bool):
+        """Steps of one spec (a decoder running a schedule holds one of these per shape; they share
+        its caches). static: pad a batch to the first of batch_sizes (and max_batch_size) that holds
+        it and the cache width to a power of two (False: the batch and the width the rows use).
+        graphs: replay each static shape from a CUDA graph."""
+        self.decoder, self.spec, self.device = decoder, spec, decoder.device
         top = decoder.max_batch_size
         self.sizes = sorted({b for b in batch_sizes if b < top} | {top}) if static else []
         self.q = spec.depth if spec.enabled else 1  # verified nodes per row (root included)
@@ -46,7 +47,10 @@ class BatchGreedySteps:
         self.staged = torch.zeros(3, top, dtype=torch.long, device=self.device)
         self.packed = torch.zeros(top, 1 + self.max_commit, dtype=torch.long, device=self.device)
         self.hidden_in = None if decoder.hidden is None else torch.zeros_like(decoder.hidden)
-        self.phases = [self.draft, self.verify] + ([self.extend] if spec.enabled else [])
+        # the drafter's cache takes the committed tokens at spec=off steps too (when a schedule's
+        # other shapes draft), so that any later step can draft from it
+        extend = decoder.drafter is not None
+        self.phases = [self.draft, self.verify] + ([self.extend] if extend else [])
         self.graphs: dict[tuple[int, int], list[Graphed]] = {}
         # each shape's phase outputs, kept alive so that no later capture reuses their memory
         self.held: dict[tuple[int, int], list] = {}
@@ -68,7 +72,7 @@ class BatchGreedySteps:
         staged = [
             [r.root for r in rows] + pad,
             positions + pad,
-            self.decoder.tree_sizes(positions) + [1] * len(pad),
+            self.decoder.tree_sizes(positions, self.spec) + [1] * len(pad),
         ]
         self.staged[:, :padded].copy_(torch.tensor(staged))
         if self.hidden_in is not None:
@@ -110,12 +114,17 @@ class BatchGreedySteps:
         """-> self.tokens / parents / depths [B, q]: every row's tree (its root alone with spec=off)."""
         decoder, (batch, _) = self.decoder, self.shape
         roots, position = self.staged[0, :batch], self.staged[1, :batch]
-        if decoder.drafter is None:
+        if not self.spec.enabled:
             zero = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
             self.tokens, self.parents, self.depths = roots[:, None].clone(), zero, zero.clone()
             return
         trees = decoder.draft(
-            roots, position, self.hidden_in[:batch], self.span(decoder.drafter_kv), sample=False
+            roots,
+            position,
+            self.hidden_in[:batch],
+            self.span(decoder.drafter_kv),
+            sample=False,
+            shape=self.spec,
         )
         self.tokens, self.parents, self.depths = trees.tokens, trees.parents, trees.depths
 
@@ -125,7 +134,7 @@ class BatchGreedySteps:
         decoder, (batch, _), q = self.decoder, self.shape, self.q
         position, sizes = self.staged[1, :batch], self.staged[2, :batch]
         index = torch.arange(q, device=self.device)
-        ancestors, counted = counted_ancestors(self.parents, sizes, max(decoder.spec.steps, 0))
+        ancestors, counted = counted_ancestors(self.parents, sizes, max(self.spec.steps, 0))
         mask = tree_mask(position, ancestors, self.span(decoder.target_kv))
         lean = decoder.target_lean
         positions = (position[:, None] + self.depths).clamp_max(lean.cos.shape[0] - 1)

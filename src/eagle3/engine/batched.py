@@ -92,7 +92,7 @@ def copy_row(kv: SlotKV, source: int, dest: int, length: int) -> None:
 
 
 def target_forward(lean: LeanLlama, kv: SlotKV, rows: slice, ids, positions, slots, mask):
-    """ids/positions/slots [B, q], mask bool [B, q, kv_len] -> (logits float32 [B, q, V],
+    """ids/positions/slots [B, q], mask bool [B, q, kv_len] -> (logits [B, q, V] (float32 or wider),
     aux [B, q, len(aux_layer_ids) * H])."""
     cos, sin = lean.cos[positions], lean.sin[positions]
     bias = attention_bias(lean, mask)
@@ -110,7 +110,9 @@ def target_forward(lean: LeanLlama, kv: SlotKV, rows: slice, ids, positions, slo
         hidden = hidden + F.linear(merge_heads(lean, out), layer.o)
         delta = gated_mlp(lean.norm(hidden, layer.post_norm), layer.gate_up, layer.down)
     aux = torch.cat([entering[i] for i in lean.aux_layer_ids], dim=-1)
-    return F.linear(lean.norm(hidden + delta, lean.final_norm), lean.lm_head).float(), aux
+    logits = F.linear(lean.norm(hidden + delta, lean.final_norm), lean.lm_head)
+    # float32 at least; float64 (engine.deterministic) stays float64
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)), aux
 
 
 def drafter_forward(

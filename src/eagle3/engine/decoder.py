@@ -50,6 +50,8 @@ class RequestStats:
         default_factory=list
     )  # accepted draft tokens per verify step
     draft_tokens_per_step: int = 0  # candidates verified per step (depth - 1)
+    # candidates verified in all; None: draft_tokens_per_step x verify_steps (one shape throughout)
+    draft_tokens: int | None = None
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -67,6 +69,13 @@ class RequestStats:
             sum(a > i for a in self.accepted_per_step) for i in range(self.draft_tokens_per_step)
         ]
 
+    @property
+    def verified_drafts(self) -> int:
+        """Draft tokens verified over the request's steps."""
+        if self.draft_tokens is None:
+            return self.draft_tokens_per_step * self.verify_steps
+        return self.draft_tokens
+
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
@@ -76,7 +85,7 @@ class RequestStats:
             "accepted_tokens": sum(self.accepted_per_step),
             "accepted_per_step": self.accepted_per_step,
             "accepted_per_position": self.accepted_per_position,
-            "draft_tokens": self.draft_tokens_per_step * self.verify_steps,
+            "draft_tokens": self.verified_drafts,
             "prefill_time_s": self.prefill_time_s,
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,

@@ -66,7 +66,7 @@ class Counters:
         self.prompt_tokens += s.prompt_tokens
         self.completion_tokens += s.completion_tokens
         self.num_drafts += s.verify_steps
-        self.num_draft_tokens += s.draft_tokens_per_step * s.verify_steps
+        self.num_draft_tokens += s.verified_drafts
         self.num_accepted_tokens += sum(s.accepted_per_step)
         per_pos = s.accepted_per_position
         self.accepted_per_pos += [0] * (len(per_pos) - len(self.accepted_per_pos))
@@ -233,7 +233,25 @@ class EngineService:
             "spec": self.decoder.spec.label,
             "drafter": self.drafter_source,
             "max_context": self.decoder.max_context,
+            **batching_stats(self.decoder),
         }
+
+
+def batching_stats(decoder) -> dict:
+    """A BatchScheduler's step counts: steps per number of rows and per shape, and the requests
+    that started on the batch-1 decoder (empty for the batch-1 decoder itself)."""
+    batch = getattr(decoder, "decoder", None)
+    if batch is None or not hasattr(batch, "rows_per_step"):
+        return {}
+    return {
+        "max_batch_size": batch.max_batch_size,
+        "steps_per_batch_size": {str(k): v for k, v in sorted(batch.rows_per_step.items())},
+        "steps_per_shape": dict(batch.shape_steps),
+        "schedule": batch.schedule.describe() if batch.schedule.source != "fixed" else None,
+        "deterministic": batch.deterministic,
+        "alone_requests": decoder.alone,
+        "handed_over_requests": decoder.handed_over,
+    }
 
 
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -290,18 +308,41 @@ def build_service(cfg: DictConfig) -> EngineService:
     spec = resolve_spec(cfg.spec)
     target = load_target(cfg)
     drafter, source = load_engine_drafter(cfg, target, spec)
+    schedule = engine_schedule(cfg, spec, source)
+    wide = [shape for shape in schedule.shapes if shape.enabled] if schedule else []
+    if wide and drafter is None:  # spec=off with a schedule file that drafts
+        drafter, source = load_engine_drafter(cfg, target, wide[0])
+    deterministic = bool(cfg.engine.get("deterministic"))
+    max_batch = max_batch_size(cfg, target, drafter)
+    if max_batch > 1 or schedule is not None or deterministic:
+        return batched_service(cfg, target, drafter, spec, source, max_batch, schedule)
+    decoder = single_decoder(cfg, target, drafter, spec)
+    log.info(
+        "engine ready: target %s (%s forward), spec %s, drafter %s, context %d",
+        cfg.target.name,
+        "lean" if decoder.target_run.lean else "HF",
+        spec.label,
+        source,
+        decoder.max_context,
+    )
+    return EngineService(decoder, target.tokenizer, cfg.serve, source, cfg.target.name)
+
+
+def uses_graphs(cfg: DictConfig, target) -> bool:
     graphs = cfg.engine.cuda_graphs
-    use_graphs = target.device.type == "cuda" if graphs == "auto" else bool(graphs)
+    return target.device.type == "cuda" if graphs == "auto" else bool(graphs)
+
+
+def single_decoder(cfg: DictConfig, target, drafter, spec) -> SpecDecoder:
+    """The fused batch-1 decoder: one request at a time."""
+    use_graphs = uses_graphs(cfg, target)
     compile_layers, compile_draft = (
         use_graphs if setting == "auto" else bool(setting)
         for setting in (cfg.engine.compile_layers, cfg.engine.compile_draft)
     )
-    max_batch = int(cfg.engine.get("max_batch_size") or 1)
-    if max_batch > 1:
-        return batched_service(cfg, target, drafter, spec, source, max_batch, use_graphs)
-    decoder = SpecDecoder(
+    return SpecDecoder(
         target,
-        drafter,
+        drafter if spec.enabled else None,
         spec,
         max_context=cfg.engine.max_context,
         cuda_graphs=use_graphs,
@@ -316,24 +357,58 @@ def build_service(cfg: DictConfig) -> EngineService:
         compile_prefill=cfg.engine.compile_prefill,
         tree_temperature=cfg.engine.tree_temperature,
     )
-    log.info(
-        "engine ready: target %s (%s forward), spec %s, drafter %s, context %d",
-        cfg.target.name,
-        "lean" if decoder.target_run.lean else "HF",
-        spec.label,
-        source,
-        decoder.max_context,
-    )
-    return EngineService(decoder, target.tokenizer, cfg.serve, source, cfg.target.name)
+
+
+def max_batch_size(cfg: DictConfig, target, drafter) -> int:
+    """engine.max_batch_size, `auto` resolved: the device's default (engine.auto_batch_size), at
+    least the bench's concurrency; 1 where the batched forwards do not support the target or the
+    drafter (the fused batch-1 decoder serves any HF target)."""
+    from eagle3.engine.llama import LeanDrafter, LeanLlama
+
+    setting = cfg.engine.get("max_batch_size")
+    concurrency = int(cfg.get("bench", {}).get("batch_size") or 1)
+    if setting is None:
+        return concurrency
+    if str(setting) != "auto":
+        return int(setting)
+    if not LeanLlama.supports(target.model) or (
+        drafter is not None and not LeanDrafter.supports(drafter)
+    ):
+        log.info("engine.max_batch_size=auto: this target or drafter is not batched; 1 at a time")
+        return 1
+    per_device = cfg.engine.auto_batch_size
+    device = target.device.type
+    if device not in per_device:
+        raise Eagle3Error(
+            f"engine.max_batch_size=auto: engine.auto_batch_size has no entry for device "
+            f"{device!r}; add one or set engine.max_batch_size"
+        )
+    return max(int(per_device[device]), concurrency)
+
+
+def engine_schedule(cfg: DictConfig, spec, drafter_source: str):
+    """engine.schedule read (None: off). `auto` finds a file only beside an exported drafter, so
+    spec=off (no drafter) serves without one."""
+    from eagle3.engine.schedule import read_schedule, resolve_schedule_path
+
+    setting = cfg.engine.get("schedule", "off")
+    source = drafter_source if spec.enabled else None
+    path = resolve_schedule_path(setting, source)
+    return read_schedule(path) if path is not None else None
 
 
 def batched_service(
-    cfg: DictConfig, target, drafter, spec, source: str, max_batch: int, cuda_graphs: bool
+    cfg: DictConfig, target, drafter, spec, source: str, max_batch: int, schedule=None
 ):
-    """The service over a BatchScheduler: up to max_batch requests share each step."""
+    """The service over a BatchScheduler: up to max_batch requests share each step, each step
+    runs the schedule's shape for its rows (`spec` throughout without one), and a request that
+    finds the engine idle runs on the fused batch-1 decoder (not with engine.deterministic, whose
+    numbers only the batched forwards give)."""
     from eagle3.engine.batch import BatchDecoder
     from eagle3.engine.scheduler import BatchScheduler
 
+    use_graphs = uses_graphs(cfg, target)
+    deterministic = bool(cfg.engine.get("deterministic"))
     decoder = BatchDecoder(
         target,
         drafter,
@@ -343,16 +418,23 @@ def batched_service(
         seed=cfg.engine.seed,
         draft_attention=cfg.engine.draft_attention,
         tree_temperature=cfg.engine.tree_temperature,
-        cuda_graphs=cuda_graphs,
+        cuda_graphs=use_graphs,
         graph_batch_sizes=tuple(cfg.engine.graph_batch_sizes or ()),
+        schedule=schedule,
+        deterministic=deterministic,
     )
+    single = None
+    if not deterministic:
+        single = single_decoder(cfg, target, drafter, decoder.schedule.shape_for(1))
     log.info(
-        "engine ready: target %s, spec %s, drafter %s, context %d, batches up to %d requests",
+        "engine ready: target %s, spec %s, drafter %s, context %d, batches up to %d requests%s%s",
         cfg.target.name,
         spec.label,
         source,
         decoder.max_context,
         max_batch,
+        f", schedule {schedule.describe()} ({schedule.source})" if schedule else "",
+        ", deterministic (float64)" if deterministic else "",
     )
-    scheduler = BatchScheduler(decoder)
+    scheduler = BatchScheduler(decoder, single)
     return EngineService(scheduler, target.tokenizer, cfg.serve, source, cfg.target.name)
