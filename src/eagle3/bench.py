@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from eagle3 import inprocess, sweep
 from eagle3.artifacts import stage_output, to_plain
@@ -143,6 +143,8 @@ def send(client: httpx.Client, api: str, ids: list[int], bcfg, model: str) -> di
     latency = time.perf_counter() - start
     record = {"prompt_tokens": len(ids), "ttft_s": first, "latency_s": latency, **_counts(last)}
     record["tok_per_s"] = record["output_tokens"] / latency if latency > 0 else 0.0
+    if bcfg.get("check_outputs"):
+        record["output_ids"] = list(last.get("output_ids") or [])
     return record
 
 
@@ -312,7 +314,7 @@ def measure(
     than either's width (Spread.apart)."""
     bcfg = cfg.bench
     folder.mkdir(parents=True, exist_ok=True)
-    engine = open_engine(cfg, spec, drafter_path, target_path, folder)
+    engine = open_engine(engine_cfg(cfg, spec), spec, drafter_path, target_path, folder)
     repeats = max(int(bcfg.repeats), 1)
     passes = []
     try:
@@ -330,8 +332,25 @@ def measure(
                 log.info("%s done, about %.0f s of passes left", desc, left_s)
     finally:
         engine.stop()
-    (folder / "requests.json").write_text(json.dumps([p.pop("records") for p in passes], indent=1))
-    return combine_repeats(passes)
+    records = [p.pop("records") for p in passes]
+    (folder / "requests.json").write_text(json.dumps(records, indent=1))
+    metrics = combine_repeats(passes)
+    if bcfg.get("check_outputs"):  # the first pass's token ids, compared with spec=off's
+        metrics["outputs"] = [r.get("output_ids", []) for r in records[0]]
+    return metrics
+
+
+def engine_cfg(cfg: DictConfig, spec: Spec) -> DictConfig:
+    """The config a job's engine is built from: the job's spec at every step (engine.schedule=auto
+    counts as off here, so a shape sweep measures each shape; spec=off never runs a schedule); a
+    schedule file given by path applies to the job's engine."""
+    setting = str(cfg.engine.get("schedule", "off"))
+    if setting == "off" or (spec.enabled and setting != "auto"):
+        return cfg
+    copy = cfg.copy()
+    with open_dict(copy):
+        copy.engine.schedule = "off"
+    return copy
 
 
 def settled(passes: list[dict], against: Spread | None, min_repeats: int) -> bool:
@@ -464,6 +483,7 @@ def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict
     """Validate, find drafter and prompts, measure (baseline first), compute speedup. The
     baseline is shared by the jobs of one `scope` (a sweep folder; a lone job's own folder)."""
     check_bench_settings(cfg.bench)
+    check_output_settings(cfg)
     spec = resolve_spec(cfg.spec)
     check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.get("max_depth"))
     if cfg.serve.get("inprocess") and cfg.serve.engine not in inprocess.ENGINES:
@@ -488,6 +508,12 @@ def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict
     metrics.update(
         drafter=str(drafter_path) if drafter_path else None, drafter_hash=drafter_hash(drafter_path)
     )
+    outputs = metrics.pop("outputs", None)
+    if cfg.bench.get("check_outputs"):
+        check = compare_outputs(requests, base.get("outputs") or [], outputs or [], cfg)
+        (folder / "output_check.json").write_text(json.dumps(check, indent=1))
+        metrics.update(check)
+        log.info("%s", output_check_line(spec.label, check))
     return metrics
 
 
@@ -496,6 +522,93 @@ def off_spread(base: dict) -> Spread | None:
     if base.get("repeats", 1) < 2 or "tokens_per_s_min" not in base:
         return None
     return Spread.from_result(base, "tokens_per_s")
+
+
+# ---------------------------------------------------------------- outputs against spec=off
+
+
+def check_output_settings(cfg: DictConfig) -> None:
+    """bench.check_outputs compares greedy outputs, which only /generate answers carry."""
+    if not cfg.bench.get("check_outputs"):
+        return
+    if cfg.bench.temperature != 0:
+        raise Eagle3Error(
+            f"bench.check_outputs=true compares greedy outputs; bench.temperature="
+            f"{cfg.bench.temperature} samples (set it to 0)"
+        )
+    if cfg.serve.engine not in ("local", "sglang"):
+        raise Eagle3Error(
+            f"bench.check_outputs=true needs output token ids, which serve={cfg.serve.engine} "
+            "does not return; use serve=local or serve=sglang"
+        )
+
+
+def first_divergence(expected: list[int], got: list[int]) -> int | None:
+    """The first position where two outputs differ (a longer one differs where the shorter ends)."""
+    for index, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            return index
+    return None if len(expected) == len(got) else min(len(expected), len(got))
+
+
+def compare_outputs(
+    prompts: list[list[int]], off: list[list[int]], outputs: list[list[int]], cfg: DictConfig
+) -> dict:
+    """How many outputs equal spec=off's and, per one that differs, where it first does and the
+    target's logit margin there (spec=off's token minus this output's; None past either's end)."""
+    if len(off) != len(outputs):
+        raise Eagle3Error(
+            f"bench.check_outputs: spec=off kept {len(off)} outputs and this shape {len(outputs)}; "
+            "measure the baseline with check_outputs on (bench.reuse_baseline=false)"
+        )
+    diverged = []
+    logits_at = None
+    for index, (prompt, expected, got) in enumerate(zip(prompts, off, outputs)):
+        position = first_divergence(expected, got)
+        if position is None:
+            continue
+        entry = {"prompt": index, "position": position, "margin": None}
+        if position < min(len(expected), len(got)):
+            logits_at = logits_at or target_logits(cfg)
+            row = logits_at(prompt + expected[:position])
+            entry.update(
+                off_token=expected[position],
+                token=got[position],
+                margin=float(row[expected[position]] - row[got[position]]),
+            )
+        diverged.append(entry)
+    return {
+        "outputs_compared": len(off),
+        "outputs_equal_off": len(off) - len(diverged),
+        "output_divergences": diverged,
+    }
+
+
+def target_logits(cfg: DictConfig):
+    """ids -> the target's next-token logits (float32) after them: the target loaded here once."""
+    import torch
+
+    from eagle3.target import load_target
+
+    target = load_target(cfg)
+
+    @torch.inference_mode()
+    def logits(ids: list[int]) -> torch.Tensor:
+        tensor = torch.tensor([ids], device=target.device)
+        return target.model(tensor).logits[0, -1].float().cpu()
+
+    return logits
+
+
+def output_check_line(label: str, check: dict) -> str:
+    line = (
+        f"{label}: {check['outputs_equal_off']} of {check['outputs_compared']} outputs equal "
+        "spec=off's"
+    )
+    for entry in check["output_divergences"]:
+        margin = "" if entry["margin"] is None else f", logit margin {entry['margin']:.4g}"
+        line += f"; prompt {entry['prompt']} from token {entry['position']}{margin}"
+    return line
 
 
 def run_job(

@@ -75,6 +75,7 @@ class LocalEngine(InProcess):
             "output_tokens": tokens,
             "verify_steps": reply.result.stats.verify_steps,
             "tok_per_s": tokens / latency if latency > 0 else 0.0,
+            **({"output_ids": list(reply.tokens)} if bcfg.get("check_outputs") else {}),
         }
 
     def run(self, requests: list[list[int]], bcfg, desc: str) -> tuple[list[dict], float]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SCHEDULE_FILE = "schedule.json"
+from eagle3.engine.schedule import SCHEDULE_FILE
 
 
 def load_groups(results: list[dict]) -> dict[tuple, dict[int, list[dict]]]:

@@ -220,7 +220,7 @@ def create_app(service: EngineService):
                 run,
                 lambda delta, reply: {
                     "text": delta,
-                    **({"meta_info": meta(reply)} if reply else {}),
+                    **({"meta_info": meta(reply), "output_ids": reply.tokens} if reply else {}),
                 },
             )
         reply = await answer(request, run, poll_s)

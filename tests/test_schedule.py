@@ -1,0 +1,180 @@
+"""The batched engine as served: the shape of each step from the load sweep's schedule (greedy output
+unchanged as the live batch crosses the schedule's thresholds up and down), batching by default with
+the batch-1 decoder for a lone request, and the deterministic mode (outputs independent of the batch
+size and the shape)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import threading
+from collections import Counter
+
+import pytest
+import torch
+from engine_helpers import PROMPTS, reference_greedy, spec
+from test_load import results
+from test_server import server_cfg
+
+from eagle3.common import Eagle3Error
+from eagle3.engine.batch import BatchDecoder
+from eagle3.engine.schedule import Schedule, read_schedule, resolve_schedule_path
+from eagle3.engine.service import Generation, build_service
+from eagle3.load import write_load_summary
+from eagle3.spec import OFF, Spec
+
+NEW_TOKENS = 32
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest
+
+
+@pytest.fixture(scope="module")
+def references(tiny_target):
+    texts = [*PROMPTS, PROMPTS[0] + " " + PROMPTS[2]]
+    prompts = [tiny_target.tokenizer(text)["input_ids"] for text in texts]
+    return [(p, reference_greedy(tiny_target.model, p, NEW_TOKENS)) for p in prompts]
+
+
+def test_the_engine_reads_the_schedule_the_load_sweep_wrote(tmp_path):
+    """eagle3.load writes schedule.json beside the drafter's export; engine.schedule=auto finds it
+    from the drafter folder and runs d32s4k8 below 16 rows and spec=off from 16 rows on."""
+    export = tmp_path / "export" / "abc123"
+    (export / "sglang").mkdir(parents=True)
+    jobs = results()
+    for job in jobs:
+        if job["drafter"]:
+            job["drafter"] = str(export / "sglang")
+    write_load_summary(jobs, tmp_path)
+    path = resolve_schedule_path("auto", str(export / "sglang"))
+    assert path == export / "schedule.json"
+    schedule = read_schedule(path)
+    d32 = Spec(enabled=True, depth=32, steps=4, topk=8)
+    assert [schedule.shape_for(b) for b in (1, 2, 15, 16, 64)] == [d32, d32, d32, OFF, OFF]
+    assert resolve_schedule_path("off", str(export / "sglang")) is None
+    assert resolve_schedule_path("auto", str(tmp_path / "elsewhere" / "sglang")) is None
+    with pytest.raises(Eagle3Error, match="engine.schedule=.*no such file"):
+        resolve_schedule_path(str(tmp_path / "missing.json"), None)
+    sglang_only = tmp_path / "sglang.json"
+    plan = json.loads(path.read_text())
+    sglang_only.write_text(json.dumps([{**plan[0], "engine": "sglang"}]))
+    with pytest.raises(Eagle3Error, match="no entries measured on serve=local"):
+        read_schedule(sglang_only)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_shapes_follow_the_schedule_and_lose_nothing(
+    tiny_target, tiny_fitted_drafter, references, static
+):
+    """Arrivals at steps 0, 3 and 6 (two), budgets that end requests at different steps: the live
+    batch goes 1 -> 2 -> 4 -> 3 -> 2 -> 1, so the shape goes tree -> chain -> off and back. Every
+    step runs the shape the schedule names for its rows, and every output is the target's greedy
+    decode. static: at the padded shapes CUDA graphs replay."""
+    schedule = Schedule(((1, spec("d8s4k3")), (2, spec("d6")), (3, OFF)), "test")
+    decoder = BatchDecoder(
+        tiny_target,
+        tiny_fitted_drafter,
+        spec("d6"),
+        4,
+        graph_batch_sizes=(2,),
+        static_shapes=static,
+        schedule=schedule,
+    )
+    arrivals = {0: [0], 3: [1], 6: [2, 3]}
+    budgets = [NEW_TOKENS, 26, 10, 18]
+    requests, ran = {}, []
+    step = 0
+    while step <= max(arrivals) or decoder.busy:
+        for index in arrivals.get(step, []):
+            requests[index] = decoder.add(references[index][0], budgets[index])
+        rows_before, shapes_before = Counter(decoder.rows_per_step), Counter(decoder.shape_steps)
+        decoder.step()
+        rows = list((decoder.rows_per_step - rows_before).elements())
+        shapes = list((decoder.shape_steps - shapes_before).elements())
+        if rows:
+            ran.append((rows[0], shapes[0]))
+        step += 1
+    for index, request in requests.items():
+        assert request.result.tokens == references[index][1][: budgets[index]]
+    assert all(schedule.shape_for(rows).label == label for rows, label in ran)
+    labels = [label for _, label in ran]
+    order = {"d8s4k3": 0, "d6": 1, "off": 2}
+    moves = {(order[a] > order[b]) - (order[a] < order[b]) for a, b in zip(labels, labels[1:])}
+    assert moves >= {-1, 1}  # the shape went up and came back down
+    assert set(labels) == {"d8s4k3", "d6", "off"}
+    assert sum(decoder.shape_steps.values()) == decoder.steps == len(ran)
+
+
+def test_serve_batches_four_requests_by_default(test_root, tiny_target):
+    """engine.max_batch_size=auto (the CPU's entry): a request alone runs on the batch-1 decoder;
+    when three more arrive it joins them and the four share steps; all four get their greedy
+    decodes, and the counters count each request's verified drafts."""
+    cfg = server_cfg(test_root)
+    service = build_service(cfg)
+    scheduler = service.decoder
+    assert scheduler.decoder.max_batch_size == cfg.engine.auto_batch_size.cpu
+    prompts = [service.encode_text(text) for text in PROMPTS]
+    replies: dict[int, list[int]] = {}
+    others_queued = threading.Event()
+
+    def first_text(_delta: str) -> None:  # hold the lone request until the others are queued
+        others_queued.wait(timeout=60)
+
+    def send(index: int, on_text=None) -> None:
+        request = Generation(prompts[index], NEW_TOKENS, 0.0, ignore_eos=True)
+        replies[index] = service.generate(request, on_text).tokens
+
+    lone = threading.Thread(target=send, args=(0, first_text))
+    lone.start()
+    while scheduler.alone == 0:
+        threading.Event().wait(0.01)
+    others = [threading.Thread(target=send, args=(i,)) for i in (1, 2, 3)]
+    for thread in others:
+        thread.start()
+    while len(scheduler.decoder.waiting) < 3:
+        threading.Event().wait(0.01)
+    others_queued.set()
+    for thread in [lone, *others]:
+        thread.join()
+    for index, prompt in enumerate(prompts):
+        assert replies[index] == reference_greedy(tiny_target.model, prompt, NEW_TOKENS)
+    stats = service.stats()
+    assert stats["alone_requests"] == 1 and stats["handed_over_requests"] == 1
+    assert stats["steps_per_batch_size"].get("4", 0) > 0
+    assert stats["completion_tokens"] == 4 * NEW_TOKENS
+    assert stats["num_draft_tokens"] == (cfg.spec.depth - 1) * stats["num_drafts"]
+
+
+def near_tie_target(target, rel: float):
+    """tiny-llama with three lm_head rows copied from the rows of its three most frequent greedy
+    tokens, scaled by 1 + rel: wherever one of those tokens wins, its copy's logit is within rel of
+    it (the near-ties a bf16 SmolLM2 shows, at float32 scale)."""
+    prompts = [target.tokenizer(text)["input_ids"] for text in PROMPTS]
+    counts = Counter(t for p in prompts for t in reference_greedy(target.model, p, 24))
+    model = copy.deepcopy(target.model)
+    with torch.no_grad():
+        head = model.lm_head.weight
+        for token, _ in counts.most_common(3):
+            head[(token + 1000) % head.shape[0]] = head[token] * (1 + rel)
+    return dataclasses.replace(target, model=model)
+
+
+def test_deterministic_outputs_do_not_depend_on_batch_or_shape(tiny_target, tiny_fitted_drafter):
+    """engine.deterministic on a target full of near-ties (logits 1e-7 apart, below float32's
+    summation-order noise): 16 prompts give the same outputs at batch 1, 4 and 16 with spec=off, a
+    chain and a tree (in the weights' own float32, 4 of the 16 change with the batch or shape)."""
+    target = near_tie_target(tiny_target, 1e-7)
+    texts = [a + " " + b for a in PROMPTS for b in PROMPTS]
+    prompts = [target.tokenizer(text)["input_ids"] for text in texts]
+    outputs = {}
+    for name in ("off", "d6", "d8s4k3"):
+        for batch in (1, 4, 16):
+            decoder = BatchDecoder(
+                target, tiny_fitted_drafter, spec(name), batch, deterministic=True
+            )
+            requests = [decoder.add(p, 24) for p in prompts]
+            outputs[name, batch] = [r.tokens for r in decoder.generate_all(requests)]
+            assert max(decoder.rows_per_step) == batch
+    first = outputs["off", 1]
+    assert all(out == first for out in outputs.values()), [
+        key for key, out in outputs.items() if out != first
+    ]
