@@ -29,6 +29,7 @@ class BatchScheduler:
         the batched steps)."""
         self.decoder, self.single = decoder, single
         self.spec, self.max_context = decoder.spec, decoder.max_context
+        self.target, self.tree_temperature = decoder.target, decoder.tree_temperature
         self.alone = 0  # requests that started on the batch-1 decoder
         self.handed_over = 0  # of those, requests that moved into the batch when another arrived
         self.wake = threading.Condition()
