@@ -69,6 +69,27 @@ def test_a_json_array_cut_off_at_the_end_keeps_its_complete_rows(tmp_path):
     assert len(list(read_rows_of(path, counts))) == 4 and counts["truncated_tail"] == 1
 
 
+def test_a_json_array_without_its_end_and_a_broken_element_inside_is_an_error(tmp_path):
+    rows = [json.dumps(r) for r in rows_file(tmp_path, 20)]
+    rows[3] = '{"messages": [{"role": "user", "content": "q3"}'  # element 4: unclosed
+    path = tmp_path / "rows.json"
+    path.write_text("[\n" + ",\n".join(rows)[:-30])  # and the file cut before its "]"
+    with pytest.raises(Eagle3Error) as err:
+        list(read_rows_of(path))
+    assert str(err.value).startswith(
+        f"data.source {path}: element 4 of the JSON array (from line 5) is not valid JSON"
+    )
+
+
+@pytest.mark.parametrize("tail", ['{"messages": [{"ro', '{"messages": [', '{"a": tr', '{"a": 1, '])
+def test_a_json_array_cut_inside_its_last_element_keeps_every_complete_one(tmp_path, tail):
+    rows = [json.dumps(r) for r in rows_file(tmp_path, 6)]
+    path = tmp_path / "rows.json"
+    path.write_text("[\n" + ",\n".join(rows) + ",\n" + tail)
+    counts = Counter()
+    assert len(list(read_rows_of(path, counts))) == 6 and counts["truncated_tail"] == 1
+
+
 def read_rows_of(path, counts=None):
     from omegaconf import OmegaConf
 

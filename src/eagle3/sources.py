@@ -74,8 +74,8 @@ def read_file(path: Path, counts: Counter) -> Iterator[Any]:
 
 def iter_json_array(path: Path, counts: Counter, text: str | None = None) -> Iterator[Any]:
     """Elements of a JSON array, one by one. A file cut off inside its last element ends the
-    stream (counted as truncated_tail, with a warning); a broken element before the end stops the
-    stage naming its position (nothing after it would be read)."""
+    stream (counted as truncated_tail, with a warning): every complete element was read. A broken
+    element anywhere else stops the stage naming its position (nothing after it would be read)."""
     if text is None:
         text = path.read_bytes().decode("utf-8", errors="surrogateescape")
     start = text.find("[")
@@ -89,7 +89,7 @@ def iter_json_array(path: Path, counts: Counter, text: str | None = None) -> Ite
         try:
             row, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as err:
-            if text.rstrip().endswith("]"):  # a closed array: the break is not a cut-off end
+            if text.rstrip().endswith("]") or not cut_off(err, text, pos):
                 line = text.count("\n", 0, pos) + 1
                 raise Eagle3Error(
                     f"data.source {path}: element {element} of the JSON array (from line {line}) "
@@ -99,6 +99,38 @@ def iter_json_array(path: Path, counts: Counter, text: str | None = None) -> Ite
             log.warning("data.source %s ends inside element %d", path, element)
             return
         yield row
+
+
+LITERALS = ("true", "false", "null")
+
+
+def cut_off(err: json.JSONDecodeError, text: str, begin: int) -> bool:
+    """The element starting at `begin` failed because the file ends inside it (a download cut
+    short), not because it is broken with complete elements after it. An unclosed bracket in a
+    broken element swallows the rest of the file, so the failure looks like an early end: a later
+    element opening like this one (`{"id":`) that decodes whole proves the file goes on."""
+    rest = text[err.pos :].rstrip()
+    at_end = (
+        err.msg.startswith("Unterminated string")
+        or not rest
+        or (err.msg == "Expecting value" and any(word.startswith(rest) for word in LITERALS))
+    )
+    return at_end and not complete_element_after(text, begin)
+
+
+def complete_element_after(text: str, begin: int) -> bool:
+    opening = re.match(r'\{\s*"((?:[^"\\]|\\.)*)"\s*:', text[begin:])
+    if not opening:
+        return False
+    sibling = re.compile(r',\s*(\{\s*"' + re.escape(opening.group(1)) + r'"\s*:)')
+    decoder = json.JSONDecoder()
+    for candidate in sibling.finditer(text, begin + 1):
+        try:
+            decoder.raw_decode(text, candidate.start(1))
+        except json.JSONDecodeError:
+            continue
+        return True
+    return False
 
 
 def iter_jsonl(text: str, counts: Counter) -> Iterator[Any]:
