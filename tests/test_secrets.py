@@ -12,6 +12,8 @@ from pathlib import Path
 from eagle3.redact import MASK, mask, mask_argv, mask_text
 
 SECRETS = ("hf_s3cr3tvalue", "sk-0penai0000", "p4ssw0rd!x", "bench-k3y-xyz", "hf_f1ag")
+# values whose names say nothing: an engine's environment keeps its names only, a URL its user
+ENV_SECRETS = ("dbPW0rdq", "hfAuthV4lue", "awsS3ssionV4l", "urlPW0rdz")
 
 
 def test_mask_rules():
@@ -28,7 +30,7 @@ def test_mask_rules():
     }
     assert mask(tree) == {
         "serve": {
-            "env": {"HF_TOKEN": MASK, "VLLM_CPU_KVCACHE_SPACE": 2, "MY_SECRET": MASK},
+            "env": {"HF_TOKEN": MASK, "VLLM_CPU_KVCACHE_SPACE": MASK, "MY_SECRET": MASK},
             "api_key_env": "EAGLE3_API_KEY",
             "default_max_tokens": 128,
             "extra_args": ["--hf-token", MASK, f"--api-key={MASK}", "--dtype", "auto"],
@@ -47,6 +49,14 @@ def test_mask_rules():
         == f"serve.env.HF_TOKEN={MASK},spec.depth=3"
     )
     assert mask_text("x --api-key abc --port 1") == f"x --api-key {MASK} --port 1"
+    assert mask_argv(["+serve.env.DATABASE_URL=postgres://bob:pw@db", "serve.env.N=2"]) == [
+        f"+serve.env.DATABASE_URL={MASK}",
+        f"serve.env.N={MASK}",
+    ]
+    assert mask({"uri": "postgres://bob:SECRET@db/x", "url": "http://bob@h:80/v1"}) == {
+        "uri": f"postgres://bob:{MASK}@db/x",
+        "url": "http://bob@h:80/v1",
+    }
 
 
 def files_containing(root: Path, needles) -> list[str]:
@@ -75,6 +85,10 @@ def test_no_secret_reaches_any_file(test_root, tmp_path):
             "serve=vllm",
             "spec=d10s5",
             f"+serve.env.HF_TOKEN={SECRETS[0]}",
+            f"+serve.env.DATABASE_URL=postgres://bob:{ENV_SECRETS[0]}@db",
+            f"+serve.env.HF_AUTH={ENV_SECRETS[1]}",
+            f"+serve.env.AWS_SESSION_CREDENTIALS={ENV_SECRETS[2]}",
+            f"data.regen.base_url=http://bob:{ENV_SECRETS[3]}@127.0.0.1:9/v1",
             f"+data.regen.api_key={SECRETS[1]}",
             f"+tracking.db_password='{SECRETS[2]}'",
             f"serve.extra_args=[--hf-token,{SECRETS[4]}]",
@@ -87,10 +101,11 @@ def test_no_secret_reaches_any_file(test_root, tmp_path):
     assert out.returncode == 1 and "is a tree" in out.stderr, out.stderr[-2000:]
     saved = list(tmp_path.rglob(".hydra/*.yaml"))
     assert {p.name for p in saved} == {"config.yaml", "hydra.yaml", "overrides.yaml"}
-    assert "HF_TOKEN=***" in (saved[0].parent / "overrides.yaml").read_text()
+    overrides = (saved[0].parent / "overrides.yaml").read_text()
+    assert "HF_TOKEN=***" in overrides and "DATABASE_URL=***" in overrides
     assert (tmp_path / "mlruns" / "mlflow.db").exists()
-    assert files_containing(tmp_path, SECRETS) == []
-    assert SECRETS[0] not in out.stdout + out.stderr
+    assert files_containing(tmp_path, SECRETS + ENV_SECRETS) == []
+    assert not any(s in out.stdout + out.stderr for s in SECRETS + ENV_SECRETS)
 
 
 STORE_USER = """

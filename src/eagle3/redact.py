@@ -1,10 +1,12 @@
 """Secrets never reach a log, an MLflow param or a saved config.
 
 A value is secret when its key matches *token*, *key*, *secret* or *password* (any case) and it
-is text (counts such as `max_new_tokens: 128` stay visible), or when it is any value of an
-environment mapping (`serve.env.HF_TOKEN`) whose name matches. Keys ending in `_env` name an
-environment variable, not its value (`serve.api_key_env: EAGLE3_API_KEY`), and stay visible.
-Command lines are masked too: `--api-key X`, `--hf-token=X`, `serve.env.HF_TOKEN=X`.
+is text (counts such as `max_new_tokens: 128` stay visible), or when it is a value of an
+environment mapping handed to a process (`serve.env.DATABASE_URL`): those keep their names only,
+whatever they are called. Keys ending in `_env` name an environment variable, not its value
+(`serve.api_key_env: EAGLE3_API_KEY`), and stay visible. The password of a URL
+(`postgres://bob:***@db`) is masked in every string. Command lines are masked too:
+`--api-key X`, `--hf-token=X`, `serve.env.ANY_NAME=X`.
 The `MaskSecrets` Hydra callback rewrites Hydra's own saved files (.hydra/config.yaml,
 hydra.yaml, overrides.yaml, multirun.yaml) masked.
 """
@@ -29,17 +31,24 @@ def secret_name(name: str) -> bool:
 
 
 def is_secret(name: str, value: Any, in_env: bool = False) -> bool:
-    if value is None or isinstance(value, bool) or not secret_name(name):
+    if in_env:
+        return value is not None
+    if isinstance(value, bool) or not secret_name(name):
         return False
-    return in_env or isinstance(value, str)
+    return isinstance(value, str)
 
 
 ASSIGNMENT = re.compile(r"(?<![\w-])([\w.+~]*?(?:token|key|secret|passw)\w*)=([^,\s]+)", re.I)
+ENV_ASSIGNMENT = re.compile(
+    r"(?<![\w-])([\w.+~]*?\b(?:" + "|".join(ENV_SECTIONS) + r")\.[^=,\s]+)=([^,\s]+)"
+)
+URL_PASSWORD = re.compile(r"(\b[a-z][\w+.-]*://[^\s:/@]*:)[^\s@/]+(@)", re.I)
 FLAG = re.compile(r"(--[\w-]*(?:token|key|secret|passw)[\w-]*)(=|,|\s+)([^\s,\]]+)", re.I)
 
 
 def mask_text(text: str) -> str:
-    """`a.hf_token=X`, `--api-key X` and `--api-key=X` inside a string, masked (numbers stay)."""
+    """`a.hf_token=X`, `serve.env.NAME=X`, `--api-key X`, `--api-key=X` and a URL's password inside a
+    string, masked (numbers stay, except environment values)."""
 
     def assignment(match: re.Match) -> str:
         name, value = match.group(1), match.group(2)
@@ -48,6 +57,8 @@ def mask_text(text: str) -> str:
             return match.group(0)
         return f"{name}={MASK}"
 
+    text = ENV_ASSIGNMENT.sub(lambda m: f"{m.group(1)}={MASK}", text)
+    text = URL_PASSWORD.sub(lambda m: f"{m.group(1)}{MASK}{m.group(2)}", text)
     text = ASSIGNMENT.sub(assignment, text)
     return FLAG.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", text)
 
