@@ -503,6 +503,64 @@ def test_local_regeneration_answers_every_turn_with_the_targets_greedy_output(
     }
 
 
+def rewritten_prompts(text: bytes, suffix: str) -> bytes:
+    """The JSONL fixture with `suffix` appended to every user turn (bad rows kept as they are)."""
+    lines = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            lines.append(line)
+            continue
+        for m in row.get("messages") or [] if isinstance(row, dict) else []:
+            if (
+                isinstance(m, dict)
+                and m.get("role") == "user"
+                and isinstance(m.get("content"), str)
+            ):
+                m["content"] += suffix
+        for m in row.get("conversations") or [] if isinstance(row, dict) else []:
+            if isinstance(m, dict) and m.get("from") == "human" and isinstance(m.get("value"), str):
+                m["value"] += suffix
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            row["prompt"] += suffix
+        lines.append(json.dumps(row).encode())
+    return b"\n".join(lines) + b"\n"
+
+
+def test_rewritten_prompts_are_answered_anew_never_paired_with_old_answers(
+    make_cfg, own_artifacts, tiny_target, tmp_path, monkeypatch
+):
+    """The answer log is keyed by the conversation up to each turn: after every prompt of the source
+    is rewritten (ids and positions unchanged), no logged answer is taken and each answer is the
+    target's greedy answer to the new prompt; with the old prompts back, every answer is found again
+    and nothing is generated (generate swapped for a recorder)."""
+    source = tmp_path / "conversations.jsonl"
+    source.write_bytes(JSONL.read_bytes())
+    overrides = ("data.regenerate=true", "data.regen.max_new_tokens=6", "data.regen.batch_size=4")
+    cfg = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", *overrides, source=source)
+    first = data.run(cfg)
+    turns = first.manifest()["counts"]["regen_answers"]
+    source.write_bytes(rewritten_prompts(JSONL.read_bytes(), " Answer in one line."))
+    rewritten = data.run(cfg)
+    assert rewritten.path != first.path
+    assert rewritten.manifest()["counts"]["regen_turns_resumed"] == 0
+    new_source = [c for s in conversations_for(cfg.data, {}).values() for c in s]
+    assert any(" Answer in one line." in m["content"] for m in new_source[0]["messages"])
+    check_regenerated(rewritten, tiny_target, new_source)
+    generated = []
+    monkeypatch.setattr(
+        regen.LocalGenerator, "generate", lambda self, prompts: generated.append(prompts) or []
+    )
+    source.write_bytes(JSONL.read_bytes())
+    shutil.rmtree(first.path)
+    again = data.run(cfg)
+    assert generated == [] and again.manifest()["counts"]["regen_turns_resumed"] == turns
+    check_regenerated(
+        again, tiny_target, [c for s in conversations_for(cfg.data, {}).values() for c in s]
+    )
+
+
 def test_another_draft_vocab_reuses_the_regenerated_answers(make_cfg, own_artifacts, monkeypatch):
     """The answers depend on the target and data config only: data outputs for other
     drafter.draft_vocab_size values take every answer from the shared log and generate nothing; without
@@ -1016,7 +1074,8 @@ def test_shipped_answers_are_the_ones_their_experiments_ask_for(answer_hash):
 
 def test_the_scratch_recipe_finds_every_answer_it_needs_in_the_shipped_logs(tmp_path):
     """experiment=smollm2-h200-scratch reuses two shipped logs (data.regen.reuse_answers, unpacked under the
-    artifacts folder): every turn of its prompt file is answered there, so its data stage generates nothing."""
+    artifacts folder): every turn of its prompt file is answered there, found by its key (the conversation
+    so far), so its data stage generates nothing."""
     from eagle3.common import compose
     from eagle3.prompt_files import write_prompts
 
@@ -1029,15 +1088,17 @@ def test_the_scratch_recipe_finds_every_answer_it_needs_in_the_shipped_logs(tmp_
         Path(str(p)).relative_to(cfg.paths.artifacts).as_posix()
         for p in cfg.data.regen.reuse_answers
     ]
-    answered = set()
+    answered = {}
     for answer_hash in ("22ea300a3a13", "fea6c3211aa9"):
         member, rows = shipped_answers(answer_hash)
         assert member in logs
-        answered |= {(r["id"], r["turn"]) for r in rows}
+        answered.update({r["key"]: r["content"] for r in rows})
     rows = [json.loads(line) for line in prompt_file.read_text().splitlines()]
     assert len(rows) == 3 * 14066
     assert all(sum(m["role"] == "user" for m in r["messages"]) == 1 for r in rows)
-    assert {(r["id"], 0) for r in rows} <= answered
+    convs = [c for split in conversations_for(cfg.data, Counter()).values() for c in split]
+    assert len(convs) == len(rows)
+    assert all(len(regen.conversation_answers(c, answered)) == 1 for c in convs)
 
 
 def test_sampled_answers_reuse_the_greedy_ones_word_for_word():

@@ -148,10 +148,10 @@ def self_written_prompts(
     each written prompt becomes a single-turn row, ids self:<index>; empty ones are dropped."""
     requests = self_prompt_requests(cfg.data.self_prompts)
     prompt_log = make_log(folder / SELF_PROMPT_LOG)
-    pending = [r for r in requests if 0 not in prompt_log.answers.get(r[0], {})]
+    pending = [r for r in requests if not prompt_log.find(r[0], r[2])[0]]
     if pending:
         make_generator(generator_cfg(cfg)).run(pending, prompt_log, desc="self-written prompts")
-    written = [(rid, prompt_log.answers.get(rid, {}).get(0)) for rid, _, _ in requests]
+    written = [(rid, prompt_log.find(rid, messages)[1]) for rid, _, messages in requests]
     return [
         {"id": rid, "messages": [{"role": "user", "content": text.strip()}]}
         for rid, text in written

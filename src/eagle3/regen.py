@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -50,23 +51,35 @@ def seed_regen_log(cfg: DictConfig, shared: Path) -> None:
             return
 
 
-def logged_answers(data: bytes) -> dict[str, dict[int, str | None]]:
-    """{conversation id: {turn: content}} from an answer log's complete lines (the first line of a turn wins)."""
-    answers: dict[str, dict[int, str | None]] = {}
+def answer_key(conv_id: str, prompt: list[dict]) -> str:
+    """An answer's key: the conversation up to the turn it answers (system prompt, user turns and the
+    target's earlier answers), so an edited prompt gets a new key. The id keeps sampled answers of
+    two rows with the same prompt (first-turn copies) apart. The target, engine and sampling
+    settings are the log's own key (regen_log_path)."""
+    text = json.dumps([conv_id, prompt], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def logged_answers(data: bytes) -> dict[str, str | None]:
+    """{answer key: content} from an answer log's complete lines (the first line of a key wins; a
+    line without a key, from a log written before keys, answers nothing)."""
+    answers: dict[str, str | None] = {}
     for line in data[: data.rfind(b"\n") + 1].decode().splitlines():
         record = json.loads(line)
-        answers.setdefault(record["id"], {}).setdefault(record["turn"], record["content"])
+        if "key" in record:
+            answers.setdefault(record["key"], record["content"])
     return answers
 
 
 class TurnLog:
-    """regen/turns.jsonl: one line per answered turn, {"id", "turn", "content"} (content null when
-    the prompt no longer fits max_length). Appended and fsynced as results arrive; a line cut
-    by a kill is dropped on reopen, so nothing is duplicated and nothing written is lost."""
+    """regen/turns.jsonl: one line per answered turn, {"key", "id", "turn", "content"} (content null
+    when the prompt no longer fits max_length), found again by its key (answer_key), never by id and
+    turn alone: a rewritten prompt is answered anew. Appended and fsynced as results arrive; a line
+    cut by a kill is dropped on reopen, so nothing is duplicated and nothing written is lost."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.answers: dict[str, dict[int, str | None]] = {}
+        self.answers: dict[str, str | None] = {}
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
             self._load()
@@ -79,13 +92,29 @@ class TurnLog:
                 file.truncate(complete)
         self.answers = logged_answers(data)
 
+    def key(self, conv_id: str, prompt: list[dict]) -> str:
+        return answer_key(conv_id, prompt)
+
+    def find(self, conv_id: str, prompt: list[dict]) -> tuple[bool, str | None]:
+        """(whether this prompt was answered, its answer)."""
+        key = self.key(conv_id, prompt)
+        return key in self.answers, self.answers.get(key)
+
+    def add(self, answered: list[tuple[str, int, list[dict], str | None]]) -> None:
+        """Log (conversation id, turn, prompt, answer) tuples."""
+        records = [
+            {"key": self.key(conv_id, prompt), "id": conv_id, "turn": turn, "content": content}
+            for conv_id, turn, prompt, content in answered
+        ]
+        self.append(records)
+
     def append(self, records: list[dict]) -> None:
         with open(self.path, "a") as file:
             file.write("".join(json.dumps(r) + "\n" for r in records))
             file.flush()
             os.fsync(file.fileno())
         for r in records:
-            self.answers.setdefault(r["id"], {})[r["turn"]] = r["content"]
+            self.answers.setdefault(r["key"], r["content"])
 
 
 def turn_prompt(conversation: dict, answers: dict[int, str | None], turn: int) -> list[dict]:
@@ -99,6 +128,20 @@ def turn_prompt(conversation: dict, answers: dict[int, str | None], turn: int) -
             {"role": "assistant", "content": answers[j]},
         ]
     return prompt + [{"role": "user", "content": users[turn]}]
+
+
+def conversation_answers(conversation: dict, answers_by_key: dict) -> dict:
+    """{turn: answer} of the turns logged for this conversation as it reads now, in order up to the
+    first turn not logged (or logged as not answered)."""
+    answers: dict[int, str | None] = {}
+    for turn in range(user_turns(conversation)):
+        key = answer_key(conversation["id"], turn_prompt(conversation, answers, turn))
+        if key not in answers_by_key:
+            break
+        answers[turn] = answers_by_key[key]
+        if answers[turn] is None:
+            break
+    return answers
 
 
 def regenerated(conversation: dict, answers: dict[int, str | None]) -> dict:
@@ -130,13 +173,11 @@ def regenerate(
     shared, own = regen_log_path(cfg), out_dir / "regen" / "turns.jsonl"
     with regen_lock(shared.parent):
         turn_log, failed = answer_turns(cfg, shared, splits, tokenizer, counts)
-    own.parent.mkdir(parents=True, exist_ok=True)
-    if shared.exists():  # absent when no conversation had a turn to answer
-        shutil.copyfile(shared, own)
+    write_own_log(own, turn_log, [c for convs in splits.values() for c in convs])
     report_failures(out_dir, failed, cfg.data.regen, counts)
     splits = {
         name: [
-            regenerated(c, turn_log.answers.get(c["id"], {}))
+            regenerated(c, conversation_answers(c, turn_log.answers))
             for c in convs
             if c["id"] not in failed
         ]
@@ -144,6 +185,26 @@ def regenerate(
     }
     report_loops(splits, cfg.data.regen.loop_ngram, counts)
     return splits
+
+
+def write_own_log(path: Path, turn_log: TurnLog, conversations: list[dict]) -> None:
+    """The data output's copy of the answers it was built from, in conversation and turn order (the
+    shared log also holds answers to prompts since rewritten, and other outputs' conversations)."""
+    records = [
+        {
+            "key": turn_log.key(c["id"], turn_prompt(c, answers, turn)),
+            "id": c["id"],
+            "turn": turn,
+            "content": content,
+        }
+        for c in conversations
+        for answers in [conversation_answers(c, turn_log.answers)]
+        for turn, content in sorted(answers.items())
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(path)
 
 
 @contextmanager
@@ -188,14 +249,16 @@ def answer_turns(
         counts["regen_turns_reused"] = sum(
             reuse_answers(turn_log, Path(str(source)), conversations) for source in sources
         )
-    counts["regen_turns_resumed"] = sum(len(a) for a in turn_log.answers.values())
+    counts["regen_turns_resumed"] = sum(
+        len(conversation_answers(c, turn_log.answers)) for c in conversations
+    )
     generator = generator_for(cfg)
     failed: dict[str, str] = {}
     try:
         for turn in range(max(map(user_turns, conversations), default=0)):
             items = []
             for c in conversations:
-                answers = turn_log.answers.get(c["id"], {})
+                answers = conversation_answers(c, turn_log.answers)
                 if c["id"] not in failed and pending_turn(c, answers, turn):
                     items.append((c["id"], turn, turn_prompt(c, answers, turn)))
             items = skip_long_prompts(items, tokenizer, cfg.data, turn_log)
@@ -221,19 +284,22 @@ def generator_for(cfg: DictConfig):
 
 def reuse_answers(turn_log: TurnLog, source: Path, conversations: list[dict]) -> int:
     """Copy into this run's log the answers another regeneration logged (data.regen.reuse_answers) for
-    these conversations' turns that this log lacks -> how many. The source must have answered the same
-    conversations (ids and user turns) with the same target: its answers are taken, not checked."""
+    these conversations' turns that this log lacks -> how many. An answer is taken only for the same
+    conversation so far (its key); it was written by that log's target and settings, which need not
+    be these (greedy answers under a sampled regeneration)."""
     if not source.is_file():
         raise Eagle3Error(
             f"data.regen.reuse_answers={source}: no such answer log (a regen/<hash>/turns.jsonl)"
         )
-    turns = {c["id"]: user_turns(c) for c in conversations}
-    records = [
-        {"id": conv_id, "turn": turn, "content": content}
-        for conv_id, answers in logged_answers(source.read_bytes()).items()
-        for turn, content in sorted(answers.items())
-        if turn < turns.get(conv_id, 0) and turn not in turn_log.answers.get(conv_id, {})
-    ]
+    offered = logged_answers(source.read_bytes())
+    known = {**offered, **turn_log.answers}
+    records = []
+    for c in conversations:
+        answers = conversation_answers(c, known)
+        for turn, content in sorted(answers.items()):
+            key = turn_log.key(c["id"], turn_prompt(c, answers, turn))
+            if key not in turn_log.answers and key in offered:
+                records.append({"key": key, "id": c["id"], "turn": turn, "content": content})
     if records:
         turn_log.append(records)
     log.info("data: %d answers reused from %s", len(records), source)
@@ -284,9 +350,7 @@ def skip_long_prompts(
         )
         (keep if length < dcfg.max_length else stop).append((conv_id, turn, messages))
     if stop:
-        turn_log.append(
-            [{"id": conv_id, "turn": turn, "content": None} for conv_id, turn, _ in stop]
-        )
+        turn_log.add([(conv_id, turn, messages, None) for conv_id, turn, messages in stop])
     return keep
 
 
@@ -328,12 +392,7 @@ class LocalGenerator:
         for begin in tqdm(range(0, len(order), size), desc=desc, unit=" batch"):
             batch = order[begin : begin + size]
             texts = self.generate([encoded[i] for i in batch])
-            turn_log.append(
-                [
-                    {"id": items[i][0], "turn": items[i][1], "content": text}
-                    for i, text in zip(batch, texts)
-                ]
-            )
+            turn_log.add([(*items[i], text) for i, text in zip(batch, texts)])
         return {}
 
     @torch.no_grad()
@@ -393,7 +452,7 @@ class OpenAIGenerator:
                 async with limit:
                     try:
                         content = await self.complete(client, model, messages)
-                        turn_log.append([{"id": conv_id, "turn": turn, "content": content}])
+                        turn_log.add([(conv_id, turn, messages, content)])
                     except RequestFailed as err:
                         failures[conv_id] = str(err)
                 bar.update(1)
