@@ -4,6 +4,7 @@ bit-exact round trips through every supported folder variant, models:/ resolutio
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -707,3 +708,38 @@ def test_engines_own_code_captures_our_aux_layers(drafter, tmp_path, aux_ids, nu
             json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("[")
         ]
         assert captured == [aux_ids] * (2 if engine == "vllm" else 1), engine
+
+
+def test_a_drafter_cut_short_is_refused_before_an_engine_starts(
+    drafter, make_cfg, own_artifacts, tmp_path
+):
+    """An exported model.safetensors cut short: drafter_for (what serve and bench call before
+    starting an engine) names the file, from the export's manifest; a copy of the folder outside
+    any export is refused by the file's own safetensors header."""
+    from eagle3.serve import drafter_for
+    from eagle3.spec import resolve_spec
+
+    cfg, overrides = export_cfg(make_cfg, own_artifacts)
+    fake_training_output(cfg, drafter, tau=2.0)
+    out = export.run(cfg)
+    spec = resolve_spec(make_cfg(*overrides, "spec=d10s5").spec)
+    weights = out.path / "sglang" / "model.safetensors"
+    assert drafter_for(cfg, spec) == weights.parent
+    whole = weights.read_bytes()
+    loose = tmp_path / "drafter"
+    shutil.copytree(weights.parent, loose)
+    weights.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(Eagle3Error) as err:
+        drafter_for(cfg, spec)
+    assert str(err.value).startswith(f"{weights} has {len(whole) // 2:,} bytes where its header")
+    (loose / "model.safetensors").write_bytes(whole[:-1])
+    with pytest.raises(Eagle3Error) as err:
+        drafter_for(make_cfg(*overrides, f"drafter.path={loose}"), spec)
+    assert str(err.value) == (
+        f"{loose / 'model.safetensors'} has {len(whole) - 1:,} bytes where its header promises "
+        f"{len(whole):,}: the file was cut short; copy or export it again"
+    )
+    weights.write_bytes(whole)
+    (out.path / "sglang" / "config.json").write_text("{}\n" + " " * 10)
+    with pytest.raises(Eagle3Error, match=r"config.json has .* bytes where its manifest says"):
+        drafter_for(cfg, spec)

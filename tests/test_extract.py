@@ -266,3 +266,43 @@ def test_smollm2_sharegpt_end_to_end(make_cfg, own_artifacts, smollm2):
     tok = smollm2.tokenizer
     masked = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
     assert masked.count("<|im_end|>") >= 1 and "<|im_start|>" not in masked
+
+
+def test_a_finished_shard_cut_short_or_changed_is_named_before_it_is_read(make_cfg, own_artifacts):
+    """The manifest lists each file's size and sha256: a shard cut short after the output finished
+    stops the extract rerun and training (before its MLflow run) naming the shard; a shard changed
+    at its full size passes the size check and is caught with verify=true."""
+    from mlflow.tracking import MlflowClient
+
+    from eagle3 import train
+
+    cfg = tiny_cfg(make_cfg, own_artifacts, "train.hidden_states=offline")
+    out = extract.run(cfg)
+    files = shard_files(out.path)
+    listed = out.manifest()["files"][f"train/{files[1].name}"]
+    assert listed["size"] == files[1].stat().st_size and len(listed["sha256"]) == 64
+    whole = files[1].read_bytes()
+    files[1].write_bytes(whole[:1000])
+    damaged = (
+        f"{files[1]} has 1,000 bytes where its manifest says {len(whole):,} (cut short or "
+        f"changed); the output {out.path} is damaged: remove that folder and rerun "
+        "`python -m eagle3.extract` to redo it"
+    )
+    with pytest.raises(Eagle3Error) as err:
+        extract.run(cfg)
+    assert str(err.value) == damaged
+    client = MlflowClient(cfg.tracking.uri)
+    runs = lambda: client.search_runs(  # noqa: E731
+        [e.experiment_id for e in client.search_experiments()]
+    )
+    before = len(runs())
+    with pytest.raises(Eagle3Error) as err:
+        train.run(cfg)
+    assert str(err.value) == damaged and len(runs()) == before
+    flipped = bytearray(whole)
+    flipped[-1] ^= 1  # the same size, one bit changed in the last tensor's data
+    files[1].write_bytes(bytes(flipped))
+    assert extract.run(cfg).path == out.path  # sizes agree: not hashed by default
+    with pytest.raises(Eagle3Error) as err:
+        extract.run(tiny_cfg(make_cfg, own_artifacts, "train.hidden_states=offline", "verify=true"))
+    assert str(err.value).startswith(f"{files[1]} differs from the sha256 its manifest records")

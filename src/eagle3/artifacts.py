@@ -2,7 +2,9 @@
 
 The hash covers the config sections a stage depends on plus its upstream hashes, so
 the whole recipe of an artifact is its config. The manifest's `complete` flag is
-written last: a folder without it is half-written and gets resumed, never reused.
+written last: a folder without it is half-written and gets resumed, never reused. A finished
+manifest lists every file of the folder with its size and sha256, so a file cut short or
+changed later is caught before it is read (sizes always, checksums with `verify=true`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from eagle3.common import Eagle3Error
 from eagle3.redact import mask
 
 TRACKED_PACKAGES = (
@@ -132,8 +135,14 @@ class StageOutput:
 
     def finish(self, counts: dict | None = None, **extra: Any) -> None:
         manifest = {**self.manifest(), **self._base(), **extra}
-        manifest.update(counts=counts or {}, finished=_now(), complete=True)
+        manifest.update(counts=counts or {}, files=file_records(self.path), finished=_now())
+        manifest["complete"] = True
         self._write(manifest)
+
+    def check_files(self, verify: bool) -> None:
+        """Refuse this finished output when a file its manifest lists is missing, has another size
+        or (verify) another sha256, naming the file and how to redo the output."""
+        check_listed_files(self.path, self.manifest(), verify, f"python -m eagle3.{self.stage}")
 
     def _base(self) -> dict:
         return {
@@ -160,6 +169,78 @@ def stage_output(
     config = mask({name: to_plain(section) for name, section in sections.items()})
     digest = config_hash(config, upstream)
     return StageOutput(stage, digest, Path(artifacts_dir) / stage / digest, config, upstream)
+
+
+# Files of an output folder that are not part of what it holds.
+UNLISTED = ("manifest.json", "manifest.tmp")
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def file_records(folder: Path) -> dict[str, dict]:
+    """{path inside the folder: {"size", "sha256"}} of every file an output holds."""
+    return {
+        path.relative_to(folder).as_posix(): {
+            "size": path.stat().st_size,
+            "sha256": file_sha256(path),
+        }
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.relative_to(folder).as_posix() not in UNLISTED
+    }
+
+
+def check_listed_files(
+    folder: Path, manifest: dict, verify: bool, redo: str, under: str = ""
+) -> None:
+    """The files `manifest` lists (those under the subfolder `under`, if given) as they were
+    written: sizes always, sha256 with verify. An output from before file lists has none to check."""
+    for name, record in (manifest.get("files") or {}).items():
+        if under and not name.startswith(f"{under}/"):
+            continue
+        path = folder / name
+        problem = listed_file_problem(path, record, verify)
+        if problem:
+            raise Eagle3Error(
+                f"{path} {problem}; the output {folder} is damaged: remove that folder and rerun "
+                f"`{redo}` to redo it"
+            )
+
+
+def listed_file_problem(path: Path, record: dict, verify: bool) -> str | None:
+    if not path.is_file():
+        return "is missing"
+    size = path.stat().st_size
+    if size != record["size"]:
+        return (
+            f"has {size:,} bytes where its manifest says {record['size']:,} (cut short or changed)"
+        )
+    if verify and file_sha256(path) != record["sha256"]:
+        return "differs from the sha256 its manifest records (changed after it was written)"
+    return None
+
+
+def check_safetensors(path: Path) -> None:
+    """A safetensors file holds every byte its own header promises (one cut short fails here, not
+    inside an engine)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(length)) if 8 + length <= size else None
+    except (OSError, ValueError):
+        header = None
+    if header is None:
+        raise Eagle3Error(f"{path} is not a readable safetensors file (its header is cut or bad)")
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    expected = 8 + length + max(ends, default=0)
+    if size < expected:
+        raise Eagle3Error(
+            f"{path} has {size:,} bytes where its header promises {expected:,}: the file was cut "
+            "short; copy or export it again"
+        )
 
 
 def _now() -> str:

@@ -86,6 +86,7 @@ def run(cfg: DictConfig) -> StageOutput:
     """Build the data stage's output (a no-op when it is complete)."""
     out = data_output(cfg)
     if out.complete:
+        out.check_files(cfg.verify)
         log.info("data: %s is complete, nothing to do", out.path)
         return out
     with stage_run(cfg, "data", artifact_hash=out.hash) as mlflow_run:

@@ -116,6 +116,7 @@ def run(cfg: DictConfig) -> StageOutput:
     """Export the drafter the current config trained (no-op when already exported)."""
     out = export_output(cfg)
     if out.complete:
+        out.check_files(cfg.verify)
         log.info("export %s already complete: %s", out.hash, out.path)
         return out
     trained = train_output(cfg)
@@ -124,6 +125,7 @@ def run(cfg: DictConfig) -> StageOutput:
             f"no trained drafter for this config at {trained.path}: run `python -m eagle3.train` "
             "first (or `python -m eagle3.pipeline`)"
         )
+    trained.check_files(cfg.verify)
     target = load_target_parts(cfg)
     drafter = load_trained_drafter(trained.path, target).cpu()
     recipe = build_recipe(cfg, drafter, trained.manifest())

@@ -360,6 +360,7 @@ def run(cfg: DictConfig) -> StageOutput:
     data_out = data.run(cfg)
     out = extract_output(cfg)
     if out.complete:
+        out.check_files(cfg.verify)
         log.info("extract: %s is complete, nothing to do", out.path)
         return out
     with stage_run(cfg, "extract", artifact_hash=out.hash) as mlflow_run:

@@ -9,7 +9,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from eagle3.artifacts import StageOutput, stage_output, to_plain
+from eagle3.artifacts import (
+    StageOutput,
+    check_listed_files,
+    check_safetensors,
+    stage_output,
+    to_plain,
+)
 from eagle3.common import Eagle3Error, resolve_device, resolve_dtype
 from eagle3.drafter_io import ENGINES, MODELS_URI, RECIPE_KEY, download_registered, parse_models_uri
 from eagle3.target import target_key
@@ -242,6 +248,19 @@ def serving_folder(folder: Path, engine: str) -> Path:
             f"serve={engine} needs the {engine}/ folder of the export"
         )
     return chosen
+
+
+def check_drafter_files(folder: Path, verify: bool) -> None:
+    """Before an engine starts: every weight file of the drafter folder holds what its header
+    promises, and the files its export's manifest lists are as written (sizes; sha256 with verify)."""
+    for weights in sorted(folder.glob("*.safetensors")):
+        check_safetensors(weights)
+    for root, under in ((folder, ""), (folder.parent, folder.name)):
+        manifest = root / "manifest.json"
+        if manifest.exists():
+            listed = json.loads(manifest.read_text())
+            check_listed_files(root, listed, verify, "python -m eagle3.export", under)
+            return
 
 
 def read_config(folder: Path) -> dict:

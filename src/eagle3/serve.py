@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from eagle3.common import Eagle3Error, app
 from eagle3.launch import check_spec_for_engine, start_engine, untrained_fallback
-from eagle3.outputs import resolve_drafter_path, serving_folder
+from eagle3.outputs import check_drafter_files, resolve_drafter_path, serving_folder
 from eagle3.shipped import shipped_drafter, wanted
 from eagle3.spec import Spec, resolve_spec
 from eagle3.target import target_path_for
@@ -23,13 +23,16 @@ def drafter_for(cfg: DictConfig, spec: Spec) -> Path | None:
         return None
     # each engine reads custom aux-layer ids in its own convention; local reads any
     if wanted(cfg):
-        return serving_folder(shipped_drafter(cfg), cfg.serve.engine)
-    try:
-        return Path(resolve_drafter_path(cfg, engine=cfg.serve.engine))
-    except Eagle3Error:
-        if untrained_fallback(cfg):
-            return None
-        raise
+        folder = serving_folder(shipped_drafter(cfg), cfg.serve.engine)
+    else:
+        try:
+            folder = Path(resolve_drafter_path(cfg, engine=cfg.serve.engine))
+        except Eagle3Error:
+            if untrained_fallback(cfg):
+                return None
+            raise
+    check_drafter_files(folder, cfg.verify)
+    return folder
 
 
 @app

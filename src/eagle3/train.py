@@ -129,6 +129,7 @@ def check_shards(cfg: DictConfig, shards: StageOutput, data_hash: str) -> None:
             f"no complete hidden-state shards at {shards.path}: run `python -m eagle3.extract` "
             "(or train.hidden_states=online)"
         )
+    shards.check_files(cfg.verify)
     recorded = shards.manifest().get("upstream", {}).get("data")
     if recorded != data_hash:
         raise Eagle3Error(
@@ -357,6 +358,7 @@ def run(cfg: DictConfig, callbacks=()) -> StageOutput:
     """Train the drafter this config describes (a no-op when its output is complete)."""
     out = train_output(cfg)
     if out.complete:
+        out.check_files(cfg.verify)
         log.info("train: %s is complete, nothing to do", out.path)
         return out
     data = data_output(cfg)
@@ -364,6 +366,7 @@ def run(cfg: DictConfig, callbacks=()) -> StageOutput:
         raise Eagle3Error(
             f"no complete data stage output at {data.path}: run `python -m eagle3.data` first"
         )
+    data.check_files(cfg.verify)
     if cfg.train.hidden_states == "offline":
         check_shards(cfg, shards_output(cfg), data.hash)
     target = target_for(cfg)
