@@ -308,7 +308,7 @@ def test_vllm_sweep_reads_counters_and_refuses_trees(test_root, tmp_path, vllm_d
         *QUICK,
         f"drafter.path={vllm_drafter}",
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 1 and "2 of 4 bench jobs failed" in out.stderr, out.stderr[-3000:]
     results = [json.loads((sweep_dir / str(i) / "bench_result.json").read_text()) for i in range(4)]
     ok = [r for r in results if r["status"] == "ok"]
     failed = [r for r in results if r["status"] == "failed"]
@@ -361,7 +361,8 @@ def tiny_drafter(test_root):
 
 def test_local_sweep_one_job_refused(test_root, tmp_path, tiny_drafter):
     """`python -m eagle3.bench -m serve=local,vllm spec=d10s5`: the local job runs the tree through
-    our server; vLLM refuses the tree: failed, listed, the sweep finishes."""
+    our server; vLLM refuses the tree: failed, listed, the sweep finishes and exits 1 naming the
+    failed job and its error."""
     out, sweep_dir = run_sweep(
         test_root,
         tmp_path,
@@ -372,7 +373,12 @@ def test_local_sweep_one_job_refused(test_root, tmp_path, tiny_drafter):
         "bench.repeats=1",
         f"drafter.path={tiny_drafter}",
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 1, out.stderr[-3000:]
+    report = out.stderr[out.stderr.index("eagle3 error: ") :].splitlines()
+    assert report[0] == "eagle3 error: 1 of 2 bench jobs failed; the summary lists them"
+    assert report[1].startswith(
+        "  job 1 (vllm d10s5k4 bs1): Eagle3Error: spec d10s5k4 (topk=4) is a tree"
+    )
     local, vllm = (
         json.loads((sweep_dir / str(i) / "bench_result.json").read_text()) for i in range(2)
     )
@@ -823,3 +829,79 @@ def test_sweep_progress_counts_jobs_and_estimates_what_is_left(tmp_path):
     os.utime(tmp_path / "0" / ".hydra" / "config.yaml", (started, started))
     line = progress_line(tmp_path)
     assert re.fullmatch(r"bench job 2 of 6; 1 done in 10[01] s, about 50[0-5] s left", line), line
+
+
+# ---------------------------------------------------------------- checks before anything heavy
+
+
+def refused_job(make_cfg, tmp_path, *overrides) -> dict:
+    from eagle3.bench import run_job
+
+    result = run_job(make_cfg("spec=off", *overrides), tmp_path / "job")
+    assert result["status"] == "failed"
+    return result
+
+
+def test_bench_settings_and_prompts_are_checked_before_the_target_is_prepared(make_cfg, tmp_path):
+    """A target folder that does not exist would fail its preparation (the conversion a real
+    target takes 40 s for): a missing bench.prompts and bench.repeats=0 are named instead."""
+    missing = tmp_path / "missing.jsonl"
+    nowhere = ("target=hf", f"target.path={tmp_path / 'no-model'}")
+    result = refused_job(make_cfg, tmp_path, *nowhere, f"bench.prompts={missing}")
+    assert result["error"] == (
+        f"Eagle3Error: bench.prompts={missing} does not exist (a JSONL with `prompt` or `messages`)"
+    )
+    result = refused_job(make_cfg, tmp_path, *nowhere, "bench.repeats=0")
+    assert result["error"] == "Eagle3Error: bench.repeats=0: must be an integer >= 1"
+
+
+def test_prompts_and_completions_beyond_the_engine_context_are_refused_before_it_is_built(
+    make_cfg, tmp_path
+):
+    """engine.max_context below a prompt plus bench.max_new_tokens, or bench.max_new_tokens beyond
+    the context: the job fails naming the prompt or the setting, and no engine folder exists."""
+    tiny = ("target=tiny-llama", "bench.limit=4", "bench.warmup=0", "bench.repeats=1")
+    result = refused_job(
+        make_cfg, tmp_path, *tiny, "engine.max_context=40", "bench.max_new_tokens=8"
+    )
+    assert re.fullmatch(
+        r"Eagle3Error: prompt \S+ of \S+ has \d+ tokens: with bench.max_new_tokens=8 it does not "
+        r"fit the local engine's context of 40 tokens \(engine.max_context\); lower "
+        r"bench.max_new_tokens, raise engine.max_context, or set bench.limit to leave it out",
+        result["error"],
+    ), result["error"]
+    assert not (tmp_path / "job" / "baseline").exists()
+    result = refused_job(
+        make_cfg,
+        tmp_path,
+        *tiny,
+        "serve=vllm",
+        "serve.max_model_len=1024",
+        "bench.max_new_tokens=100000",
+    )
+    assert result["error"] == (
+        "Eagle3Error: bench.max_new_tokens=100000 does not fit the vllm engine's context of 1,024 "
+        "tokens (serve.max_model_len), prompt and completion together: ask for fewer tokens"
+    )
+    assert not (tmp_path / "job" / "baseline").exists()
+
+
+def test_a_sweep_whose_prompts_overflow_the_context_stops_at_once_with_one_line(
+    test_root, tmp_path
+):
+    """The context check runs before the first job's run and engine: the sweep exits 1 with one
+    error line, and no job measured anything or opened a child run."""
+    out, sweep_dir = run_sweep(
+        test_root,
+        tmp_path,
+        "spec=off,d4",
+        "target=tiny-llama",
+        "engine.max_context=40",
+        *QUICK,
+    )
+    assert out.returncode == 1
+    errors = [line for line in out.stderr.splitlines() if line.startswith("eagle3 error:")]
+    assert len(errors) == 1 and "engine.max_context" in errors[0], out.stderr[-2000:]
+    assert not list(sweep_dir.glob("*/bench_result.json"))
+    client, parent, children = sweep_runs(tmp_path)
+    assert children == []

@@ -1123,3 +1123,17 @@ def test_second_sampled_answers_are_one_new_copy_of_each_first_turn_the_sampled_
     assert (
         sum(r["content"] is None for r in second) == 10
     )  # first turns longer than data.max_length
+
+
+def test_a_missing_data_source_leaves_no_run_and_no_output_folder(
+    make_cfg, own_artifacts, tmp_path
+):
+    missing = tmp_path / "gone.jsonl"
+    cfg = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", source=missing)
+    with pytest.raises(Eagle3Error) as err:
+        data.run(cfg)
+    assert str(err.value) == f"data.source {missing}: no such file"
+    assert not (own_artifacts / "data").exists()
+    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    assert client.search_runs(experiments) == []

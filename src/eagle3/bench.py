@@ -479,10 +479,57 @@ def check_engine_supports(cfg: DictConfig, target_path: Path | str) -> None:
         )
 
 
+def bench_requests(cfg: DictConfig) -> tuple[Path | str, list[list[int]]]:
+    """Check the bench settings and prompts before anything heavy: settings, then the prompts
+    (before the target is converted), then that each prompt and its completion fit the engine's
+    context (before an engine is built) -> (the target's folder, the prompts' token ids)."""
+    check_bench_settings(cfg.bench)
+    prompts = load_suite(cfg.bench)
+    target_path = target_path_for(cfg)
+    requests = tokenize_prompts(target_tokenizer(target_path, cfg.target), prompts)
+    check_context(cfg, prompts, requests, target_path)
+    return target_path, requests
+
+
+def engine_context(cfg: DictConfig, target_path) -> tuple[int | None, str]:
+    """(tokens one request may hold, prompt + completion; the setting that sets it)."""
+    config = Path(str(target_path)) / "config.json"
+    positions = (
+        json.loads(config.read_text()).get("max_position_embeddings") if config.exists() else None
+    )
+    if cfg.serve.engine == "vllm":
+        return int(cfg.serve.max_model_len), "serve.max_model_len"
+    if cfg.serve.engine in inprocess.ENGINES:
+        limit = int(cfg.engine.max_context)
+        return (min(limit, positions) if positions else limit), "engine.max_context"
+    return positions, "the target's max_position_embeddings"
+
+
+def check_context(cfg: DictConfig, prompts, requests: list[list[int]], target_path) -> None:
+    """Every prompt with bench.max_new_tokens after it fits the engine's context (an engine
+    would refuse it, or cut its answer short, after it was built and other prompts ran)."""
+    context, setting = engine_context(cfg, target_path)
+    wanted = int(cfg.bench.max_new_tokens)
+    if context is None or not requests:
+        return
+    engine = f"the {cfg.serve.engine} engine's context of {context:,} tokens ({setting})"
+    if wanted >= context:
+        raise Eagle3Error(
+            f"bench.max_new_tokens={wanted} does not fit {engine}, prompt and completion together: "
+            f"ask for fewer tokens"
+        )
+    longest = max(range(len(requests)), key=lambda i: len(requests[i]))
+    if len(requests[longest]) + wanted > context:
+        raise Eagle3Error(
+            f"prompt {prompts[longest].id} of {suite_name(cfg.bench)} has "
+            f"{len(requests[longest]):,} tokens: with bench.max_new_tokens={wanted} it does not fit "
+            f"{engine}; lower bench.max_new_tokens, raise {setting}, or set bench.limit to leave it out"
+        )
+
+
 def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict:
     """Validate, find drafter and prompts, measure (baseline first), compute speedup. The
     baseline is shared by the jobs of one `scope` (a sweep folder; a lone job's own folder)."""
-    check_bench_settings(cfg.bench)
     check_output_settings(cfg)
     spec = resolve_spec(cfg.spec)
     check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.get("max_depth"))
@@ -491,11 +538,9 @@ def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict
             f"serve.inprocess=true runs serve=local or serve=hf inside the bench; "
             f"{cfg.serve.engine} runs as its own server (serve.inprocess=false)"
         )
-    target_path = target_path_for(cfg)
+    target_path, requests = bench_requests(cfg)
     check_engine_supports(cfg, target_path)
     drafter_path = drafter_for(cfg, spec)
-    prompts = load_suite(cfg.bench)
-    requests = tokenize_prompts(target_tokenizer(target_path, cfg.target), prompts)
     base = baseline(cfg, target_path, requests, folder, str(scope or folder))
     metrics = (
         measure(cfg, spec, drafter_path, target_path, requests, folder / "spec", off_spread(base))
@@ -800,6 +845,9 @@ def main(cfg: DictConfig) -> float | None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request in the job log
     hydra_cfg = HydraConfig.get()
     folder = Path(hydra_cfg.runtime.output_dir)
+    # settings, prompts and context, checked before any run or engine: one error line, and in a
+    # sweep the first job stops it (every job would fail the same way)
+    bench_requests(cfg)
     if hydra_cfg.mode == RunMode.MULTIRUN:
         sweep_dir = Path(hydra_cfg.sweep.dir)
         log.info(sweep.progress_line(sweep_dir))

@@ -27,6 +27,7 @@ from eagle3.conversations import conversations_for
 from eagle3.outputs import data_output
 from eagle3.prompts import more_prompts
 from eagle3.regen import TurnLog, generator_for, regen_log_path, regenerate, sampling_params
+from eagle3.sources import local_source
 from eagle3.target import tokenizer_hash
 from eagle3.tokens import load_tokenizer, tokenize_conversations
 from eagle3.tracking import stage_run
@@ -84,6 +85,7 @@ def length_histogram(lengths: list[int], path: Path) -> Path:
 
 def run(cfg: DictConfig) -> StageOutput:
     """Build the data stage's output (a no-op when it is complete)."""
+    local_source(str(cfg.data.source))  # a missing file: refused before a run or a folder exists
     out = data_output(cfg)
     if out.complete:
         out.check_files(cfg.verify)

@@ -22,17 +22,27 @@ def read_rows(dcfg: DictConfig, counts: Counter) -> Iterator[Any]:
     if source == "sharegpt":
         yield from iter_json_array(sharegpt_path(), counts)
         return
-    path = Path(source).expanduser()
-    if path.suffix.lower() in (".json", ".jsonl", ".parquet") or source.startswith((".", "/", "~")):
-        if path.is_dir():
-            raise Eagle3Error(
-                f"data.source {source} is a directory: give a .json, .jsonl or .parquet file"
-            )
-        if not path.is_file():
-            raise Eagle3Error(f"data.source {source}: no such file")
+    path = local_source(source)
+    if path is not None:
         yield from read_file(path, counts)
         return
     yield from read_hub(source, dcfg.split)
+
+
+def local_source(source: str) -> Path | None:
+    """The file a data.source names (None: a packaged or hub source), refused when it is not one."""
+    path = Path(source).expanduser()
+    if path.suffix.lower() not in (".json", ".jsonl", ".parquet") and not source.startswith(
+        (".", "/", "~")
+    ):
+        return None
+    if path.is_dir():
+        raise Eagle3Error(
+            f"data.source {source} is a directory: give a .json, .jsonl or .parquet file"
+        )
+    if not path.is_file():
+        raise Eagle3Error(f"data.source {source}: no such file")
+    return path
 
 
 def sharegpt_path() -> Path:

@@ -120,7 +120,7 @@ def load_suite(bcfg: DictConfig) -> list[Prompt]:
 
 def check_bench_settings(bcfg: DictConfig) -> None:
     """bench.* values that cannot be measured, refused before anything is launched."""
-    for key, least in (("batch_size", 1), ("max_new_tokens", 1), ("warmup", 0)):
+    for key, least in (("batch_size", 1), ("max_new_tokens", 1), ("warmup", 0), ("repeats", 1)):
         value = bcfg.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise Eagle3Error(f"bench.{key}={value}: must be an integer >= {least}")

@@ -105,12 +105,9 @@ class BenchSweepCallback(Callback):
             )
         ]
         summarize(config, results, sweep_dir, parent_run_id(sweep_dir))
-        if results and all(r.get("status") != "ok" for r in results):
-            # partial failures leave the exit status 0 (the summary lists them); none succeeding is an error
-            print(
-                f"eagle3 error: all {len(results)} bench jobs failed; first: {results[0].get('error')}",
-                file=sys.stderr,
-            )
+        failed = [r for r in results if r.get("status") != "ok"]
+        if failed:  # the summary lists every job; the exit status says not all were measured
+            print(failed_jobs_report(failed, len(results)), file=sys.stderr)
             sys.exit(1)
 
 
@@ -170,6 +167,21 @@ def progress_line(sweep_dir: Path) -> str:
     elapsed = time.time() - min(started)
     left = elapsed / done * max(total - done, 0)
     return f"{line}; {done} done in {elapsed:.0f} s, about {left:.0f} s left"
+
+
+def failed_jobs_report(failed: list[dict], jobs: int) -> str:
+    """One line per failed job: its number in the sweep, its shape and its error."""
+    head = (
+        f"all {jobs} bench jobs failed"
+        if len(failed) == jobs
+        else f"{len(failed)} of {jobs} bench jobs failed"
+    )
+    lines = [
+        f"  job {Path(r.get('folder', '?')).name} ({r.get('engine')} {r.get('spec')} "
+        f"bs{r.get('batch_size')}): {r.get('error')}"
+        for r in failed
+    ]
+    return "\n".join([f"eagle3 error: {head}; the summary lists them", *lines])
 
 
 def _kill_if_running(client, run_id: str) -> None:
