@@ -245,7 +245,7 @@ def test_bench_app_prints_one_line_for_a_zero_batch(test_root, tmp_path):
     )
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1] == (
-        "eagle3 error: bench job failed: Eagle3Error: bench.batch_size=0: must be an integer >= 1"
+        "eagle3 error: bench.batch_size=0: must be an integer >= 1"
         "  (add debug=true for the traceback)"
     )
     assert not list(tmp_path.rglob("engine.log"))
