@@ -83,7 +83,9 @@ def test_no_secret_reaches_any_file(test_root, tmp_path):
             f"tracking.uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
             f"tracking.artifact_location={tmp_path}/mlruns/artifacts",
             "serve=vllm",
-            "spec=d10s5",
+            "target=tiny-llama",
+            "drafter.draft_vocab_size=77",  # a config nothing trained: the job fails before launch
+            "spec.depth=4",
             f"+serve.env.HF_TOKEN={SECRETS[0]}",
             f"+serve.env.DATABASE_URL=postgres://bob:{ENV_SECRETS[0]}@db",
             f"+serve.env.HF_AUTH={ENV_SECRETS[1]}",
@@ -98,7 +100,7 @@ def test_no_secret_reaches_any_file(test_root, tmp_path):
         env=env,
         timeout=300,
     )
-    assert out.returncode == 1 and "is a tree" in out.stderr, out.stderr[-2000:]
+    assert out.returncode == 1 and "no exported drafter" in out.stderr, out.stderr[-2000:]
     saved = list(tmp_path.rglob(".hydra/*.yaml"))
     assert {p.name for p in saved} == {"config.yaml", "hydra.yaml", "overrides.yaml"}
     overrides = (saved[0].parent / "overrides.yaml").read_text()

@@ -527,10 +527,8 @@ def check_context(cfg: DictConfig, prompts, requests: list[list[int]], target_pa
         )
 
 
-def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict:
-    """Validate, find drafter and prompts, measure (baseline first), compute speedup. The
-    baseline is shared by the jobs of one `scope` (a sweep folder; a lone job's own folder)."""
-    check_output_settings(cfg)
+def job_spec(cfg: DictConfig) -> Spec:
+    """The job's spec, refused when impossible or when its engine cannot run it."""
     spec = resolve_spec(cfg.spec)
     check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.get("max_depth"))
     if cfg.serve.get("inprocess") and cfg.serve.engine not in inprocess.ENGINES:
@@ -538,6 +536,14 @@ def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict
             f"serve.inprocess=true runs serve=local or serve=hf inside the bench; "
             f"{cfg.serve.engine} runs as its own server (serve.inprocess=false)"
         )
+    return spec
+
+
+def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict:
+    """Validate, find drafter and prompts, measure (baseline first), compute speedup. The
+    baseline is shared by the jobs of one `scope` (a sweep folder; a lone job's own folder)."""
+    check_output_settings(cfg)
+    spec = job_spec(cfg)
     target_path, requests = bench_requests(cfg)
     check_engine_supports(cfg, target_path)
     drafter_path = drafter_for(cfg, spec)
@@ -846,7 +852,10 @@ def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     folder = Path(hydra_cfg.runtime.output_dir)
     # settings, prompts and context, checked before any run or engine: one error line, and in a
-    # sweep the first job stops it (every job would fail the same way)
+    # sweep the first job stops it (every job would fail the same way); a lone job's spec first,
+    # before the target is prepared (in a sweep a spec one engine cannot run fails that job only)
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        job_spec(cfg)
     bench_requests(cfg)
     if hydra_cfg.mode == RunMode.MULTIRUN:
         sweep_dir = Path(hydra_cfg.sweep.dir)
