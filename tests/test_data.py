@@ -1028,9 +1028,7 @@ SHIPPED_ANSWERS = {  # assets/regen-<hash>.tgz: (experiments, their prompt file,
 def shipped_answers(answer_hash: str) -> tuple[str, list[dict]]:
     import tarfile
 
-    asset = (
-        Path(__file__).resolve().parents[1] / "assets" / f"regen-{answer_hash}.tgz"
-    )
+    asset = Path(__file__).resolve().parents[1] / "assets" / f"regen-{answer_hash}.tgz"
     with tarfile.open(asset) as archive:
         (member,) = archive.getnames()
         return member, [
