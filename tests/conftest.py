@@ -96,6 +96,15 @@ def tiny_fitted_drafter(tiny_target, test_root):
 
 
 @pytest.fixture(scope="session")
+def tiny_drafter(test_root):
+    """An untrained tiny-llama drafter, exported (support.export_untrained_drafter), made once."""
+    from support import export_untrained_drafter
+
+    cfg = compose([f"paths.root={test_root}", "target=tiny-llama"])
+    return export_untrained_drafter(cfg, test_root / "drafters" / "tiny-untrained")
+
+
+@pytest.fixture(scope="session")
 def smollm2(test_root):
     from eagle3.target import load_target
 

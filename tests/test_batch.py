@@ -165,7 +165,7 @@ def test_server_batches_concurrent_requests(test_root, tiny_target):
     """engine.max_batch_size=4 behind the HTTP routes: four concurrent requests get their greedy
     decodes and share the engine's steps."""
     from fastapi.testclient import TestClient
-    from test_server import server_cfg
+    from support import server_cfg
 
     from eagle3.engine.server import create_app
     from eagle3.engine.service import build_service

@@ -20,6 +20,7 @@ import torch
 import yaml
 from engine_helpers import AGREE_PROMPTS, AGREE_TARGET, AGREE_TOKENS
 from mlflow.tracking import MlflowClient
+from support import QUICK, REPO, VLLM_PYTHON, export_untrained_drafter, run_sweep
 
 from eagle3.bench import aggregate, baseline_output, job_identity, percentile, tokenize_prompts
 from eagle3.common import Eagle3Error
@@ -230,50 +231,9 @@ def test_baseline_key_shared_across_specs_not_across_batch_sizes(make_cfg):
 
 # ---------------------------------------------------------------- real engines
 
-REPO = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 # vLLM's CPU attention supports head_dim 32, 64, ...; tiny-llama's default 4 heads of 16 is refused
 # ("Unsupported CPU attention configuration: head_dim=16"), so the vLLM tests use 2 heads of 32.
 VLLM_TINY = ("target=tiny-llama", "target.num_heads=2", "target.num_kv_heads=1")
-QUICK = ("bench.limit=3", "bench.max_new_tokens=24", "bench.warmup=1")
-
-
-def export_untrained_drafter(cfg, out: Path) -> Path:
-    """A seeded, untrained drafter exported by the real exporter (sglang/ and vllm/ folders):
-    enough to exercise the engines' speculative paths and counters."""
-    from eagle3.drafter import build_drafter
-    from eagle3.export import export_drafter
-    from eagle3.target import load_target
-
-    if (out / "vllm" / "config.json").exists():
-        return out
-    target = load_target(cfg, device="cpu")
-    torch.manual_seed(0)
-    drafter = build_drafter(target, cfg.drafter)
-    draft_vocab = cfg.drafter.draft_vocab_size
-    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
-    t2d[:draft_vocab] = True
-    drafter.set_vocab_map(torch.zeros(draft_vocab, dtype=torch.long), t2d)
-    drafter.config.target_num_layers = target.num_layers
-    export_drafter(cfg, drafter, {"note": "untrained, for engine tests"}, out)
-    return out
-
-
-def run_sweep(test_root, tmp_path, *overrides) -> tuple[subprocess.CompletedProcess, Path]:
-    sweep_dir = tmp_path / "sweep"
-    argv = [
-        sys.executable,
-        "-m",
-        "eagle3.bench",
-        "-m",
-        *overrides,
-        f"paths.root={test_root}",
-        f"tracking.uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
-        f"tracking.artifact_location={tmp_path}/mlruns/art",
-        f"hydra.sweep.dir={sweep_dir}",
-    ]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=1500, cwd=tmp_path)
-    return out, sweep_dir
 
 
 def sweep_runs(tmp_path) -> tuple:
@@ -349,14 +309,6 @@ def test_vllm_sweep_reads_counters_and_refuses_trees(test_root, tmp_path, vllm_d
 
 
 LOCAL_TINY = ("target=tiny-llama", "serve=local")
-
-
-@pytest.fixture(scope="session")
-def tiny_drafter(test_root):
-    from eagle3.common import compose
-
-    cfg = compose([f"paths.root={test_root}", "target=tiny-llama"])
-    return export_untrained_drafter(cfg, test_root / "drafters" / "tiny-untrained")
 
 
 def test_local_sweep_one_job_refused(test_root, tmp_path, tiny_drafter):
@@ -537,7 +489,7 @@ def test_tree_shapes_predicts_from_gpu_step_costs(tmp_path):
     ]
     for name, rows in (("gpu", gpu), ("tau", taus)):
         (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "tree_shapes.py"
+    script = REPO / "benchmarks" / "tree_shapes.py"
     run = subprocess.run(
         [
             sys.executable,
@@ -666,7 +618,7 @@ def test_trace_phases_groups_kernels_by_graph_replay(tmp_path):
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "trace_phases.py"
+    script = REPO / "benchmarks" / "trace_phases.py"
     out = subprocess.run(
         [sys.executable, str(script), str(path), "--kernels", "2"],
         check=True,

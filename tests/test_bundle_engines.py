@@ -21,6 +21,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from support import REPO
 
 from eagle3 import bundle_run
 from eagle3.bundle import build
@@ -112,7 +113,7 @@ def index(tmp_path) -> Path:
 
 
 MACHINE = {"torch": "2.11.0+cu130", "transformers": "5.17.0", "aiohttp": None, "numpy": "2.5.2"}
-H200_LIST = Path(__file__).resolve().parents[1] / "conf/bundle/machines/h200.txt"
+H200_LIST = REPO / "conf/bundle/machines/h200.txt"
 
 
 def sglang_resolution(make_cfg, index, tmp_path, machine):

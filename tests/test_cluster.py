@@ -16,9 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from mlflow.tracking import MlflowClient
-from test_bench import QUICK, export_untrained_drafter
-
-from eagle3.common import compose
+from support import QUICK
 
 # engine.cpu_threads=1 and OMP_NUM_THREADS=1 (below): four jobs and their engines share two cores
 TINY = (
@@ -30,12 +28,6 @@ TINY = (
     "engine.cpu_threads=1",
 )
 IDENTITY = ("engine", "spec", "depth", "steps", "topk", "batch_size", "suite", "status")
-
-
-@pytest.fixture(scope="module")
-def tiny_drafter(test_root):
-    cfg = compose([f"paths.root={test_root}", "target=tiny-llama"])
-    return export_untrained_drafter(cfg, test_root / "drafters" / "tiny-untrained")
 
 
 def sweep(test_root, folder: Path, tracking_uri: str, drafter, *overrides) -> Path:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from support import FIXTURES, REPO
 
 from eagle3 import data, outputs, regen, sources, target, tokens
 from eagle3.common import Eagle3Error
@@ -21,7 +22,6 @@ from eagle3.drafter_io import export_sglang
 from eagle3.prompt_files import write_prompts, write_suites
 from eagle3.vocab import build_vocab_map, load_vocab_map
 
-FIXTURES = Path(__file__).parent / "fixtures"
 JSONL = FIXTURES / "conversations.jsonl"
 
 
@@ -1028,7 +1028,7 @@ SHIPPED_ANSWERS = {  # assets/regen-<hash>.tgz: (experiments, their prompt file,
 def shipped_answers(answer_hash: str) -> tuple[str, list[dict]]:
     import tarfile
 
-    asset = Path(__file__).resolve().parents[1] / "assets" / f"regen-{answer_hash}.tgz"
+    asset = REPO / "assets" / f"regen-{answer_hash}.tgz"
     with tarfile.open(asset) as archive:
         (member,) = archive.getnames()
         return member, [
@@ -1037,7 +1037,7 @@ def shipped_answers(answer_hash: str) -> tuple[str, list[dict]]:
 
 
 def test_every_shipped_answer_file_is_listed_here():
-    folder = Path(__file__).resolve().parents[1] / "assets"
+    folder = REPO / "assets"
     assert sorted(p.name for p in folder.glob("regen-*.tgz")) == sorted(
         f"regen-{h}.tgz" for h in SHIPPED_ANSWERS
     )

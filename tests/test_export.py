@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support import SGLANG_PYTHON, VLLM_PYTHON, randomise
 
 from eagle3 import drafter_io, export, outputs
 from eagle3.common import Eagle3Error
@@ -25,30 +26,6 @@ RECIPE = {
     "data_hash": "def",
     "tau_hat": 2.5,
 }
-
-
-def random_vocab_map(target_vocab: int, draft_vocab: int, seed: int = 0):
-    ids = (
-        torch.randperm(target_vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
-        .sort()
-        .values
-    )
-    t2d = torch.zeros(target_vocab, dtype=torch.bool)
-    t2d[ids] = True
-    return ids - torch.arange(draft_vocab), t2d
-
-
-def randomise(drafter, seed: int = 0):
-    """Random values in every trainable tensor (norms start at 1: a swap would go unnoticed)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in drafter.named_parameters():
-            if not name.startswith("embed_tokens"):
-                param.copy_(torch.randn(param.shape, generator=generator))
-    drafter.set_vocab_map(
-        *random_vocab_map(drafter.config.vocab_size, drafter.config.draft_vocab_size, seed)
-    )
-    return drafter
 
 
 @pytest.fixture(scope="module")
@@ -515,9 +492,6 @@ def test_smollm2_drafter_export_shapes_and_round_trip(smollm2, make_cfg, tmp_pat
     assert_same_weights(loaded, drafter.to(torch.bfloat16))
 
 
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
-
-
 @pytest.mark.slow
 def test_vllm_parses_our_speculators_config(drafter, tmp_path):
     """vLLM's own speculators parser sees our architecture and HF aux ids."""
@@ -648,8 +622,6 @@ def test_registry_name_follows_the_target(make_cfg):
     )
     assert export.registry_name(make_cfg("export.registry_name=mine")) == "mine"
 
-
-SGLANG_PYTHON = VLLM_PYTHON.parents[2] / ".venv-sglang" / "bin" / "python"
 
 # Runs SGLang's own LlamaForCausalLM.set_eagle3_layers_to_capture (lifted out of the installed
 # source: the parser-only venv cannot import the model module) on a folder's eagle_config ids.

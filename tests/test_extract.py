@@ -4,16 +4,14 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from support import FIXTURES
 
 from eagle3 import data, extract, outputs
 from eagle3.common import Eagle3Error
-
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def tiny_cfg(make_cfg, artifacts, *overrides):

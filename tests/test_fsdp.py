@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_train import BASE, peaked_target, synthetic_fit
+from support import BASE, peaked_target, synthetic_fit
 
 from eagle3.common import Eagle3Error
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from support import REPO as ROOT
 
 from eagle3.results import import_folder, imported_line
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results" / "smollm2-135m_h200_2026-11-30"
 
 

@@ -12,7 +12,7 @@ import sys
 from collections import Counter
 
 import pytest
-from test_export import randomise
+from support import randomise
 
 from eagle3 import bench, outputs
 from eagle3.common import Eagle3Error

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support import TESTS
 
 from eagle3.lifecycle import process_alive, process_identity, start_time
 
@@ -219,8 +220,8 @@ def test_engine_group_dies_when_its_starter_is_killed_outright(tmp_path):
     """EngineProcess (every engine goes through it) with a grandchild; SIGKILL of the starter."""
     starter = f"""
 import sys, time
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-from test_serve import http_server_launch
+sys.path.insert(0, {str(TESTS)!r})
+from support import http_server_launch
 from eagle3.launch import EngineProcess, free_port
 launch = http_server_launch(free_port("127.0.0.1"), prefix="sleep 300 & echo $! > {tmp_path}/child.pid; ")
 launch.stop_timeout_s, launch.watchdog_poll_s = 3, 0.2

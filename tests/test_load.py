@@ -8,8 +8,7 @@ import json
 import re
 
 import pytest
-from test_bench import QUICK, run_sweep, tiny_drafter  # noqa: F401 -- the session fixture
-from test_serve import SGLANG_PYTHON
+from support import QUICK, SGLANG_PYTHON, run_sweep
 
 from eagle3.launch import sglang_parse_many
 from eagle3.load import per_batch_rows, schedule, step_cost_rows, write_load_summary
@@ -120,7 +119,7 @@ def test_schedule_flags_parse_in_sglang():
 
 
 @pytest.mark.slow
-def test_local_sweep_over_batch_sizes_batches(test_root, tmp_path, tiny_drafter):  # noqa: F811
+def test_local_sweep_over_batch_sizes_batches(test_root, tmp_path, tiny_drafter):
     """`python -m eagle3.bench -m spec=off,d4 bench.batch_size=1,4 serve=local`: the engine batches
     bench.batch_size requests (spec=off's total tok/s at batch 4 above batch 1's), and the
     sweep writes load.md and the schedule for both batch sizes."""

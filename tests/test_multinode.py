@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import FIXTURES
 
 from eagle3 import data
 from eagle3.common import compose
 from eagle3.outputs import train_output
 
-FIXTURES = Path(__file__).parent / "fixtures"
 OVERRIDES = [
     "target=tiny-llama",
     "data=file",

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+from support import REPO
 
 from eagle3.common import Eagle3Error
 from eagle3.plan import check_plans, stage_plans
@@ -164,14 +165,11 @@ def test_dry_run_rejects_an_impossible_spec_naming_the_rule(test_root):
 def test_every_experiment_composes_and_its_bench_jobs_resolve(make_cfg):
     """Each experiments/*.yaml composes, and every job of its bench sweep (as Hydra will split it) gives a
     spec that passes the spec rules."""
-    from pathlib import Path
 
     from eagle3.pipeline import bench_jobs
     from eagle3.spec import resolve_spec
 
-    names = sorted(
-        path.stem for path in (Path(__file__).resolve().parents[1] / "experiments").glob("*.yaml")
-    )
+    names = sorted(path.stem for path in (REPO / "experiments").glob("*.yaml"))
     assert {"quickstart", "smollm2-h200", "smollm2-h200-turns3", "smollm2-h200-turns3-v32k"} <= set(
         names
     )

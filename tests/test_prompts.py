@@ -4,15 +4,14 @@ their conversation's split, packaged prompt files (never a bench suite's), self-
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from support import FIXTURES
 
 from eagle3.common import Eagle3Error
 from eagle3.prompts import check_not_a_suite, first_turn_copies, packaged_prompts
 
-FIXTURES = Path(__file__).parent / "fixtures"
 ALPACA = "eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json"
 
 

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from support import SGLANG_PYTHON
 
 from eagle3.common import Eagle3Error
 from eagle3.extract_vllm import capture_launch, target_shape
@@ -17,8 +18,6 @@ from eagle3.launch import compose_launch, sglang_argv, sglang_parse_many
 from eagle3.spec import OFF
 from eagle3.target import load_target, target_tokenizer
 from eagle3.tokens import load_tokenizer
-
-SGLANG_PYTHON = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
 
 MODEL_CODE = """
 from transformers import LlamaConfig, LlamaForCausalLM

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from support import REPO, SGLANG_PYTHON, http_server_launch
 
 from eagle3.common import Eagle3Error
 from eagle3.counters import acceptance_from_counters, counter_delta, parse_vllm_metrics
@@ -28,8 +29,6 @@ from eagle3.launch import (
 )
 from eagle3.spec import OFF, resolve_spec
 
-REPO = Path(__file__).resolve().parents[1]
-SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
 TARGET = "/models/target"
 DRAFTER = "/models/drafter"
 
@@ -297,12 +296,6 @@ def test_local_launch_passes_the_exact_config(make_cfg, tmp_path):
 
 
 # ---------------------------------------------------------------- process lifecycle (real processes)
-
-
-def http_server_launch(port: int, prefix: str = "") -> Launch:
-    """A real HTTP server standing in for an engine (health = GET / answers 200)."""
-    command = f"{prefix}exec {sys.executable} -m http.server {port} --bind 127.0.0.1"
-    return Launch("local", ["bash", "-c", command], {}, "127.0.0.1", port, health_path="/")
 
 
 def pid_alive(pid: int) -> bool:

@@ -16,27 +16,12 @@ import pytest
 import torch
 from engine_helpers import reference_greedy
 from fastapi.testclient import TestClient
+from support import server_cfg
 
 from eagle3.common import Eagle3Error
 from eagle3.engine.server import create_app
 from eagle3.engine.service import build_service, streamable
 from eagle3.launch import free_port
-
-
-def server_cfg(test_root, *overrides):
-    from eagle3.common import compose
-
-    return compose(
-        [
-            f"paths.root={test_root}",
-            "target=tiny-llama",
-            "spec.depth=4",
-            "serve.drafter_fallback=untrained",
-            "engine.max_context=64",
-            "engine.cpu_threads=1",
-            *overrides,
-        ]
-    )
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from support import FIXTURES
 
 from eagle3 import data
 from eagle3.cluster import submission
 from eagle3.outputs import train_output
 
-FIXTURES = Path(__file__).parent / "fixtures"
 STAGE = [
     "target=tiny-llama",
     "data=file",

@@ -8,12 +8,11 @@ import math
 from pathlib import Path
 
 import pytest
+from support import FIXTURES
 
 from eagle3.common import Eagle3Error
 from eagle3.study import row_counts, rows_for_tokens
 from eagle3.study_report import fit_log, needed_for
-
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def test_fit_log_recovers_a_line_and_inverts_it():

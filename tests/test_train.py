@@ -14,6 +14,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from support import BASE, DRAFT_VOCAB, FIXTURES, TESTS, peaked_target, synthetic_data, synthetic_fit
 
 from eagle3 import outputs
 from eagle3.common import Eagle3Error, compose
@@ -24,65 +25,6 @@ from eagle3.outputs import train_output
 from eagle3.target import CompiledCapture, load_target
 from eagle3.train import choose_strategy, evaluation_for, fit
 from eagle3.ttt import tau_hat
-
-TESTS = Path(__file__).parent
-DRAFT_VOCAB = 128
-BASE = [
-    "target=tiny-llama",
-    f"drafter.draft_vocab_size={DRAFT_VOCAB}",
-    "train.hidden_states=online",
-    "train.ttt_length=3",
-    "train.max_length=32",
-    "train.batch_size=4",
-    "train.bucket_batches=2",
-    "train.lr=3e-3",
-    "train.warmup_ratio=0.1",
-    "train.checkpoint_every_n_steps=2",
-    "trainer.accelerator=cpu",
-    "trainer.progress_bar=false",
-    "tracking.enabled=false",
-]
-
-
-def synthetic_data(target, n_train: int = 24, n_val: int = 8, seed: int = 0):
-    """Random sequences (lengths 10..24) over a small token set, a prompt part masked out, and a
-    vocab map holding the draft-vocab-size tokens the target predicts most often on them."""
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randperm(target.vocab_size, generator=generator)[:40]
-
-    def item(index: int) -> dict:
-        length = int(torch.randint(10, 25, (1,), generator=generator))
-        ids = tokens[torch.randint(0, len(tokens), (length,), generator=generator)]
-        mask = torch.ones(length, dtype=torch.long)
-        mask[:3] = 0
-        return {"id": f"s{index}", "input_ids": ids, "loss_mask": mask}
-
-    items = [item(i) for i in range(n_train + n_val)]
-    with torch.no_grad():
-        predicted = torch.cat(
-            [target.model(item["input_ids"][None]).logits[0].argmax(-1) for item in items]
-        )
-    top = predicted.bincount(minlength=target.vocab_size).topk(DRAFT_VOCAB).indices.sort().values
-    d2t = top - torch.arange(DRAFT_VOCAB)
-    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
-    t2d[top] = True
-    return items[:n_train], items[n_train:], d2t, t2d
-
-
-def peaked_target(cfg):
-    """The tiny random Llama predicts an almost flat distribution (logit std ~0.2: nothing for a
-    drafter to learn from soft labels); its tied embeddings scaled to unit std give the peaked
-    next-token distributions of a trained model."""
-    target = load_target(cfg, device="cpu")
-    target.model.get_input_embeddings().weight.data.mul_(50.0)
-    return target
-
-
-def synthetic_fit(cfg, folder: Path, callbacks=(), target=None, n_train: int = 24):
-    target = target or peaked_target(cfg)
-    train_set, val_set, d2t, t2d = synthetic_data(target, n_train=n_train)
-    data = DrafterData(train_set, val_set, cfg.train, cfg.seed, pad_id=0)
-    return fit(cfg, target, data, folder, d2t, t2d, callbacks=callbacks)
 
 
 class Recorder(L.Callback):
@@ -376,7 +318,7 @@ import os, signal, sys, json
 sys.path.insert(0, {tests!r})
 import lightning as L, torch
 from eagle3.common import compose
-from test_train import synthetic_fit
+from support import synthetic_fit
 
 from eagle3.lifecycle import Stopped
 
@@ -522,9 +464,6 @@ def test_ddp_two_processes_gloo(make_cfg, test_root, tmp_path):
     for key, value in ranks[0]["state"].items():  # gradients were all-reduced: identical weights
         assert torch.equal(value, ranks[1]["state"][key]), key
     assert "gloo" in done.stderr.lower() or "distributed_backend=gloo" in done.stdout.lower()
-
-
-FIXTURES = TESTS / "fixtures"
 
 
 def stage_cfg(make_cfg, artifacts: Path, *overrides: str):

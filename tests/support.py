@@ -1,0 +1,184 @@
+"""Code and paths shared by test modules of several scopes (no test module imports another).
+
+Heavy imports stay inside the functions: scripts run in a subprocess put this folder on sys.path
+(TESTS) and import from here, and should not pay for what they do not use."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+FIXTURES = TESTS / "fixtures"
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+
+# ---------------------------------------------------------------- training on random token ids
+
+DRAFT_VOCAB = 128
+BASE = [
+    "target=tiny-llama",
+    f"drafter.draft_vocab_size={DRAFT_VOCAB}",
+    "train.hidden_states=online",
+    "train.ttt_length=3",
+    "train.max_length=32",
+    "train.batch_size=4",
+    "train.bucket_batches=2",
+    "train.lr=3e-3",
+    "train.warmup_ratio=0.1",
+    "train.checkpoint_every_n_steps=2",
+    "trainer.accelerator=cpu",
+    "trainer.progress_bar=false",
+    "tracking.enabled=false",
+]
+
+
+def synthetic_data(target, n_train: int = 24, n_val: int = 8, seed: int = 0):
+    """Random sequences (lengths 10..24) over a small token set, a prompt part masked out, and a
+    vocab map holding the draft-vocab-size tokens the target predicts most often on them."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randperm(target.vocab_size, generator=generator)[:40]
+
+    def item(index: int) -> dict:
+        length = int(torch.randint(10, 25, (1,), generator=generator))
+        ids = tokens[torch.randint(0, len(tokens), (length,), generator=generator)]
+        mask = torch.ones(length, dtype=torch.long)
+        mask[:3] = 0
+        return {"id": f"s{index}", "input_ids": ids, "loss_mask": mask}
+
+    items = [item(i) for i in range(n_train + n_val)]
+    with torch.no_grad():
+        predicted = torch.cat(
+            [target.model(item["input_ids"][None]).logits[0].argmax(-1) for item in items]
+        )
+    top = predicted.bincount(minlength=target.vocab_size).topk(DRAFT_VOCAB).indices.sort().values
+    d2t = top - torch.arange(DRAFT_VOCAB)
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[top] = True
+    return items[:n_train], items[n_train:], d2t, t2d
+
+
+def peaked_target(cfg):
+    """The tiny random Llama predicts an almost flat distribution (logit std ~0.2: nothing for a
+    drafter to learn from soft labels); its tied embeddings scaled to unit std give the peaked
+    next-token distributions of a trained model."""
+    from eagle3.target import load_target
+
+    target = load_target(cfg, device="cpu")
+    target.model.get_input_embeddings().weight.data.mul_(50.0)
+    return target
+
+
+def synthetic_fit(cfg, folder: Path, callbacks=(), target=None, n_train: int = 24):
+    from eagle3.datamodule import DrafterData
+    from eagle3.train import fit
+
+    target = target or peaked_target(cfg)
+    train_set, val_set, d2t, t2d = synthetic_data(target, n_train=n_train)
+    data = DrafterData(train_set, val_set, cfg.train, cfg.seed, pad_id=0)
+    return fit(cfg, target, data, folder, d2t, t2d, callbacks=callbacks)
+
+
+# ---------------------------------------------------------------- drafters for export and engines
+
+
+def random_vocab_map(target_vocab: int, draft_vocab: int, seed: int = 0):
+    import torch
+
+    ids = (
+        torch.randperm(target_vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
+        .sort()
+        .values
+    )
+    t2d = torch.zeros(target_vocab, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(draft_vocab), t2d
+
+
+def randomise(drafter, seed: int = 0):
+    """Random values in every trainable tensor (norms start at 1: a swap would go unnoticed)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if not name.startswith("embed_tokens"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+    drafter.set_vocab_map(
+        *random_vocab_map(drafter.config.vocab_size, drafter.config.draft_vocab_size, seed)
+    )
+    return drafter
+
+
+def export_untrained_drafter(cfg, out: Path) -> Path:
+    """A seeded, untrained drafter exported by the real exporter (sglang/ and vllm/ folders):
+    enough to exercise the engines' speculative paths and counters."""
+    import torch
+
+    from eagle3.drafter import build_drafter
+    from eagle3.export import export_drafter
+    from eagle3.target import load_target
+
+    if (out / "vllm" / "config.json").exists():
+        return out
+    target = load_target(cfg, device="cpu")
+    torch.manual_seed(0)
+    drafter = build_drafter(target, cfg.drafter)
+    draft_vocab = cfg.drafter.draft_vocab_size
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    drafter.set_vocab_map(torch.zeros(draft_vocab, dtype=torch.long), t2d)
+    drafter.config.target_num_layers = target.num_layers
+    export_drafter(cfg, drafter, {"note": "untrained, for engine tests"}, out)
+    return out
+
+
+# ---------------------------------------------------------------- servers, engines and sweeps
+
+
+def server_cfg(test_root, *overrides):
+    from eagle3.common import compose
+
+    return compose(
+        [
+            f"paths.root={test_root}",
+            "target=tiny-llama",
+            "spec.depth=4",
+            "serve.drafter_fallback=untrained",
+            "engine.max_context=64",
+            "engine.cpu_threads=1",
+            *overrides,
+        ]
+    )
+
+
+def http_server_launch(port: int, prefix: str = ""):
+    """A real HTTP server standing in for an engine (health = GET / answers 200)."""
+    from eagle3.launch import Launch
+
+    command = f"{prefix}exec {sys.executable} -m http.server {port} --bind 127.0.0.1"
+    return Launch("local", ["bash", "-c", command], {}, "127.0.0.1", port, health_path="/")
+
+
+QUICK = ("bench.limit=3", "bench.max_new_tokens=24", "bench.warmup=1")
+
+
+def run_sweep(test_root, tmp_path, *overrides) -> tuple[subprocess.CompletedProcess, Path]:
+    sweep_dir = tmp_path / "sweep"
+    argv = [
+        sys.executable,
+        "-m",
+        "eagle3.bench",
+        "-m",
+        *overrides,
+        f"paths.root={test_root}",
+        f"tracking.uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
+        f"tracking.artifact_location={tmp_path}/mlruns/art",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=1500, cwd=tmp_path)
+    return out, sweep_dir
