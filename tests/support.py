@@ -182,3 +182,47 @@ def run_sweep(test_root, tmp_path, *overrides) -> tuple[subprocess.CompletedProc
     ]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=1500, cwd=tmp_path)
     return out, sweep_dir
+
+
+# ---------------------------------------------------------------- concurrency sweep results
+
+
+LOAD_DRAFTER = "/models/drafter/sglang"  # a concurrency sweep's drafter folder
+
+
+def load_job(spec, depth, steps, topk, batch, tok_s, off_tok_s, step_s, off_step_s, spread=0.0):
+    """A bench result as bench.py writes it (the fields the concurrency sweep reads)."""
+    speedup = tok_s / off_tok_s
+    return {
+        "status": "ok",
+        "engine": "local",
+        "suite": "vicuna",
+        "max_new_tokens": 128,
+        "drafter": LOAD_DRAFTER if spec != "off" else None,
+        "drafter_hash": "abc123",
+        "spec": spec,
+        "depth": depth,
+        "steps": steps,
+        "topk": topk,
+        "batch_size": batch,
+        "tokens_per_s": tok_s,
+        "baseline_tokens_per_s": off_tok_s,
+        "speedup": speedup,
+        "speedup_min": speedup - spread,
+        "speedup_max": speedup + spread,
+        "step_s": step_s,
+        "baseline_step_s": off_step_s,
+    }
+
+
+def load_results():
+    """Batch 1: the tree wins, the best chain is d8. Batch 16: d8 is fastest but within noise of
+    spec=off (its range reaches below 1), so spec=off is run there."""
+    return [
+        load_job("off", 1, 0, 1, 1, 100.0, 100.0, 0.010, 0.010),
+        load_job("d8", 8, 7, 1, 1, 200.0, 100.0, 0.020, 0.010, 0.05),
+        load_job("d32s4k8", 32, 4, 8, 1, 250.0, 100.0, 0.016, 0.010, 0.05),
+        load_job("off", 1, 0, 1, 16, 1000.0, 1000.0, 0.016, 0.016),
+        load_job("d8", 8, 7, 1, 16, 1040.0, 1000.0, 0.050, 0.016, 0.1),
+        load_job("d32s4k8", 32, 4, 8, 16, 800.0, 1000.0, 0.060, 0.016, 0.05),
+    ]

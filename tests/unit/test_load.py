@@ -8,50 +8,12 @@ import json
 import re
 
 import pytest
+from support import LOAD_DRAFTER as DRAFTER
 from support import QUICK, SGLANG_PYTHON, run_sweep
+from support import load_results as results
 
 from eagle3.launch import sglang_parse_many
 from eagle3.load import per_batch_rows, schedule, step_cost_rows, write_load_summary
-
-DRAFTER = "/models/drafter/sglang"
-
-
-def job(spec, depth, steps, topk, batch, tok_s, off_tok_s, step_s, off_step_s, spread=0.0):
-    """A bench result as bench.py writes it (the fields eagle3.load reads)."""
-    speedup = tok_s / off_tok_s
-    return {
-        "status": "ok",
-        "engine": "local",
-        "suite": "vicuna",
-        "max_new_tokens": 128,
-        "drafter": DRAFTER if spec != "off" else None,
-        "drafter_hash": "abc123",
-        "spec": spec,
-        "depth": depth,
-        "steps": steps,
-        "topk": topk,
-        "batch_size": batch,
-        "tokens_per_s": tok_s,
-        "baseline_tokens_per_s": off_tok_s,
-        "speedup": speedup,
-        "speedup_min": speedup - spread,
-        "speedup_max": speedup + spread,
-        "step_s": step_s,
-        "baseline_step_s": off_step_s,
-    }
-
-
-def results():
-    """Batch 1: the tree wins, the best chain is d8. Batch 16: d8 is fastest but within noise of
-    spec=off (its range reaches below 1), so spec=off is run there."""
-    return [
-        job("off", 1, 0, 1, 1, 100.0, 100.0, 0.010, 0.010),
-        job("d8", 8, 7, 1, 1, 200.0, 100.0, 0.020, 0.010, 0.05),
-        job("d32s4k8", 32, 4, 8, 1, 250.0, 100.0, 0.016, 0.010, 0.05),
-        job("off", 1, 0, 1, 16, 1000.0, 1000.0, 0.016, 0.016),
-        job("d8", 8, 7, 1, 16, 1040.0, 1000.0, 0.050, 0.016, 0.1),
-        job("d32s4k8", 32, 4, 8, 16, 800.0, 1000.0, 0.060, 0.016, 0.05),
-    ]
 
 
 def test_per_batch_choice_and_schedule():

@@ -14,8 +14,8 @@ from collections import Counter
 import pytest
 import torch
 from engine_helpers import PROMPTS, reference_greedy, spec
-from test_load import results
-from test_server import server_cfg
+from support import load_results as results
+from support import server_cfg
 
 from eagle3.common import Eagle3Error
 from eagle3.engine.batch import BatchDecoder

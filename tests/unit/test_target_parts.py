@@ -12,12 +12,11 @@ import pytest
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from support import FIXTURES
 
 from eagle3 import data, export, extract, train
 from eagle3.target import load_target, resolve_target_path
 from eagle3.target_parts import INDEX, load_target_parts
-
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-llama"])  # sharded and untied; one file, tied

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from hydra.experimental.callback import Callback
+from support import REPO
 
 from eagle3.common import compose
 
@@ -136,7 +137,7 @@ def test_info_finds_the_engine_venvs_where_the_launcher_does(make_cfg, tmp_path)
     found = engines_available(make_cfg(f"paths.root={tmp_path}"))
     for engine in ("vllm", "sglang"):
         python = Path(engine_python(make_cfg(f"serve={engine}").serve))
-        assert python.is_relative_to(Path(__file__).resolve().parents[1])
+        assert python.is_relative_to(REPO)
         assert str(python) in found[engine]
         assert found[engine].startswith("venv found" if python.exists() else "not installed")
 
