@@ -28,7 +28,7 @@ chromium:
 	command -v chromium >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
 
 info: $(VENV)/.eagle3-ready
-	$(BIN)/python -m eagle3.info
+	$(BIN)/python -m eagle3.tools.info
 
 quickstart: setup
 	$(BIN)/python -m eagle3.pipeline experiment=quickstart

@@ -1,7 +1,7 @@
 """Teacher-forced drafter acceptance on the data stage's val split, per TTT step, broken down by
 where the drafted token sits in the response and by whether the response loops.
 
-The metric is the training's val/acc_k (eagle3.ttt): at every position t and unroll step k the
+The metric is the training's val/acc_k (eagle3.train.ttt): at every position t and unroll step k the
 drafter's argmax is compared with the target's argmax over the draft vocab for token t+k+2;
 a position counts where that token is trained (loss_mask) and the target's full-vocab argmax
 lies in the draft vocab. The same hits are also reported with out-of-draft-vocab target tokens
@@ -20,7 +20,7 @@ run of step-k hits at position v-1, then moves on by accepted + 1. Its acceptanc
         --drafter .h200/export-s4/export/df3d3646650e/sglang \
         --json results/smollm2-135m_h200_2026-11-30c/val_acc_by_position.json
 
-Runs on CPU in float32 (target via eagle3.target.load_target, drafter via eagle3.export).
+Runs on CPU in float32 (target via eagle3.core.target.load_target, drafter via eagle3.export.app).
 """
 
 from __future__ import annotations
@@ -33,13 +33,20 @@ from pathlib import Path
 
 import torch
 
-from eagle3.common import compose
-from eagle3.data import load_splits
-from eagle3.datamodule import collate
-from eagle3.drafter_io import attach_target_embedding, load_drafter
-from eagle3.target import load_target
-from eagle3.ttt import shift_left, step_targets, target_distribution, tau_hat, ttt_loss, unroll
-from eagle3.vocab import load_vocab_map
+from eagle3.core.common import compose
+from eagle3.core.drafter_io import attach_target_embedding, load_drafter
+from eagle3.core.target import load_target
+from eagle3.data.app import load_splits
+from eagle3.data.vocab import load_vocab_map
+from eagle3.train.datamodule import collate
+from eagle3.train.ttt import (
+    shift_left,
+    step_targets,
+    target_distribution,
+    tau_hat,
+    ttt_loss,
+    unroll,
+)
 
 EDGES = (0, 32, 128, 256)
 BUCKETS = ("[0,32)", "[32,128)", "[128,256)", "[256,inf)")
@@ -72,7 +79,7 @@ def empty_tally(steps: int) -> torch.Tensor:
 def tally_batch(
     drafter, target, batch: dict, looping: torch.Tensor, steps: int, tally: torch.Tensor
 ):
-    """Add one batch's per-position hits to `tally` (the same arithmetic as eagle3.ttt.ttt_loss);
+    """Add one batch's per-position hits to `tally` (the same arithmetic as eagle3.train.ttt.ttt_loss);
     returns the hits [B, steps, T] (False past the end) and each row's first response index."""
     aux, last = target.capture(batch["input_ids"], batch["attention_mask"])
     dist = target_distribution(

@@ -30,10 +30,10 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from eagle3.drafter import build_drafter
+from eagle3.core.drafter import build_drafter
+from eagle3.core.spec import Spec
+from eagle3.core.target import Target, default_aux_layer_ids
 from eagle3.engine import SpecDecoder, summarize
-from eagle3.spec import Spec
-from eagle3.target import Target, default_aux_layer_ids
 
 ENGINE_CONF = Path(__file__).resolve().parents[1] / "conf" / "engine" / "default.yaml"
 
@@ -83,8 +83,8 @@ def load_drafter(args, target: Target):
         dcfg.get = lambda name, default=None: getattr(dcfg, name, default)
         torch.manual_seed(0)
         return build_drafter(target, dcfg).to(dtype).eval()
-    from eagle3.drafter_io import attach_target_embedding
-    from eagle3.drafter_io import load_drafter as load_exported
+    from eagle3.core.drafter_io import attach_target_embedding
+    from eagle3.core.drafter_io import load_drafter as load_exported
 
     drafter = load_exported(args.drafter, device=target.device)
     if not getattr(drafter.config, "has_embedding", False):
@@ -190,7 +190,7 @@ def profile(decoder, prompt, stop, label: str, args) -> None:
 
 
 def read_suite(path: Path, tokenizer, limit: int) -> list[list[int]]:
-    """The chat-templated ids of a suite file's first `limit` rows (`python -m eagle3.prompt_files --suites`)."""
+    """The chat-templated ids of a suite file's first `limit` rows (`python -m eagle3.data.prompt_files --suites`)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:limit]
     return [
         tokenizer.apply_chat_template(

@@ -7,7 +7,7 @@
     python benchmarks/bench_extract.py backends --batch 8x256 --shards 4  # extract.backend hf vs vllm
 
 `extract` times (a) `model.model(ids)` over every batch (the bare forward, no lm_head) and (b) the
-real extraction path (`eagle3.extract.extract_shards`: capture, gather, host copy, safetensors write,
+real extraction path (`eagle3.extract.app.extract_shards`: capture, gather, host copy, safetensors write,
 verification, rename) over the same batches, and prints one JSON line.
 """
 
@@ -26,9 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from eagle3 import extract  # noqa: E402
-from eagle3.common import compose  # noqa: E402
-from eagle3.extract_vllm import VllmCapture, target_shape  # noqa: E402
-from eagle3.target import Target, load_target, resolve_target_path  # noqa: E402
+from eagle3.core.common import compose  # noqa: E402
+from eagle3.core.target import Target, load_target, resolve_target_path  # noqa: E402
+from eagle3.extract.vllm_capture import VllmCapture, target_shape  # noqa: E402
 
 SMOLLM2_SHAPE = dict(
     vocab_size=49152,
@@ -221,8 +221,8 @@ def bench_backends(args) -> dict:
 
 
 def bench_data(args) -> dict:
-    from eagle3 import data
-    from eagle3.common import compose
+    from eagle3.core.common import compose
+    from eagle3.data import app as data
 
     with tempfile.TemporaryDirectory() as root:
         artifacts = Path(root) / "artifacts"

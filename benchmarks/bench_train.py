@@ -37,8 +37,8 @@ class Section(dict):
 def target_config(name: str | None, config_json: str | None) -> dict:
     if config_json:
         return json.loads(Path(config_json).read_text())
-    from eagle3.common import compose
-    from eagle3.target import resolve_target_path
+    from eagle3.core.common import compose
+    from eagle3.core.target import resolve_target_path
 
     cfg = compose([f"target={name}"])
     return json.loads(
@@ -49,7 +49,7 @@ def target_config(name: str | None, config_json: str | None) -> dict:
 
 
 def make_drafter(config: dict, draft_vocab: int, device: str):
-    from eagle3.drafter import Eagle3Drafter, drafter_config
+    from eagle3.core.drafter import Eagle3Drafter, drafter_config
 
     layers = config["num_hidden_layers"]
     dcfg = Section(num_layers=1, draft_vocab_size=draft_vocab)
@@ -110,7 +110,7 @@ def use_gqa_with_mask() -> None:
     compare against repeating the KV heads."""
     import torch.nn.functional as F
 
-    import eagle3.ttt as ttt
+    import eagle3.train.ttt as ttt
 
     ttt.sdpa = lambda q, k, v, mask: F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, enable_gqa=True
@@ -134,8 +134,8 @@ def measure(
     compile_unroll: bool = False,
     compile_target: bool = False,
 ) -> dict:
-    from eagle3.target import capture_hidden_states
-    from eagle3.ttt import ttt_loss
+    from eagle3.core.target import capture_hidden_states
+    from eagle3.train.ttt import ttt_loss
 
     label = path
     if path == "sdpa-gqa":
@@ -156,7 +156,7 @@ def measure(
     aux_ids = [2, layers // 2, layers - 3]
     capture = lambda ids: capture_hidden_states(target, ids, aux_ids)  # noqa: E731
     if compile_target:
-        from eagle3.target import CompiledCapture
+        from eagle3.core.target import CompiledCapture
 
         capture = CompiledCapture(target, aux_ids)
 
@@ -221,7 +221,7 @@ def measure(
 
 def check_flex(config: dict, length: int, ttt: int, device: str, draft_vocab: int) -> dict:
     """sdpa vs flex on the same random inputs (float32): loss and every gradient."""
-    from eagle3.ttt import ttt_loss
+    from eagle3.train.ttt import ttt_loss
 
     drafter = make_drafter(config, draft_vocab, device)
     head = torch.randn(config["vocab_size"], config["hidden_size"], device=device) * 0.05

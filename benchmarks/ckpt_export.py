@@ -10,18 +10,18 @@ from pathlib import Path
 
 from transformers import LlamaConfig
 
-from eagle3.drafter import Eagle3Drafter
-from eagle3.drafter_io import DRAFTER_CONFIG, export_sglang
-from eagle3.train import drafter_weights
+from eagle3.core.drafter import Eagle3Drafter
+from eagle3.core.drafter_io import DRAFTER_CONFIG, export_sglang
+from eagle3.train.app import drafter_weights
 
 train_dir, out_dir, overrides = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
 checkpoint = max(train_dir.glob("**/*.ckpt"), key=lambda p: p.stat().st_mtime)
 if (train_dir / DRAFTER_CONFIG).exists():
     config = LlamaConfig.from_dict(json.loads((train_dir / DRAFTER_CONFIG).read_text()))
 else:  # written at the end of training: rebuild it from the config the run used
-    from eagle3.common import compose
-    from eagle3.drafter import drafter_config
-    from eagle3.target import default_aux_layer_ids, resolve_target_path
+    from eagle3.core.common import compose
+    from eagle3.core.drafter import drafter_config
+    from eagle3.core.target import default_aux_layer_ids, resolve_target_path
 
     cfg = compose(overrides)
     target_config = LlamaConfig.from_pretrained(

@@ -1,7 +1,7 @@
 """Is a trained drafter used at inference, at every depth, as training showed it? On a real target.
 
 Decodes the first --prompts prompts of each suite with a chain spec (greedy, fused engine path)
-and records every chain it drafts. Then runs the TTT unroll (eagle3.ttt) over each committed
+and records every chain it drafts. Then runs the TTT unroll (eagle3.train.ttt) over each committed
 sequence and compares: draft k of a chain from root position p must equal the unroll's step-k
 argmax at position p - 1, wherever drafts 0..k-1 were the committed tokens (the unroll feeds true
 tokens). Prints per depth the drafts compared, how many are equal, the engine's acceptance there
@@ -24,7 +24,7 @@ from bench_engine import load, load_drafter, parse_spec, read_suite
 
 from eagle3.engine import SpecDecoder
 from eagle3.engine.fused import FusedGreedy
-from eagle3.ttt import unroll
+from eagle3.train.ttt import unroll
 
 
 def record_chains(chains: list) -> None:

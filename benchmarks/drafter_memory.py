@@ -95,8 +95,8 @@ def measure(args, lengths: list[int]) -> list[dict]:
     peak allocation against the computed DDP total without the DDP buckets (one process)."""
     import torch
 
-    from eagle3.drafter import Eagle3Drafter, drafter_config
-    from eagle3.ttt import ttt_loss
+    from eagle3.core.drafter import Eagle3Drafter, drafter_config
+    from eagle3.train.ttt import ttt_loss
 
     class Settings(dict):  # drafter.* as drafter_config reads them (attribute and .get access)
         __getattr__ = dict.get

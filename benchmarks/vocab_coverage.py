@@ -21,10 +21,10 @@ from types import SimpleNamespace
 import torch
 from bench_engine import load, load_drafter, read_suite, strip_eos
 
-from eagle3.data import load_splits
+from eagle3.core.spec import OFF
+from eagle3.data.app import load_splits
+from eagle3.data.vocab import build_vocab_map
 from eagle3.engine import SpecDecoder
-from eagle3.spec import OFF
-from eagle3.vocab import build_vocab_map
 
 
 def main() -> None:

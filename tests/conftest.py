@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.common import compose
+from eagle3.core.common import compose
 
 # Converted targets are cached here across runs so local reruns skip the GGUF conversion.
 TEST_ROOT = Path(os.environ.get("EAGLE3_TEST_ROOT", "/tmp/eagle3-tests"))
@@ -76,7 +76,7 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def tiny_target(test_root):
-    from eagle3.target import load_target
+    from eagle3.core.target import load_target
 
     return load_target(compose([f"paths.root={test_root}", "target=tiny-llama"]))
 
@@ -106,7 +106,7 @@ def tiny_drafter(test_root):
 
 @pytest.fixture(scope="session")
 def smollm2(test_root):
-    from eagle3.target import load_target
+    from eagle3.core.target import load_target
 
     return load_target(
         compose([f"paths.root={test_root}", "target=smollm2-135m", "target.dtype=float32"])
@@ -115,7 +115,7 @@ def smollm2(test_root):
 
 @pytest.fixture(scope="session")
 def smollm2_trained_drafter(test_root):
-    """The exported SmolLM2 drafter trained by eagle3.train (engine_helpers.trained_smollm2_drafter)."""
+    """The exported SmolLM2 drafter trained by eagle3.train.app (engine_helpers.trained_smollm2_drafter)."""
     from engine_helpers import trained_smollm2_drafter
 
     return trained_smollm2_drafter(test_root)
@@ -140,8 +140,8 @@ def six_token_case() -> SixTokenCase:
     from omegaconf import OmegaConf
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle3.drafter import build_drafter
-    from eagle3.target import Target
+    from eagle3.core.drafter import build_drafter
+    from eagle3.core.target import Target
 
     torch.manual_seed(3)
     config = LlamaConfig(

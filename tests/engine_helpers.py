@@ -1,6 +1,6 @@
 """Shared pieces of the engine tests: reference greedy decoding, a drafter fitted to the
 target (real TTT training on the target's own greedy rollouts, so drafts get accepted), a
-SmolLM2 drafter trained by eagle3.train, specs and a chi-square p-value."""
+SmolLM2 drafter trained by eagle3.train.app, specs and a chi-square p-value."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from eagle3.drafter import build_drafter
-from eagle3.spec import resolve_spec
+from eagle3.core.drafter import build_drafter
+from eagle3.core.spec import resolve_spec
 
 PROMPTS = [
     "Hello there, how are you doing today?",
@@ -51,7 +51,7 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 def fitted_drafter(target, dcfg, rollout_tokens: int = 96, steps: int = 150, seed: int = 0):
     """A drafter trained with the real TTT loss on the target's greedy rollouts of PROMPTS."""
-    from eagle3.ttt import ttt_loss
+    from eagle3.train.ttt import ttt_loss
 
     sequences = []
     for text in PROMPTS:
@@ -105,7 +105,7 @@ AGREE_TARGET = (
 
 def agree_cfg(test_root: Path, *overrides: str):
     """The SmolLM2 config the trained drafter belongs to (its prompts: the first AGREE_PROMPTS of the suite)."""
-    from eagle3.common import compose
+    from eagle3.core.common import compose
 
     return compose(
         [f"paths.root={test_root}", *AGREE_TARGET, f"bench.limit={AGREE_PROMPTS}", *overrides]
@@ -113,21 +113,21 @@ def agree_cfg(test_root: Path, *overrides: str):
 
 
 def agree_prompts(target, cfg) -> list[list[int]]:
-    from eagle3.bench import tokenize_prompts
-    from eagle3.suites import load_suite
+    from eagle3.bench.app import tokenize_prompts
+    from eagle3.data.suites import load_suite
 
     return tokenize_prompts(target.tokenizer, load_suite(cfg.bench))
 
 
 def trained_smollm2_drafter(test_root: Path) -> Path:
-    """A drafter trained with eagle3.train (Lightning, TTT, online hidden states) on the target's own
-    greedy continuations of the first vicuna prompts (SmolLM2), exported by eagle3.export; made once
+    """A drafter trained with eagle3.train.app (Lightning, TTT, online hidden states) on the target's own
+    greedy continuations of the first vicuna prompts (SmolLM2), exported by eagle3.export.app; made once
     per test root."""
-    from eagle3.datamodule import DrafterData
-    from eagle3.drafter_io import load_trained_drafter
-    from eagle3.export import export_drafter
-    from eagle3.target import load_target
-    from eagle3.train import fit
+    from eagle3.core.drafter_io import load_trained_drafter
+    from eagle3.core.target import load_target
+    from eagle3.export.app import export_drafter
+    from eagle3.train.app import fit
+    from eagle3.train.datamodule import DrafterData
 
     out = test_root / "drafters" / "smollm2-bench-trained"
     if (out / "vllm" / "config.json").exists():

@@ -66,7 +66,7 @@ def peaked_target(cfg):
     """The tiny random Llama predicts an almost flat distribution (logit std ~0.2: nothing for a
     drafter to learn from soft labels); its tied embeddings scaled to unit std give the peaked
     next-token distributions of a trained model."""
-    from eagle3.target import load_target
+    from eagle3.core.target import load_target
 
     target = load_target(cfg, device="cpu")
     target.model.get_input_embeddings().weight.data.mul_(50.0)
@@ -74,8 +74,8 @@ def peaked_target(cfg):
 
 
 def synthetic_fit(cfg, folder: Path, callbacks=(), target=None, n_train: int = 24):
-    from eagle3.datamodule import DrafterData
-    from eagle3.train import fit
+    from eagle3.train.app import fit
+    from eagle3.train.datamodule import DrafterData
 
     target = target or peaked_target(cfg)
     train_set, val_set, d2t, t2d = synthetic_data(target, n_train=n_train)
@@ -119,9 +119,9 @@ def export_untrained_drafter(cfg, out: Path) -> Path:
     enough to exercise the engines' speculative paths and counters."""
     import torch
 
-    from eagle3.drafter import build_drafter
-    from eagle3.export import export_drafter
-    from eagle3.target import load_target
+    from eagle3.core.drafter import build_drafter
+    from eagle3.core.target import load_target
+    from eagle3.export.app import export_drafter
 
     if (out / "vllm" / "config.json").exists():
         return out
@@ -141,7 +141,7 @@ def export_untrained_drafter(cfg, out: Path) -> Path:
 
 
 def server_cfg(test_root, *overrides):
-    from eagle3.common import compose
+    from eagle3.core.common import compose
 
     return compose(
         [
@@ -158,7 +158,7 @@ def server_cfg(test_root, *overrides):
 
 def http_server_launch(port: int, prefix: str = ""):
     """A real HTTP server standing in for an engine (health = GET / answers 200)."""
-    from eagle3.launch import Launch
+    from eagle3.serve.launch import Launch
 
     command = f"{prefix}exec {sys.executable} -m http.server {port} --bind 127.0.0.1"
     return Launch("local", ["bash", "-c", command], {}, "127.0.0.1", port, health_path="/")

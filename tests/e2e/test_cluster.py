@@ -240,9 +240,9 @@ def test_shape_search_probes_then_the_cost_models_depth_then_tpe(tmp_path):
     import optuna
     from omegaconf import OmegaConf
 
-    from eagle3.costmodel import fit_step_cost, predict
-    from eagle3.shapesearch import CostModelSampler, tree_steps
-    from eagle3.spec import max_tree_nodes
+    from eagle3.bench.costmodel import fit_step_cost, predict
+    from eagle3.bench.shapesearch import CostModelSampler, tree_steps
+    from eagle3.core.spec import max_tree_nodes
 
     per_pos = [0.8, 0.7, 0.6, 0.5, 0.35, 0.2, 0.1]
     probes = {2: chain_result(2, 0.012, per_pos), 8: chain_result(8, 0.024, per_pos)}
@@ -289,7 +289,7 @@ def test_shape_search_never_measures_a_shape_twice(tmp_path, seed):
     each of the five trials measures a depth no other trial did."""
     import optuna
 
-    from eagle3.shapesearch import CostModelSampler
+    from eagle3.bench.shapesearch import CostModelSampler
 
     sampler = CostModelSampler(str(tmp_path), [2, 6], seed=seed)
     study = optuna.create_study(direction="maximize", sampler=sampler)
@@ -312,7 +312,7 @@ def test_shape_search_picks_another_branching_for_a_measured_chain(tmp_path):
     import optuna
     from omegaconf import OmegaConf
 
-    from eagle3.shapesearch import CostModelSampler, shape_of, tree_steps
+    from eagle3.bench.shapesearch import CostModelSampler, shape_of, tree_steps
 
     cfg = OmegaConf.create({"search": {"min_steps": 2, "max_steps": 2}})
     sampler = CostModelSampler(str(tmp_path), [4], seed=0)

@@ -1,4 +1,4 @@
-"""Training across nodes, on loopback, through the train app (`eagle3.train.main`: Hydra, the data
+"""Training across nodes, on loopback, through the train app (`eagle3.train.app.main`: Hydra, the data
 stage's output, rank 0's manifest): two "nodes" of one process each (gloo, MASTER_ADDR=127.0.0.1,
 NODE_RANK 0 and 1, trainer.num_nodes=2) against one node of two processes (trainer.devices=2), the
 same global batch and seed; then one node SIGKILLed mid-run, and the rerun of both."""
@@ -18,9 +18,9 @@ import pytest
 import torch
 from support import FIXTURES
 
-from eagle3 import data
-from eagle3.common import compose
-from eagle3.outputs import train_output
+from eagle3.core.common import compose
+from eagle3.core.outputs import train_output
+from eagle3.data import app as data
 
 OVERRIDES = [
     "target=tiny-llama",
@@ -47,7 +47,7 @@ OVERRIDES = [
 SCRIPT = """
 import json, os, signal
 import lightning as L
-import eagle3.train as app
+import eagle3.train.app as app
 
 class Losses(L.Callback):  # appended as it goes (a killed rank keeps its lines)
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):

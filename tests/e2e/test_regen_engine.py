@@ -11,9 +11,11 @@ import time
 
 import pytest
 
-from eagle3 import data, outputs, regen
-from eagle3.common import compose
-from eagle3.conversations import conversations_for, user_turns
+from eagle3.core import outputs
+from eagle3.core.common import compose
+from eagle3.data import app as data
+from eagle3.data import regen
+from eagle3.data.conversations import conversations_for, user_turns
 
 SHAREGPT_VLLM = [
     "target=smollm2-135m",

@@ -4,7 +4,8 @@ import mlflow
 import pytest
 from PIL import Image
 
-from eagle3 import tracking, ui
+from eagle3.core import tracking
+from eagle3.tools import ui
 
 
 def make_sweep(cfg, tmp_path):

@@ -22,13 +22,13 @@ from engine_helpers import AGREE_PROMPTS, AGREE_TARGET, AGREE_TOKENS
 from mlflow.tracking import MlflowClient
 from support import QUICK, REPO, VLLM_PYTHON, export_untrained_drafter, run_sweep
 
-from eagle3.bench import aggregate, baseline_output, job_identity, percentile, tokenize_prompts
-from eagle3.common import Eagle3Error
-from eagle3.costmodel import StepCost, accept_length, fit_step_cost, predict
-from eagle3.results import main as results_main
-from eagle3.suites import load_suite
-from eagle3.sweep import cost_model_rows, summarize
-from eagle3.totals import totals
+from eagle3.bench.app import aggregate, baseline_output, job_identity, percentile, tokenize_prompts
+from eagle3.bench.costmodel import StepCost, accept_length, fit_step_cost, predict
+from eagle3.bench.sweep import cost_model_rows, summarize
+from eagle3.core.common import Eagle3Error
+from eagle3.data.suites import load_suite
+from eagle3.tools.results import main as results_main
+from eagle3.tools.totals import totals
 
 # ---------------------------------------------------------------- suites
 
@@ -247,7 +247,7 @@ def sweep_runs(tmp_path) -> tuple:
 
 @pytest.fixture(scope="session")
 def vllm_drafter(test_root):
-    from eagle3.common import compose
+    from eagle3.core.common import compose
 
     cfg = compose([f"paths.root={test_root}", *VLLM_TINY])
     return export_untrained_drafter(cfg, test_root / "drafters" / "tiny-hd32-untrained")
@@ -351,7 +351,7 @@ def test_local_sweep_one_job_refused(test_root, tmp_path, tiny_drafter):
 def test_killed_server_marks_the_job_failed(make_cfg, tmp_path, tiny_drafter):
     """A real local server SIGKILLed mid-run: the job is failed (status, log excerpt in its child
     run), no engine process is left, and nothing raises out of run_job."""
-    from eagle3.bench import run_job
+    from eagle3.bench.app import run_job
 
     cfg = make_cfg(
         *LOCAL_TINY,
@@ -401,7 +401,7 @@ def test_killed_server_marks_the_job_failed(make_cfg, tmp_path, tiny_drafter):
 def test_local_and_vllm_measure_the_same_tau(make_cfg, tmp_path, smollm2_trained_drafter):
     """Same target weights, same trained drafter, same prompt ids, greedy, a depth-4 chain: the local
     engine's τ and vLLM's τ (from its /metrics counters) agree within TOLERANCE (see below)."""
-    from eagle3.bench import run_job
+    from eagle3.bench.app import run_job
 
     drafter = smollm2_trained_drafter
     common = [
@@ -525,7 +525,7 @@ def test_tree_shapes_predicts_from_gpu_step_costs(tmp_path):
 
 
 def test_totals_sum_the_suites_of_each_method(tmp_path, capsys):
-    """python -m eagle3.results totals over two engine-loop-shaped files: tok/s is the sum of tokens over the sum of
+    """python -m eagle3.tools.results totals over two engine-loop-shaped files: tok/s is the sum of tokens over the sum of
     wall time (not the mean of the suites' rates), τ and the step over the summed verify steps, the phase
     times weighted by steps (prefill by prompts), the ratio against off's totals; a method measured twice
     on one suite is refused."""
@@ -673,7 +673,7 @@ def test_vllm_serving_a_drafter_whose_layer_it_ignores_is_caught(test_root, tmp_
     (ignored_layer_copy), swept through real vLLM (CPU) on SmolLM2: the intact one is accepted, the
     broken one gets tau ~1; the verdict says in words to check the export for it alone, and only its
     MLflow run carries the tag."""
-    from eagle3.shipped import unpack
+    from eagle3.export.shipped import unpack
 
     assert VLLM_PYTHON.exists(), "run `make vllm` (tools/setup_vllm.sh) to build .venv-vllm"
     intact = unpack(REPO / "assets" / "drafter-4f658d4f4df1.tgz", tmp_path / "shipped") / "sglang"
@@ -713,7 +713,7 @@ def test_vllm_serving_a_drafter_whose_layer_it_ignores_is_caught(test_root, tmp_
 
 
 def test_spreads_apart_by_more_than_their_width():
-    from eagle3.verdict import Spread
+    from eagle3.bench.verdict import Spread
 
     off = Spread(10.0, 9.0, 11.0)  # width 2
     assert Spread(14.5, 14.0, 15.0).apart(off)  # 14 - 11 = 3 > 2
@@ -729,11 +729,11 @@ def test_passes_stop_once_apart_from_spec_off(make_cfg, tmp_path, min_repeats, p
     (1e9 tok/s): after bench.min_repeats passes the ranges are apart and the job stops there."""
     from transformers import AutoTokenizer
 
-    from eagle3 import inprocess
-    from eagle3.bench import measure, tokenize_prompts
-    from eagle3.spec import OFF
-    from eagle3.target import target_path_for
-    from eagle3.verdict import Spread
+    from eagle3.bench.app import measure, tokenize_prompts
+    from eagle3.bench.verdict import Spread
+    from eagle3.core.spec import OFF
+    from eagle3.core.target import target_path_for
+    from eagle3.serve import inprocess
 
     cfg = make_cfg(
         "target=tiny-llama",
@@ -762,7 +762,7 @@ def test_sweep_progress_counts_jobs_and_estimates_what_is_left(tmp_path):
 
     from omegaconf import OmegaConf
 
-    from eagle3.sweep import job_count, progress_line
+    from eagle3.bench.sweep import job_count, progress_line
 
     grid = OmegaConf.create(
         {"sweeper": {}, "overrides": {"task": ["spec=d4,d8", "bench.batch_size=1,4,8", "seed=1"]}}
@@ -787,7 +787,7 @@ def test_sweep_progress_counts_jobs_and_estimates_what_is_left(tmp_path):
 
 
 def refused_job(make_cfg, tmp_path, *overrides) -> dict:
-    from eagle3.bench import run_job
+    from eagle3.bench.app import run_job
 
     result = run_job(make_cfg("spec=off", *overrides), tmp_path / "job")
     assert result["status"] == "failed"

@@ -1,4 +1,4 @@
-"""python -m eagle3.bundle and its run.py: a bundle built here in small parts, gathered from two
+"""python -m eagle3.tools.bundle and its run.py: a bundle built here in small parts, gathered from two
 copies, checked, installed and turned into a step's command, as on a machine without network."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3 import bundle_run
-from eagle3.bundle import build
-from eagle3.common import Eagle3Error
+from eagle3.core.common import Eagle3Error
+from eagle3.tools import bundle_run
+from eagle3.tools.bundle import build
 
 
 def tiny_wheel(folder):
@@ -118,7 +118,7 @@ def test_a_missing_extra_file_is_named(make_cfg, tmp_path):
 
 def test_a_step_run_from_a_bundle_records_the_commit_it_was_packed_from(make_cfg, tmp_path):
     """The bundled source has no git history; its runs and manifests still name the commit."""
-    from eagle3.artifacts import git_commit
+    from eagle3.core.artifacts import git_commit
 
     _, manifest_path, _ = make_bundle(
         make_cfg, tmp_path, "bundle.source=true", "bundle.part_mib=64"
@@ -128,7 +128,7 @@ def test_a_step_run_from_a_bundle_records_the_commit_it_was_packed_from(make_cfg
     assert bundle_run.gather(manifest, [manifest_path.parent], home) == []
     bundle_run.install(manifest, home)
     _, env, cwd = bundle_run.step_command("bench", [], home)
-    probe = "from eagle3.artifacts import git_commit; print(git_commit())"
+    probe = "from eagle3.core.artifacts import git_commit; print(git_commit())"
     done = subprocess.run(
         [sys.executable, "-c", probe], env=env, cwd=cwd, capture_output=True, text=True
     )

@@ -1,4 +1,4 @@
-"""The serving engines in a bundle (eagle3.bundle_engines): which wheels an engine needs given the GPU
+"""The serving engines in a bundle (eagle3.tools.bundle_engines): which wheels an engine needs given the GPU
 machine's package list, the files trimmed from a kernel wheel and its RECORD, and run.py installing
 the result.
 
@@ -23,16 +23,16 @@ from pathlib import Path
 import pytest
 from support import REPO
 
-from eagle3 import bundle_run
-from eagle3.bundle import build
-from eagle3.bundle_engines import (
+from eagle3.core.common import Eagle3Error
+from eagle3.tools import bundle_run
+from eagle3.tools.bundle import build
+from eagle3.tools.bundle_engines import (
     marker_environment,
     pip_fetch,
     read_machine_packages,
     resolve,
     trim_wheel,
 )
-from eagle3.common import Eagle3Error
 
 # sgl_kernel's layout: per-architecture common ops, the FA3 kernels beside them
 KERNEL_FILES = {
@@ -227,7 +227,7 @@ def test_a_trim_rule_that_matches_nothing_is_an_error(tmp_path):
 
 
 def test_a_bundle_with_sglang_installs_the_trimmed_engine(make_cfg, index, tmp_path):
-    """python -m eagle3.bundle 'bundle.engines=[sglang]': the engine's wheels join the parts, the
+    """python -m eagle3.tools.bundle 'bundle.engines=[sglang]': the engine's wheels join the parts, the
     manifest says what was carried and trimmed, and run.py installs them."""
     machine = tmp_path / "machine.json"
     machine.write_text(json.dumps([{"name": n, "version": v or "1.0"} for n, v in MACHINE.items()]))

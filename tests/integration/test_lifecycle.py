@@ -1,4 +1,4 @@
-"""Nothing left running, nothing shared: real `eagle3.serve` / `eagle3.bench` processes stopped by
+"""Nothing left running, nothing shared: real `eagle3.serve.app` / `eagle3.bench.app` processes stopped by
 SIGINT, SIGTERM, SIGHUP and SIGKILL take their engine servers with them (and the MLflow run is
 marked KILLED); two runs started in the same second get separate folders."""
 
@@ -17,7 +17,7 @@ import httpx
 import pytest
 from support import TESTS
 
-from eagle3.lifecycle import process_alive, process_identity, start_time
+from eagle3.core.lifecycle import process_alive, process_identity, start_time
 
 # Runs an eagle3 app with Hydra's clock pinned: the fault to show is two runs started in the
 # same second, which a real clock produces only by chance.
@@ -73,7 +73,10 @@ def common_overrides(artifacts: Path, root: Path) -> list[str]:
 def start_serve(test_root, root, *overrides, pinned: bool = True):
     """`python -m eagle3.serve` (clock pinned unless told)."""
     argv = app_argv(
-        "eagle3.serve", *common_overrides(test_root / "artifacts", root), *overrides, pinned=pinned
+        "eagle3.serve.app",
+        *common_overrides(test_root / "artifacts", root),
+        *overrides,
+        pinned=pinned,
     )
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -146,7 +149,7 @@ def test_killed_serve_takes_its_engine_along(test_root, tmp_path, sig):
 
 def bench_argv(artifacts, root, *overrides, multirun: bool = False) -> list[str]:
     return app_argv(
-        "eagle3.bench",
+        "eagle3.bench.app",
         *(["-m"] if multirun else []),
         *common_overrides(artifacts, root),
         "bench.suite=vicuna",
@@ -222,7 +225,7 @@ def test_engine_group_dies_when_its_starter_is_killed_outright(tmp_path):
 import sys, time
 sys.path.insert(0, {str(TESTS)!r})
 from support import http_server_launch
-from eagle3.launch import EngineProcess, free_port
+from eagle3.serve.launch import EngineProcess, free_port
 launch = http_server_launch(free_port("127.0.0.1"), prefix="sleep 300 & echo $! > {tmp_path}/child.pid; ")
 launch.stop_timeout_s, launch.watchdog_poll_s = 3, 0.2
 engine = EngineProcess(launch, __import__("pathlib").Path({str(tmp_path)!r})).start()
@@ -258,7 +261,7 @@ def sweep_results(root: Path) -> list[tuple[str, list[str]]]:
 
 @pytest.mark.slow
 def test_two_sweeps_in_the_same_second_stay_apart(own_artifacts, tmp_path):
-    """Two `eagle3.bench -m` sweeps with one clock second: separate folders, summaries and
+    """Two `eagle3.bench.app -m` sweeps with one clock second: separate folders, summaries and
     parent runs, every job in its own sweep (spec=off and one chain each: the chain's job reuses
     its sweep's spec=off measurement, so each sweep starts two engines)."""
     procs = []
@@ -297,7 +300,7 @@ def child_pids() -> set[int]:
 def test_a_spawned_childs_watchdog_is_reaped_when_the_child_ends():
     """spawn() starts the child and its watchdog; once the child has ended, the watchdog exits
     and is waited for (no zombie per engine start until the starter exits)."""
-    from eagle3.lifecycle import spawn
+    from eagle3.core.lifecycle import spawn
 
     before = child_pids()
     proc = spawn([sys.executable, "-c", "pass"], 1.0, 0.05, stdout=subprocess.DEVNULL)
@@ -316,7 +319,7 @@ def settled_runs(root: Path) -> dict[str, list[str]]:
 
 
 def test_killed_sweep_leaves_no_run_running(own_artifacts, tmp_path):
-    """SIGKILL of `eagle3.bench -m` during its job: the sweep's parent run and the job's child run
+    """SIGKILL of `eagle3.bench.app -m` during its job: the sweep's parent run and the job's child run
     are marked KILLED by the watchdog the bench started, with no other process opening the store."""
     argv = bench_argv(own_artifacts, tmp_path, "spec=off", multirun=True)
     argv += ["bench.max_new_tokens=2000", "bench.ignore_eos=true", "engine.max_context=2048"]

@@ -9,9 +9,9 @@ import pytest
 import torch
 from engine_helpers import PROMPTS, reference_greedy
 
-from eagle3 import inprocess
-from eagle3.bench import check_output_settings, compare_outputs, run_job
-from eagle3.common import Eagle3Error
+from eagle3.bench.app import check_output_settings, compare_outputs, run_job
+from eagle3.core.common import Eagle3Error
+from eagle3.serve import inprocess
 
 
 def test_first_divergence_and_its_margin(make_cfg, tiny_target):

@@ -5,8 +5,8 @@ import sys
 import pytest
 from support import REPO
 
-from eagle3.common import Eagle3Error
-from eagle3.plan import check_plans, stage_plans
+from eagle3.core.common import Eagle3Error
+from eagle3.pipeline.plan import check_plans, stage_plans
 
 
 def run_pipeline(root, *overrides):
@@ -166,8 +166,8 @@ def test_every_experiment_composes_and_its_bench_jobs_resolve(make_cfg):
     """Each experiments/*.yaml composes, and every job of its bench sweep (as Hydra will split it) gives a
     spec that passes the spec rules."""
 
-    from eagle3.pipeline import bench_jobs
-    from eagle3.spec import resolve_spec
+    from eagle3.core.spec import resolve_spec
+    from eagle3.pipeline.app import bench_jobs
 
     names = sorted(path.stem for path in (REPO / "experiments").glob("*.yaml"))
     assert {"quickstart", "smollm2-h200", "smollm2-h200-turns3", "smollm2-h200-turns3-v32k"} <= set(

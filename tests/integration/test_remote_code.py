@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from support import SGLANG_PYTHON
 
-from eagle3.common import Eagle3Error
-from eagle3.extract_vllm import capture_launch, target_shape
-from eagle3.launch import compose_launch, sglang_argv, sglang_parse_many
-from eagle3.spec import OFF
-from eagle3.target import load_target, target_tokenizer
-from eagle3.tokens import load_tokenizer
+from eagle3.core.common import Eagle3Error
+from eagle3.core.spec import OFF
+from eagle3.core.target import load_target, target_tokenizer
+from eagle3.data.tokens import load_tokenizer
+from eagle3.extract.vllm_capture import capture_launch, target_shape
+from eagle3.serve.launch import compose_launch, sglang_argv, sglang_parse_many
 
 MODEL_CODE = """
 from transformers import LlamaConfig, LlamaForCausalLM

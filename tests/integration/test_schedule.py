@@ -17,12 +17,12 @@ from engine_helpers import PROMPTS, reference_greedy, spec
 from support import load_results as results
 from support import server_cfg
 
-from eagle3.common import Eagle3Error
+from eagle3.bench.concurrency import write_load_summary
+from eagle3.core.common import Eagle3Error
+from eagle3.core.spec import OFF, Spec
 from eagle3.engine.batch import BatchDecoder
 from eagle3.engine.schedule import Schedule, read_schedule, resolve_schedule_path
 from eagle3.engine.service import Generation, build_service
-from eagle3.load import write_load_summary
-from eagle3.spec import OFF, Spec
 
 NEW_TOKENS = 32
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest
@@ -36,7 +36,7 @@ def references(tiny_target):
 
 
 def test_the_engine_reads_the_schedule_the_load_sweep_wrote(tmp_path):
-    """eagle3.load writes schedule.json beside the drafter's export; engine.schedule=auto finds it
+    """eagle3.bench.concurrency writes schedule.json beside the drafter's export; engine.schedule=auto finds it
     from the drafter folder and runs d32s4k8 below 16 rows and spec=off from 16 rows on."""
     export = tmp_path / "export" / "abc123"
     (export / "sglang").mkdir(parents=True)
@@ -169,8 +169,8 @@ def test_deterministic_outputs_do_not_depend_on_batch_or_shape(
     order noise of the weights' dtype): 16 prompts give the same outputs at batch 1, 4 and 16 with
     spec=off, a chain and a tree (12 tokens each). Without the mode, on a 2-core x86 CPU, 2 to 4 of the 16 outputs
     change with the batch size or the shape in float32 and in bf16."""
-    from eagle3.common import compose
-    from eagle3.target import load_target
+    from eagle3.core.common import compose
+    from eagle3.core.target import load_target
 
     if dtype != "float32":
         tiny_target = load_target(

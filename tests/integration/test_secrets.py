@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eagle3.redact import MASK, mask, mask_argv, mask_text
+from eagle3.core.redact import MASK, mask, mask_argv, mask_text
 
 SECRETS = ("hf_s3cr3tvalue", "sk-0penai0000", "p4ssw0rd!x", "bench-k3y-xyz", "hf_f1ag")
 # values whose names say nothing: an engine's environment keeps its names only, a URL its user
@@ -112,8 +112,8 @@ def test_no_secret_reaches_any_file(test_root, tmp_path):
 
 STORE_USER = """
 import pathlib, sys, time
-from eagle3.common import compose
-from eagle3.tracking import stage_run
+from eagle3.core.common import compose
+from eagle3.core.tracking import stage_run
 cfg = compose([f"tracking.uri=sqlite:///{sys.argv[1]}/mlflow.db",
                f"tracking.artifact_location={sys.argv[1]}/artifacts"])
 ready = pathlib.Path(sys.argv[1], "ready")
@@ -153,7 +153,7 @@ def test_the_bench_sends_the_api_key_the_server_requires(
 ):
     """EAGLE3_API_KEY set: the local server refuses requests without it (401), so a job that
     measures at all has sent it; the key is in no file of the job."""
-    from eagle3.bench import run_job
+    from eagle3.bench.app import run_job
 
     monkeypatch.setenv("EAGLE3_API_KEY", SECRETS[3])
     cfg = make_cfg(
@@ -174,8 +174,8 @@ def test_the_bench_sends_the_api_key_the_server_requires(
 
 
 def test_vllm_and_sglang_get_the_key_without_logging_it(make_cfg, monkeypatch):
-    from eagle3.launch import compose_launch
-    from eagle3.spec import OFF
+    from eagle3.core.spec import OFF
+    from eagle3.serve.launch import compose_launch
 
     monkeypatch.setenv("EAGLE3_API_KEY", "k-123")
     vllm = compose_launch(make_cfg("serve=vllm", "spec=off"), OFF, None, "/models/target")
@@ -193,7 +193,7 @@ def test_vllm_and_sglang_get_the_key_without_logging_it(make_cfg, monkeypatch):
 
 
 def test_an_engine_log_tail_is_masked(tmp_path):
-    from eagle3.launch import EngineProcess, Launch
+    from eagle3.serve.launch import EngineProcess, Launch
 
     engine = EngineProcess(Launch("sglang", ["true"], {}, "127.0.0.1", 1), tmp_path)
     engine.log_path.write_text("server_args=ServerArgs(api_key='k-9', port=1)\n--api-key k-9\n")

@@ -1,4 +1,4 @@
-"""Engines (eagle3.launch, eagle3.counters): command composition (vLLM, SGLang through SGLang's own
+"""Engines (eagle3.serve.launch, eagle3.serve.counters): command composition (vLLM, SGLang through SGLang's own
 parser), process lifecycle with real processes, vLLM counter parsing."""
 
 import json
@@ -14,9 +14,10 @@ import pytest
 import yaml
 from support import REPO, SGLANG_PYTHON, http_server_launch
 
-from eagle3.common import Eagle3Error
-from eagle3.counters import acceptance_from_counters, counter_delta, parse_vllm_metrics
-from eagle3.launch import (
+from eagle3.core.common import Eagle3Error
+from eagle3.core.spec import OFF, resolve_spec
+from eagle3.serve.counters import acceptance_from_counters, counter_delta, parse_vllm_metrics
+from eagle3.serve.launch import (
     EngineFailed,
     EngineProcess,
     Launch,
@@ -27,7 +28,6 @@ from eagle3.launch import (
     sglang_cuda_graph_flag,
     sglang_parse_many,
 )
-from eagle3.spec import OFF, resolve_spec
 
 TARGET = "/models/target"
 DRAFTER = "/models/drafter"
@@ -283,9 +283,9 @@ def test_local_launch_passes_the_exact_config(make_cfg, tmp_path):
     assert job["spec"] == {"enabled": True, "depth": 10, "steps": 5, "topk": 4}
     assert job["serve"]["port"] == 5555 and job["drafter"]["path"] == DRAFTER
     argv = [a.replace("{folder}", str(tmp_path)) for a in launch.argv]
-    assert argv[1:3] == ["-m", "eagle3.engine.server"]
+    assert argv[1:3] == ["-m", "eagle3.serve.server"]
     out = subprocess.run(
-        [sys.executable, "-m", "eagle3.info", *argv[3:], "--cfg", "job"],
+        [sys.executable, "-m", "eagle3.tools.info", *argv[3:], "--cfg", "job"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -18,10 +18,10 @@ from engine_helpers import reference_greedy
 from fastapi.testclient import TestClient
 from support import server_cfg
 
-from eagle3.common import Eagle3Error
-from eagle3.engine.server import create_app
+from eagle3.core.common import Eagle3Error
 from eagle3.engine.service import build_service, streamable
-from eagle3.launch import free_port
+from eagle3.serve.launch import free_port
+from eagle3.serve.server import create_app
 
 
 @pytest.fixture(scope="module")
@@ -372,13 +372,13 @@ def test_malformed_json_and_chat_fields(server):
 
 @pytest.mark.slow
 def test_server_process_round_trip(test_root):
-    """`python -m eagle3.engine.server` as the bench starts it: a real process on 127.0.0.1."""
+    """`python -m eagle3.serve.server` as the bench starts it: a real process on 127.0.0.1."""
     port = free_port("127.0.0.1")
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "eagle3.engine.server",
+            "eagle3.serve.server",
             f"paths.root={test_root}",
             "target=tiny-llama",
             "spec=d10s5",
@@ -423,7 +423,7 @@ def test_server_process_round_trip(test_root):
 
 
 def test_missing_drafter_is_refused(test_root):
-    from eagle3.common import Eagle3Error, compose
+    from eagle3.core.common import Eagle3Error, compose
 
     cfg = compose(
         [f"paths.root={test_root}", "target=tiny-llama", "drafter.path=/nonexistent/drafter"]

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from eagle3.launch import free_port
+from eagle3.serve.launch import free_port
 
 KEY = "k-7d1c0e"
 VOCAB = 49152  # tiny-llama uses SmolLM2's tokenizer
@@ -22,12 +22,12 @@ LONG = 1500  # tokens a long request asks for (spec=off: one step per token)
 
 
 def start_server(test_root, tmp_path, *overrides: str, env: dict | None = None):
-    """`python -m eagle3.engine.server` on a free port; (process, base url) once healthy."""
+    """`python -m eagle3.serve.server` on a free port; (process, base url) once healthy."""
     port = free_port("127.0.0.1")
     argv = [
         sys.executable,
         "-m",
-        "eagle3.engine.server",
+        "eagle3.serve.server",
         f"paths.root={test_root}",
         "target=tiny-llama",
         "spec=off",

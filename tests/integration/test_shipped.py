@@ -1,4 +1,4 @@
-"""eagle3.shipped: a drafter export packed into a committed int8 file and unpacked again, and the
+"""eagle3.export.shipped: a drafter export packed into a committed int8 file and unpacked again, and the
 drafter shipped that way (assets/drafter-<hash>.tgz, trained on an H200): unpacked into the
 artifacts, registered, announced, used by a bench sweep when nothing else was trained."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.common import compose
-from eagle3.shipped import asset_path, pack, unpack
+from eagle3.core.common import compose
+from eagle3.export.shipped import asset_path, pack, unpack
 
 
 def shipped_asset() -> Path:
@@ -70,7 +70,7 @@ def test_shipped_drafter_is_its_recipes_export(tmp_path):
     """Its name is the export hash its recipe (shipped_recipe) computes for the H200 run's prompt
     file, and its manifest names that config's train and data outputs: a config change that moves
     them makes this fail (the asset would then be another recipe's drafter)."""
-    from eagle3.outputs import data_output, export_output, train_output
+    from eagle3.core.outputs import data_output, export_output, train_output
 
     cfg = shipped_recipe()
     asset = shipped_asset()
@@ -89,11 +89,11 @@ def test_shipped_drafter_drafts_smollm2_losslessly_on_prompts_it_never_saw(
     drafter's are (an untrained one, or weights under names the engine ignores, give tau ~1)."""
     from engine_helpers import reference_greedy
 
-    from eagle3.bench import tokenize_prompts
+    from eagle3.bench.app import tokenize_prompts
+    from eagle3.core.spec import resolve_spec
+    from eagle3.data.suites import load_suite
     from eagle3.engine import SpecDecoder, summarize
     from eagle3.engine.service import load_engine_drafter
-    from eagle3.spec import resolve_spec
-    from eagle3.suites import load_suite
 
     out = unpack(shipped_asset(), tmp_path / "shipped")
     cfg = compose(
@@ -122,7 +122,7 @@ def test_shipped_drafter_drafts_smollm2_losslessly_on_prompts_it_never_saw(
 
 
 def test_the_shipped_drafter_is_chosen_only_when_nothing_else_is(make_cfg, own_artifacts):
-    from eagle3.shipped import unpacked, wanted
+    from eagle3.export.shipped import unpacked, wanted
 
     def cfg(*overrides):
         return make_cfg(f"paths.artifacts={own_artifacts}", *overrides)
@@ -141,7 +141,7 @@ def test_unpacked_once_registered_once_announced_once(make_cfg, own_artifacts, c
     is asked for, one announcement line per process."""
     from mlflow.tracking import MlflowClient
 
-    from eagle3 import shipped
+    from eagle3.export import shipped
 
     shipped.announced.clear()
     cfg = make_cfg(f"paths.artifacts={own_artifacts}")
@@ -171,7 +171,7 @@ def test_unpacked_once_registered_once_announced_once(make_cfg, own_artifacts, c
 
 def shipped_registered_copy(cfg, artifacts) -> Path:
     """The registered version as drafter.path=models:/... downloads it."""
-    from eagle3.drafter_io import download_registered
+    from eagle3.core.drafter_io import download_registered
 
     return download_registered(
         "models:/eagle3-smollm2-135m/1", cfg.tracking.uri, artifacts / "registry" / "shipped"

@@ -20,9 +20,9 @@ import torch
 from mlflow.tracking import MlflowClient
 from support import FIXTURES
 
-from eagle3 import data
-from eagle3.cluster import submission
-from eagle3.outputs import train_output
+from eagle3.core.cluster import submission
+from eagle3.core.outputs import train_output
+from eagle3.data import app as data
 
 STAGE = [
     "target=tiny-llama",
@@ -174,7 +174,7 @@ def test_lightning_takes_the_requeue_signal_from_a_handler_already_there(
     from submitit.core.utils import DelayedSubmission, JobPaths
     from submitit.slurm.slurm import SlurmJobEnvironment
 
-    from eagle3.distributed import cluster_plugins, requeue_signal_free
+    from eagle3.train.distributed import cluster_plugins, requeue_signal_free
 
     for name in ("SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES"):
         monkeypatch.setenv(name, "1")

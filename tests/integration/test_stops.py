@@ -17,7 +17,7 @@ import pytest
 from hydra.experimental.callback import Callback
 from support import REPO
 
-from eagle3.common import compose
+from eagle3.core.common import compose
 
 TESTS = Path(__file__).resolve().parent
 
@@ -49,7 +49,7 @@ def last_line(text: str) -> str:
 def test_sigterm_between_bench_jobs_is_one_line(test_root, tmp_path):
     """Two jobs that fail fast (serve=hf does not speculate); SIGTERM once the first has ended."""
     out = run_app(
-        "eagle3.bench",
+        "eagle3.bench.app",
         "-m",
         "spec=d4,d8",
         "serve=hf",
@@ -78,7 +78,7 @@ def test_ctrl_c_during_regeneration_is_one_line(own_artifacts, tmp_path):
         "data.regenerate=true",
         "data.regen.max_new_tokens=64",
     ]
-    from eagle3.regen import regen_log_path
+    from eagle3.data.regen import regen_log_path
 
     log = regen_log_path(compose(overrides))
     proc = subprocess.Popen(
@@ -106,7 +106,9 @@ def test_ctrl_c_during_regeneration_is_one_line(own_artifacts, tmp_path):
 def test_an_eagle3_root_that_cannot_be_created_is_one_line(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    out = run_app("eagle3.info", "target=tiny-llama", env={"EAGLE3_ROOT": str(blocker / "root")})
+    out = run_app(
+        "eagle3.tools.info", "target=tiny-llama", env={"EAGLE3_ROOT": str(blocker / "root")}
+    )
     assert out.returncode == 1 and "Traceback" not in out.stderr
     line = last_line(out.stderr)
     assert line.startswith(f"eagle3 error: cannot create the output folder {blocker}/root/outputs/")
@@ -120,7 +122,7 @@ def test_an_hf_target_folder_without_a_tokenizer_is_one_line(tiny_target, tmp_pa
     for name in ("config.json", "model.safetensors"):
         shutil.copyfile(tiny / name, folder / name)
     out = run_app(
-        "eagle3.info", "target=hf", f"target.path={folder}", f"hydra.run.dir={tmp_path}/run"
+        "eagle3.tools.info", "target=hf", f"target.path={folder}", f"hydra.run.dir={tmp_path}/run"
     )
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert last_line(out.stderr).startswith(
@@ -131,8 +133,8 @@ def test_an_hf_target_folder_without_a_tokenizer_is_one_line(tiny_target, tmp_pa
 def test_info_finds_the_engine_venvs_where_the_launcher_does(make_cfg, tmp_path):
     """Run from elsewhere (paths.root is another folder): info names the interpreter the launcher
     would start, relative to the checkout, and says whether it is there."""
-    from eagle3.info import engines_available
-    from eagle3.launch import engine_python
+    from eagle3.serve.launch import engine_python
+    from eagle3.tools.info import engines_available
 
     found = engines_available(make_cfg(f"paths.root={tmp_path}"))
     for engine in ("vllm", "sglang"):
@@ -146,7 +148,7 @@ def test_a_misspelt_option_in_a_sweep_is_one_line_before_any_run(make_cfg, tmp_p
     store = tmp_path / "mlruns" / "mlflow.db"
     make_cfg()  # the store, empty
     out = run_app(
-        "eagle3.bench",
+        "eagle3.bench.app",
         "-m",
         "spec=d2,d4",
         "target=tiny-llama",

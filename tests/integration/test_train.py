@@ -16,15 +16,15 @@ import pytest
 import torch
 from support import BASE, DRAFT_VOCAB, FIXTURES, TESTS, peaked_target, synthetic_data, synthetic_fit
 
-from eagle3 import outputs
-from eagle3.common import Eagle3Error, compose
-from eagle3.datamodule import BucketBatchSampler, DrafterData, collate
-from eagle3.drafter_io import CHECKPOINTS, load_trained_drafter
-from eagle3.drafter_module import DrafterModule, compile_setting, warmup_cosine
-from eagle3.outputs import train_output
-from eagle3.target import CompiledCapture, load_target
-from eagle3.train import choose_strategy, evaluation_for, fit
-from eagle3.ttt import tau_hat
+from eagle3.core import outputs
+from eagle3.core.common import Eagle3Error, compose
+from eagle3.core.drafter_io import CHECKPOINTS, load_trained_drafter
+from eagle3.core.outputs import train_output
+from eagle3.core.target import CompiledCapture, load_target
+from eagle3.train.app import choose_strategy, evaluation_for, fit
+from eagle3.train.datamodule import BucketBatchSampler, DrafterData, collate
+from eagle3.train.drafter_module import DrafterModule, compile_setting, warmup_cosine
+from eagle3.train.ttt import tau_hat
 
 
 class Recorder(L.Callback):
@@ -130,7 +130,7 @@ def test_init_from_starts_where_the_source_ended(make_cfg, target, tmp_path):
     source of another shape or vocab map is refused, naming what differs."""
     from safetensors.torch import load_file
 
-    from eagle3.drafter_io import export_sglang
+    from eagle3.core.drafter_io import export_sglang
 
     source = tmp_path / "source"
     synthetic_fit(make_cfg(*BASE, "train.epochs=1"), source, target=target)
@@ -317,10 +317,10 @@ SCRIPT = """
 import os, signal, sys, json
 sys.path.insert(0, {tests!r})
 import lightning as L, torch
-from eagle3.common import compose
+from eagle3.core.common import compose
 from support import synthetic_fit
 
-from eagle3.lifecycle import Stopped
+from eagle3.core.lifecycle import Stopped
 
 class KillAfter(L.Callback):  # a real signal to this process, at a known step's end or validation
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -492,9 +492,10 @@ def test_end_to_end_offline_with_mlflow_and_guard_rails(make_cfg, test_root, tmp
     import mlflow
     from safetensors.torch import load_file
 
-    from eagle3 import data, extract
-    from eagle3.outputs import train_output
-    from eagle3.train import run
+    from eagle3.core.outputs import train_output
+    from eagle3.data import app as data
+    from eagle3.extract import app as extract
+    from eagle3.train.app import run
 
     artifacts = tmp_path / "artifacts"
     artifacts.mkdir()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from engine_helpers import FALSE_ALARM, PROMPTS, chi_square_p_value, reference_greedy, spec
 
-from eagle3.common import Eagle3Error
+from eagle3.core.common import Eagle3Error
 from eagle3.engine import SpecDecoder
 from eagle3.engine.batch import BatchDecoder
 
@@ -167,8 +167,8 @@ def test_server_batches_concurrent_requests(test_root, tiny_target):
     from fastapi.testclient import TestClient
     from support import server_cfg
 
-    from eagle3.engine.server import create_app
     from eagle3.engine.service import build_service
+    from eagle3.serve.server import create_app
 
     service = build_service(server_cfg(test_root, "spec=off", "engine.max_batch_size=4"))
     prompts = [service.encode_text(text) for text in PROMPTS]

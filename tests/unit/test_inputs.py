@@ -14,12 +14,13 @@ from collections import Counter
 import pytest
 from support import randomise
 
-from eagle3 import bench, outputs
-from eagle3.common import Eagle3Error
-from eagle3.drafter import build_drafter
-from eagle3.export import export_drafter
-from eagle3.sources import read_rows
-from eagle3.suites import check_bench_settings
+from eagle3.bench import app as bench
+from eagle3.core import outputs
+from eagle3.core.common import Eagle3Error
+from eagle3.core.drafter import build_drafter
+from eagle3.data.sources import read_rows
+from eagle3.data.suites import check_bench_settings
+from eagle3.export.app import export_drafter
 
 
 def rows_file(path, count: int) -> list[dict]:
@@ -219,7 +220,7 @@ def test_malformed_bench_prompts_are_one_line(make_cfg, tmp_path, name, text, me
 
 
 def test_bench_limit_null_is_every_prompt(make_cfg):
-    from eagle3.suites import load_suite
+    from eagle3.data.suites import load_suite
 
     cfg = make_cfg("bench.limit=null")
     check_bench_settings(cfg.bench)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.drafter import build_drafter
+from eagle3.core.drafter import build_drafter
 from eagle3.engine.runners import DrafterRunner, TargetRunner
 from eagle3.engine.tree import ancestor_mask
 
@@ -94,7 +94,7 @@ def test_compiled_layers_match_hf_and_decode_the_same(tiny_target):
     from engine_helpers import PROMPTS, reference_greedy, spec
     from torch._dynamo.utils import counters
 
-    from eagle3.common import compose
+    from eagle3.core.common import compose
     from eagle3.engine import SpecDecoder
 
     counters.clear()
@@ -116,7 +116,7 @@ def test_other_models_fall_back_to_hf(tiny_target):
     """A Llama with attention biases is not what LeanLlama computes: the runner keeps HF's forward."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle3.target import Target
+    from eagle3.core.target import Target
 
     config = LlamaConfig(
         vocab_size=32,

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from eagle3.common import Eagle3Error
-from eagle3.lineage import lineage_for_export, lineage_lines, lineage_of
+from eagle3.core.common import Eagle3Error
+from eagle3.core.lineage import lineage_for_export, lineage_lines, lineage_of
 
 
 def drafter_folder(root, export_hash: str, recipe: dict | None = None):
@@ -65,7 +65,7 @@ def test_a_drafter_without_a_recorded_chain_is_named_in_the_error(tmp_path):
 
 def test_info_names_the_shipped_drafters_chain_by_keyword(make_cfg):
     """drafter.path=shipped: the chain ending at the asset's export hash."""
-    from eagle3.info import drafter_lineage
+    from eagle3.tools.info import drafter_lineage
 
     links = drafter_lineage(make_cfg("drafter.path=shipped"))
     assert links[-1]["export"] == "4f658d4f4df1" and len(links) == 5

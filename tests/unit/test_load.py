@@ -1,4 +1,4 @@
-"""Sweeps over load (eagle3.load): the fastest shape and what to run per batch size, the schedule's
+"""Sweeps over load (eagle3.bench.concurrency): the fastest shape and what to run per batch size, the schedule's
 SGLang and vLLM flags (SGLang's own parser reads them back), step costs per batch size, and a real
 local sweep over bench.batch_size=1,4 that batches rather than queues."""
 
@@ -12,8 +12,8 @@ from support import LOAD_DRAFTER as DRAFTER
 from support import QUICK, SGLANG_PYTHON, run_sweep
 from support import load_results as results
 
-from eagle3.launch import sglang_parse_many
-from eagle3.load import per_batch_rows, schedule, step_cost_rows, write_load_summary
+from eagle3.bench.concurrency import per_batch_rows, schedule, step_cost_rows, write_load_summary
+from eagle3.serve.launch import sglang_parse_many
 
 
 def test_per_batch_choice_and_schedule():

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle3.common import compose
-from eagle3.target import (
+from eagle3.core.common import compose
+from eagle3.core.target import (
     capture_hidden_states,
     default_aux_layer_ids,
     load_target,
@@ -78,8 +78,8 @@ def test_bench_refuses_the_embedded_engine_for_latent_attention(make_cfg, tmp_pa
     """serve=local stops before looking for a drafter, naming the engines that serve the target;
     a Llama target passes the same check."""
 
-    from eagle3 import bench
-    from eagle3.common import Eagle3Error
+    from eagle3.bench import app as bench
+    from eagle3.core.common import Eagle3Error
 
     cfg = make_cfg("target=tiny-moe", "serve=local", "spec.depth=4")
     with pytest.raises(Eagle3Error) as refused:

@@ -5,8 +5,13 @@ from __future__ import annotations
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from eagle3.common import compose
-from eagle3.plan_shapes import active_params, checkpoint_bytes, kv_bytes_per_token, param_counts
+from eagle3.core.common import compose
+from eagle3.pipeline.plan_shapes import (
+    active_params,
+    checkpoint_bytes,
+    kv_bytes_per_token,
+    param_counts,
+)
 
 
 def counted(model: torch.nn.Module) -> int:

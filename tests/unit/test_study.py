@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from support import FIXTURES
 
-from eagle3.common import Eagle3Error
-from eagle3.study import row_counts, rows_for_tokens
-from eagle3.study_report import fit_log, needed_for
+from eagle3.core.common import Eagle3Error
+from eagle3.study.app import row_counts, rows_for_tokens
+from eagle3.study.report import fit_log, needed_for
 
 
 def test_fit_log_recovers_a_line_and_inverts_it():
@@ -55,9 +55,9 @@ def test_rows_for_tokens_are_the_shortest_prefixes_holding_them():
 def test_study_trains_nested_sizes_measures_and_logs(make_cfg, own_artifacts, tmp_path):
     import mlflow
 
-    from eagle3 import study
-    from eagle3.data import load_splits
-    from eagle3.suites import load_suite
+    from eagle3.data.app import load_splits
+    from eagle3.data.suites import load_suite
+    from eagle3.study import app as study
 
     # a suite as a JSONL file (a machine without the suites' packages) beside one by name
     gsm8k = tmp_path / "suite_gsm8k.jsonl"
@@ -193,7 +193,7 @@ def _result(hash_: str, epochs: int, sizes: list[tuple[int, float]], spec: str =
 def test_log_from_pools_study_files_and_draws_references(make_cfg, tmp_path):
     import mlflow
 
-    from eagle3 import study
+    from eagle3.study import app as study
 
     one, two = tmp_path / "a" / "study.json", tmp_path / "b" / "study.json"
     for path, result in (
@@ -239,7 +239,7 @@ def test_log_from_pools_study_files_and_draws_references(make_cfg, tmp_path):
 def test_train_limit_takes_a_prefix_and_names_the_split_size():
     import torch
 
-    from eagle3.datamodule import TokenDataset, first_rows
+    from eagle3.train.datamodule import TokenDataset, first_rows
 
     rows = [
         {"id": str(i), "input_ids": [1] * (i + 2), "loss_mask": [1] * (i + 2)} for i in range(5)
@@ -263,7 +263,7 @@ def test_train_limit_takes_a_prefix_and_names_the_split_size():
 
 
 def test_compare_labels_studies_by_their_own_overrides_and_subtracts_the_first(make_cfg, tmp_path):
-    from eagle3 import study
+    from eagle3.study import app as study
 
     paths = []
     for name, sizes in (("a", [(10, 1.2), (40, 1.5)]), ("b", [(10, 1.25), (40, 1.45)])):

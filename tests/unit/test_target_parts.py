@@ -14,9 +14,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from support import FIXTURES
 
-from eagle3 import data, export, extract, train
-from eagle3.target import load_target, resolve_target_path
-from eagle3.target_parts import INDEX, load_target_parts
+from eagle3.core.target import load_target, resolve_target_path
+from eagle3.core.target_parts import INDEX, load_target_parts
+from eagle3.data import app as data
+from eagle3.export import app as export
+from eagle3.extract import app as extract
+from eagle3.train import app as train
 
 
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-llama"])  # sharded and untied; one file, tied
@@ -93,6 +96,6 @@ def test_offline_training_and_export_never_read_the_decoder_shards(
 
 
 def outputs_train_path(cfg) -> Path:
-    from eagle3.outputs import train_output
+    from eagle3.core.outputs import train_output
 
     return train_output(cfg).path

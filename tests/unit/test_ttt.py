@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from eagle3.drafter import RMSNorm, build_drafter, sdpa
-from eagle3.ttt import (
+from eagle3.core.drafter import RMSNorm, build_drafter, sdpa
+from eagle3.train.ttt import (
     compiled_soft_cross_entropy,
     compiled_unroll,
     soft_cross_entropy,

@@ -1,4 +1,4 @@
-"""Repeats, ranges, ties and the sweep's verdict (eagle3.verdict, eagle3.sweep.summarize), and the
+"""Repeats, ranges, ties and the sweep's verdict (eagle3.bench.verdict, eagle3.bench.sweep.summarize), and the
 spec=off baseline measured once per sweep unless reuse is asked for."""
 
 import csv
@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from eagle3.bench import baseline, baseline_output
-from eagle3.costmodel import StepCost, accept_length
-from eagle3.sweep import summarize
-from eagle3.verdict import Spread, combine_repeats, speedup_fields, winner
+from eagle3.bench.app import baseline, baseline_output
+from eagle3.bench.costmodel import StepCost, accept_length
+from eagle3.bench.sweep import summarize
+from eagle3.bench.verdict import Spread, combine_repeats, speedup_fields, winner
 
 COST = StepCost(verify_s=0.04, draft_step_s=0.012)  # a CPU-like step: drafting is expensive
 PER_POS = [0.75, 0.55, 0.4, 0.3, 0.22, 0.16, 0.12, 0.09, 0.07, 0.05, 0.04, 0.03, 0.02, 0.02, 0.01]
@@ -157,7 +157,7 @@ def test_a_shape_within_spec_offs_range_is_a_tie_and_spec_off_wins_it(make_cfg, 
 def test_baseline_once_per_sweep_and_reused_only_when_asked(make_cfg, own_artifacts, tmp_path):
     """Real spec=off measurements (tiny target, local server): one per sweep, shared by its jobs;
     bench.reuse_baseline=true takes the newest earlier one and says which run and how old."""
-    from eagle3.target import target_path_for
+    from eagle3.core.target import target_path_for
 
     quick = ("bench.limit=1", "bench.max_new_tokens=4", "bench.warmup=0", "bench.repeats=2")
     cfg = make_cfg("target=tiny-llama", f"paths.artifacts={own_artifacts}", *quick)
@@ -192,8 +192,8 @@ def test_a_drafter_the_engine_ignores_is_named_in_the_verdict_and_tagged(
     a shape accepted normally (d4, tau 2.2) gets neither."""
     from mlflow.tracking import MlflowClient
 
-    from eagle3.bench import log_job
-    from eagle3.tracking import stage_run
+    from eagle3.bench.app import log_job
+    from eagle3.core.tracking import stage_run
 
     cfg = make_cfg()
     ignored = job(8, 14.0, 13.5, 14.5, accept_length=1.02, accept_per_pos=[0.02] + [0.0] * 6)

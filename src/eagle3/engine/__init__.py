@@ -1,5 +1,7 @@
 """The embedded speculative decoder: draft trees, tree verification, KV caches, sampling,
-acceptance measurement and an HTTP server (`python -m eagle3.engine.server`)."""
+continuous batching and acceptance measurement (its HTTP front is `eagle3.serve.server`).
+
+May import: core."""
 
 from eagle3.engine.decoder import ContextOverflow, GenerationResult, RequestStats, SpecDecoder
 from eagle3.engine.evaluate import measure_acceptance, summarize

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle3.common import Eagle3Error
+from eagle3.core.common import Eagle3Error
+from eagle3.core.spec import Spec
+from eagle3.core.target import Target
 from eagle3.engine.batch_graphs import BatchGreedySteps
 from eagle3.engine.batched import (
     BatchTrees,
@@ -51,8 +53,6 @@ from eagle3.engine.runners import eager_attention
 from eagle3.engine.sampling import Sampling, greedy_path, probabilities, sampled_path
 from eagle3.engine.schedule import Schedule
 from eagle3.engine.tree import top_children
-from eagle3.spec import Spec
-from eagle3.target import Target
 
 
 @dataclass

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle3.common import Eagle3Error, log
+from eagle3.core.common import Eagle3Error, log
+from eagle3.core.spec import Spec
+from eagle3.core.target import Target
 from eagle3.engine.fused import FusedGreedy
 from eagle3.engine.runners import DrafterRunner, TargetRunner
 from eagle3.engine.sampling import Sampling, greedy_path, probabilities, sampled_path
 from eagle3.engine.tree import DraftTree, ancestor_mask, keep_best, root_only, subtree, top_children
-from eagle3.spec import Spec
-from eagle3.target import Target
 
 
 class ContextOverflow(Eagle3Error):

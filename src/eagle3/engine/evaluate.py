@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
+from eagle3.core.spec import Spec
+from eagle3.core.target import Target
 from eagle3.engine.decoder import RequestStats, SpecDecoder
-from eagle3.spec import Spec
-from eagle3.target import Target
 
 
 def summarize(stats: list[RequestStats]) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.drafter import sdpa
+from eagle3.core.drafter import sdpa
 
 
 class SlotKV:

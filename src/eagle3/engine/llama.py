@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from eagle3.common import Eagle3Error
+from eagle3.core.common import Eagle3Error
+from eagle3.core.target import Target
 from eagle3.engine.kv import SlotKV
-from eagle3.target import Target
 
 
 @dataclass

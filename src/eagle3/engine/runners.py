@@ -13,9 +13,9 @@ from contextlib import nullcontext
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from eagle3.core.target import Target, aux_capture
 from eagle3.engine.kv import DrafterKV, TargetKV
 from eagle3.engine.llama import LeanDrafter, LeanLlama
-from eagle3.target import Target, aux_capture
 
 
 class Graphed:

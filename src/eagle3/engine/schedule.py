@@ -1,4 +1,4 @@
-"""The speculative shape per live batch size: the load sweep's schedule file (eagle3.load writes it,
+"""The speculative shape per live batch size: the load sweep's schedule file (eagle3.bench.concurrency writes it,
 beside the drafter's export and in the sweep folder) read back for the batched engine.
 
 A file lists, per (engine, suite, max tokens, drafter), the shape to run at each measured batch
@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.common import Eagle3Error, log
-from eagle3.spec import OFF, Spec, max_tree_nodes
+from eagle3.core.common import Eagle3Error, log
+from eagle3.core.spec import OFF, Spec, max_tree_nodes
 
 SCHEDULE_FILE = "schedule.json"
 ENGINE = "local"  # the schedule entries measured on this engine
@@ -48,7 +48,7 @@ class Schedule:
 
 def resolve_schedule_path(setting, drafter_source: str | None) -> Path | None:
     """engine.schedule -> the file to read: `off` none, `auto` the drafter's (beside its export
-    folder, where eagle3.load writes it) when it exists, else the path given."""
+    folder, where eagle3.bench.concurrency writes it) when it exists, else the path given."""
     text = str(setting).strip() if setting is not None else "off"
     if text in ("off", "", "None", "False"):
         return None

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from eagle3.common import log
+from eagle3.core.common import log
 from eagle3.engine.batch import BatchDecoder, BatchRequest
 from eagle3.engine.decoder import GenerationResult, SpecDecoder
 

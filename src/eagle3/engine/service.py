@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 import torch
 from omegaconf import DictConfig
 
-from eagle3.common import Eagle3Error, log
-from eagle3.drafter import build_drafter
-from eagle3.drafter_io import attach_target_embedding, check_drafter_for_target, load_drafter
+from eagle3.core.common import Eagle3Error, log
+from eagle3.core.drafter import build_drafter
+from eagle3.core.drafter_io import attach_target_embedding, check_drafter_for_target, load_drafter
+from eagle3.core.outputs import resolve_drafter_path
+from eagle3.core.spec import resolve_spec
+from eagle3.core.target import load_target
 from eagle3.engine.decoder import GenerationResult, RequestStats, SpecDecoder
-from eagle3.outputs import resolve_drafter_path
-from eagle3.spec import resolve_spec
-from eagle3.target import load_target
 
 
 @dataclass

@@ -1,0 +1,5 @@
+"""`python -m eagle3.bench`."""
+
+from eagle3.bench.app import main
+
+main()

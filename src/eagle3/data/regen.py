@@ -1,0 +1,541 @@
+"""Regenerating the assistant turns with the target itself (in-process or through an
+OpenAI-compatible server): a resumable per-turn answer log shared by every data output with the
+same answers, loop and failure reports."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from eagle3.core.artifacts import config_hash
+from eagle3.core.common import Eagle3Error, log
+from eagle3.core.outputs import answer_sections
+from eagle3.core.spec import OFF
+from eagle3.core.target import load_target, target_path_for
+from eagle3.data.conversations import user_turns
+from eagle3.data.tokens import end_of_turn, render
+from eagle3.serve.launch import start_engine
+
+
+def regen_log_path(cfg: DictConfig) -> Path:
+    """<artifacts>/regen/<hash>/turns.jsonl, keyed by answer_sections: every data output with the same
+    answers shares it, so another drafter.draft_vocab_size re-tokenizes instead of regenerating (hours
+    on a large target). The data output keeps its own copy in regen/turns.jsonl."""
+    return Path(cfg.paths.artifacts) / "regen" / config_hash(answer_sections(cfg)) / "turns.jsonl"
+
+
+def seed_regen_log(cfg: DictConfig, shared: Path) -> None:
+    """A data output written before the shared log existed (this run's own, cut short, or one
+    copied from another machine) keeps its answers in its regen/turns.jsonl: the first one with the
+    same answer_sections starts the shared log."""
+    wanted = json.loads(json.dumps(answer_sections(cfg), default=str))
+    for manifest in sorted(Path(cfg.paths.artifacts, "data").glob("*/manifest.json")):
+        config = json.loads(manifest.read_text()).get("config", {})
+        answers = manifest.parent / "regen" / "turns.jsonl"
+        if answers.exists() and {name: config.get(name) for name in wanted} == wanted:
+            shared.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(answers, shared)
+            return
+
+
+def answer_key(conv_id: str, prompt: list[dict]) -> str:
+    """An answer's key: the conversation up to the turn it answers (system prompt, user turns and the
+    target's earlier answers), so an edited prompt gets a new key. The id keeps sampled answers of
+    two rows with the same prompt (first-turn copies) apart. The target, engine and sampling
+    settings are the log's own key (regen_log_path)."""
+    text = json.dumps([conv_id, prompt], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def logged_answers(data: bytes) -> dict[str, str | None]:
+    """{answer key: content} from an answer log's complete lines (the first line of a key wins; a
+    line without a key, from a log written before keys, answers nothing)."""
+    answers: dict[str, str | None] = {}
+    for line in data[: data.rfind(b"\n") + 1].decode().splitlines():
+        record = json.loads(line)
+        if "key" in record:
+            answers.setdefault(record["key"], record["content"])
+    return answers
+
+
+class TurnLog:
+    """regen/turns.jsonl: one line per answered turn, {"key", "id", "turn", "content"} (content null
+    when the prompt no longer fits max_length), found again by its key (answer_key), never by id and
+    turn alone: a rewritten prompt is answered anew. Appended and fsynced as results arrive; a line
+    cut by a kill is dropped on reopen, so nothing is duplicated and nothing written is lost."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.answers: dict[str, str | None] = {}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            self._load()
+
+    def _load(self) -> None:
+        data = self.path.read_bytes()
+        complete = data.rfind(b"\n") + 1
+        if complete < len(data):
+            with open(self.path, "r+b") as file:
+                file.truncate(complete)
+        self.answers = logged_answers(data)
+
+    def key(self, conv_id: str, prompt: list[dict]) -> str:
+        return answer_key(conv_id, prompt)
+
+    def find(self, conv_id: str, prompt: list[dict]) -> tuple[bool, str | None]:
+        """(whether this prompt was answered, its answer)."""
+        key = self.key(conv_id, prompt)
+        return key in self.answers, self.answers.get(key)
+
+    def add(self, answered: list[tuple[str, int, list[dict], str | None]]) -> None:
+        """Log (conversation id, turn, prompt, answer) tuples."""
+        records = [
+            {"key": self.key(conv_id, prompt), "id": conv_id, "turn": turn, "content": content}
+            for conv_id, turn, prompt, content in answered
+        ]
+        self.append(records)
+
+    def append(self, records: list[dict]) -> None:
+        with open(self.path, "a") as file:
+            file.write("".join(json.dumps(r) + "\n" for r in records))
+            file.flush()
+            os.fsync(file.fileno())
+        for r in records:
+            self.answers.setdefault(r["key"], r["content"])
+
+
+def turn_prompt(conversation: dict, answers: dict[int, str | None], turn: int) -> list[dict]:
+    """What the target answers at `turn`: the source's system prompt and user turns, its own earlier answers."""
+    messages = conversation["messages"]
+    prompt = [m for m in messages[:1] if m["role"] == "system"]
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    for j in range(turn):
+        prompt += [
+            {"role": "user", "content": users[j]},
+            {"role": "assistant", "content": answers[j]},
+        ]
+    return prompt + [{"role": "user", "content": users[turn]}]
+
+
+def conversation_answers(conversation: dict, answers_by_key: dict) -> dict:
+    """{turn: answer} of the turns logged for this conversation as it reads now, in order up to the
+    first turn not logged (or logged as not answered)."""
+    answers: dict[int, str | None] = {}
+    for turn in range(user_turns(conversation)):
+        key = answer_key(conversation["id"], turn_prompt(conversation, answers, turn))
+        if key not in answers_by_key:
+            break
+        answers[turn] = answers_by_key[key]
+        if answers[turn] is None:
+            break
+    return answers
+
+
+def regenerated(conversation: dict, answers: dict[int, str | None]) -> dict:
+    """The conversation with the target's answers, up to its first unanswered turn."""
+    turns = 0
+    while answers.get(turns) is not None:
+        turns += 1
+    if not turns:
+        return {"id": conversation["id"], "messages": []}
+    last = turns - 1
+    messages = turn_prompt(conversation, answers, last) + [
+        {"role": "assistant", "content": answers[last]}
+    ]
+    return {"id": conversation["id"], "messages": messages}
+
+
+def pending_turn(conversation: dict, answers: dict[int, str | None], turn: int) -> bool:
+    return (
+        turn < user_turns(conversation)
+        and turn not in answers
+        and all(answers.get(j) is not None for j in range(turn))
+    )
+
+
+def regenerate(
+    cfg: DictConfig, out_dir: Path, splits: dict[str, list[dict]], tokenizer, counts: dict
+):
+    """Let the target answer every user turn (into the shared log), then take the answers."""
+    shared, own = regen_log_path(cfg), out_dir / "regen" / "turns.jsonl"
+    with regen_lock(shared.parent):
+        turn_log, failed = answer_turns(cfg, shared, splits, tokenizer, counts)
+    write_own_log(own, turn_log, [c for convs in splits.values() for c in convs])
+    report_failures(out_dir, failed, cfg.data.regen, counts)
+    splits = {
+        name: [
+            regenerated(c, conversation_answers(c, turn_log.answers))
+            for c in convs
+            if c["id"] not in failed
+        ]
+        for name, convs in splits.items()
+    }
+    report_loops(splits, cfg.data.regen.loop_ngram, counts)
+    return splits
+
+
+def write_own_log(path: Path, turn_log: TurnLog, conversations: list[dict]) -> None:
+    """The data output's copy of the answers it was built from, in conversation and turn order (the
+    shared log also holds answers to prompts since rewritten, and other outputs' conversations)."""
+    records = [
+        {
+            "key": turn_log.key(c["id"], turn_prompt(c, answers, turn)),
+            "id": c["id"],
+            "turn": turn,
+            "content": content,
+        }
+        for c in conversations
+        for answers in [conversation_answers(c, turn_log.answers)]
+        for turn, content in sorted(answers.items())
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(path)
+
+
+@contextmanager
+def regen_lock(folder: Path) -> Iterator[None]:
+    """One writer per shared answer log: a second data run with the same answers (another draft vocab in
+    a parallel sweep) waits here, then finds every answer logged instead of generating them again.
+    An flock is released by the kernel when its holder dies, so a crash leaves no stale lock."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            log.info(
+                "data: another data run (%s) is regenerating the answers in %s; waiting for it, then "
+                "its answers are reused",
+                handle.read().strip() or "pid unknown",
+                folder,
+            )
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.truncate(0)
+        handle.write(f"pid {os.getpid()}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def answer_turns(
+    cfg: DictConfig, shared: Path, splits: dict[str, list[dict]], tokenizer, counts: dict
+):
+    """Turn-major, so each batch mixes conversations: -> (the shared TurnLog, {conversation id: error})."""
+    rcfg = cfg.data.regen
+    if not shared.exists():
+        seed_regen_log(cfg, shared)
+    turn_log = TurnLog(shared)
+    conversations = [c for convs in splits.values() for c in convs]
+    if rcfg.get("reuse_answers"):
+        sources = rcfg.reuse_answers
+        sources = [sources] if isinstance(sources, str) else list(sources)
+        counts["regen_turns_reused"] = sum(
+            reuse_answers(turn_log, Path(str(source)), conversations) for source in sources
+        )
+    counts["regen_turns_resumed"] = sum(
+        len(conversation_answers(c, turn_log.answers)) for c in conversations
+    )
+    generator = generator_for(cfg)
+    failed: dict[str, str] = {}
+    try:
+        for turn in range(max(map(user_turns, conversations), default=0)):
+            items = []
+            for c in conversations:
+                answers = conversation_answers(c, turn_log.answers)
+                if c["id"] not in failed and pending_turn(c, answers, turn):
+                    items.append((c["id"], turn, turn_prompt(c, answers, turn)))
+            items = skip_long_prompts(items, tokenizer, cfg.data, turn_log)
+            if items:
+                failed.update(generator.run(items, turn_log, desc=f"regenerate turn {turn + 1}"))
+    finally:
+        if isinstance(generator, EngineGenerator):
+            generator.close()
+    return turn_log, failed
+
+
+BACKENDS = ("local", "openai", "engine")
+
+
+def generator_for(cfg: DictConfig):
+    """The configured answer generator (data.regen.backend)."""
+    backend = cfg.data.regen.backend
+    if backend not in BACKENDS:
+        raise Eagle3Error(f"data.regen.backend={backend}: use one of {', '.join(BACKENDS)}")
+    generators = {"local": LocalGenerator, "openai": OpenAIGenerator, "engine": EngineGenerator}
+    return generators[backend](cfg)
+
+
+def reuse_answers(turn_log: TurnLog, source: Path, conversations: list[dict]) -> int:
+    """Copy into this run's log the answers another regeneration logged (data.regen.reuse_answers) for
+    these conversations' turns that this log lacks -> how many. An answer is taken only for the same
+    conversation so far (its key); it was written by that log's target and settings, which need not
+    be these (greedy answers under a sampled regeneration)."""
+    if not source.is_file():
+        raise Eagle3Error(
+            f"data.regen.reuse_answers={source}: no such answer log (a regen/<hash>/turns.jsonl)"
+        )
+    offered = logged_answers(source.read_bytes())
+    known = {**offered, **turn_log.answers}
+    records = []
+    for c in conversations:
+        answers = conversation_answers(c, known)
+        for turn, content in sorted(answers.items()):
+            key = turn_log.key(c["id"], turn_prompt(c, answers, turn))
+            if key not in turn_log.answers and key in offered:
+                records.append({"key": key, "id": c["id"], "turn": turn, "content": content})
+    if records:
+        turn_log.append(records)
+    log.info("data: %d answers reused from %s", len(records), source)
+    return len(records)
+
+
+def loop_start(text: str, ngram: int) -> int | None:
+    """Where a word n-gram of `text` comes round for the third time (the answer has fallen into a
+    repetition loop): its character offset, or None."""
+    words = list(re.finditer(r"\S+", text))
+    seen: Counter = Counter()
+    for i in range(len(words) - ngram + 1):
+        gram = tuple(w.group() for w in words[i : i + ngram])
+        seen[gram] += 1
+        if seen[gram] == 3:
+            return words[i].start()
+    return None
+
+
+def report_loops(splits: dict[str, list[dict]], ngram: int, counts: dict) -> None:
+    """counts regen_answers / regen_looping: a greedy small target often repeats itself up to
+    max_new_tokens, and those tails are easy tokens that inflate val tau_hat (train.val_head_tokens)."""
+    answers = [
+        m["content"]
+        for convs in splits.values()
+        for c in convs
+        for m in c["messages"]
+        if m["role"] == "assistant"
+    ]
+    looping = sum(loop_start(a, ngram) is not None for a in answers)
+    counts["regen_answers"], counts["regen_looping"] = len(answers), looping
+    log.info(
+        "data: %d of %d regenerated answers fall into a repetition loop (a word %d-gram 3 times)",
+        looping,
+        len(answers),
+        ngram,
+    )
+
+
+def skip_long_prompts(
+    items: list[tuple], tokenizer, dcfg: DictConfig, turn_log: TurnLog
+) -> list[tuple]:
+    """Prompts that leave no room for an answer within max_length end their conversation there."""
+    keep, stop = [], []
+    for conv_id, turn, messages in items:
+        length = len(
+            tokenizer(render(tokenizer, messages, True), add_special_tokens=False)["input_ids"]
+        )
+        (keep if length < dcfg.max_length else stop).append((conv_id, turn, messages))
+    if stop:
+        turn_log.add([(conv_id, turn, messages, None) for conv_id, turn, messages in stop])
+    return keep
+
+
+def report_failures(out_dir: Path, failed: dict[str, str], rcfg: DictConfig, counts: dict) -> None:
+    failed_file = out_dir / "regen" / "failed.json"
+    counts["regen_failed"] = len(failed)
+    if not failed:
+        failed_file.unlink(missing_ok=True)
+        return
+    failed_file.write_text(json.dumps(failed, indent=1))
+    if not rcfg.drop_failed:
+        raise Eagle3Error(
+            f"{len(failed)} conversations failed regeneration at {rcfg.base_url} after "
+            f"{rcfg.max_retries} retries (ids and errors in {failed_file}); rerun the same command "
+            f"to retry only those, or add data.regen.drop_failed=true to finish without them"
+        )
+
+
+class LocalGenerator:
+    """Batched HF generate with left padding, prompts grouped by length."""
+
+    def __init__(self, cfg: DictConfig):
+        self.target = load_target(cfg)
+        self.rcfg = cfg.data.regen
+        tokenizer = self.target.tokenizer
+        self.eot_id = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer, cfg.data))
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eot_id
+        seed = self.rcfg.get("seed")
+        torch.manual_seed(cfg.data.seed if seed is None else seed)
+
+    def run(self, items: list[tuple], turn_log: TurnLog, desc: str) -> dict[str, str]:
+        tokenizer = self.target.tokenizer
+        encoded = [
+            tokenizer(render(tokenizer, m, True), add_special_tokens=False)["input_ids"]
+            for _, _, m in items
+        ]
+        order = sorted(range(len(items)), key=lambda i: len(encoded[i]))
+        size = self.rcfg.batch_size
+        for begin in tqdm(range(0, len(order), size), desc=desc, unit=" batch"):
+            batch = order[begin : begin + size]
+            texts = self.generate([encoded[i] for i in batch])
+            turn_log.add([(*items[i], text) for i, text in zip(batch, texts)])
+        return {}
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]]) -> list[str]:
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        sample = self.rcfg.temperature > 0
+        extra = {"temperature": self.rcfg.temperature, "top_p": self.rcfg.top_p} if sample else {}
+        out = self.target.model.generate(
+            input_ids=ids.to(self.target.device),
+            attention_mask=mask.to(self.target.device),
+            max_new_tokens=self.rcfg.max_new_tokens,
+            do_sample=sample,
+            eos_token_id=self.eot_id,
+            pad_token_id=self.pad_id,
+            **extra,
+        )
+        return [self.decode(row[width:].tolist()) for row in out]
+
+    def decode(self, tokens: list[int]) -> str:
+        if self.eot_id in tokens:
+            tokens = tokens[: tokens.index(self.eot_id)]
+        return self.target.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+
+class RequestFailed(Exception):
+    pass
+
+
+class OpenAIGenerator:
+    """Any OpenAI-compatible chat endpoint: bounded concurrency, retries with backoff, timeouts.
+    The API key comes from the environment variable data.regen.api_key_env and is never logged."""
+
+    def __init__(self, cfg: DictConfig):
+        self.rcfg = cfg.data.regen
+        self.url = str(self.rcfg.base_url).rstrip("/")
+        key = os.environ.get(str(self.rcfg.api_key_env))
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def run(self, items: list[tuple], turn_log: TurnLog, desc: str) -> dict[str, str]:
+        return asyncio.run(self._run(items, turn_log, desc))
+
+    async def _run(self, items, turn_log, desc) -> dict[str, str]:
+        import httpx
+
+        failures: dict[str, str] = {}
+        limit = asyncio.Semaphore(self.rcfg.concurrency)
+        bar = tqdm(total=len(items), desc=desc, unit=" req")
+        async with httpx.AsyncClient(timeout=self.rcfg.timeout_s, headers=self.headers) as client:
+            model = self.rcfg.model or await self.first_model(client)
+
+            async def answer(conv_id, turn, messages):
+                async with limit:
+                    try:
+                        content = await self.complete(client, model, messages)
+                        turn_log.add([(conv_id, turn, messages, content)])
+                    except RequestFailed as err:
+                        failures[conv_id] = str(err)
+                bar.update(1)
+
+            await asyncio.gather(*(answer(*item) for item in items))
+        bar.close()
+        return failures
+
+    async def first_model(self, client) -> str:
+        import httpx
+
+        try:
+            response = await client.get(f"{self.url}/models")
+            response.raise_for_status()
+            return response.json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
+            raise Eagle3Error(
+                f"cannot list models at {self.url}/models ({type(err).__name__}); is the server up? "
+                "Or set data.regen.model"
+            ) from err
+
+    async def complete(self, client, model: str, messages: list[dict]) -> str:
+        import httpx
+
+        body = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": self.rcfg.max_new_tokens,
+            "temperature": self.rcfg.temperature,
+            "top_p": self.rcfg.top_p,
+        }
+        error = "no attempt"
+        for attempt in range(self.rcfg.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.rcfg.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = await client.post(f"{self.url}/chat/completions", json=body)
+            except httpx.HTTPError as err:
+                error = type(err).__name__
+                continue
+            if response.status_code == 200:
+                return (response.json()["choices"][0]["message"]["content"] or "").strip()
+            error = f"HTTP {response.status_code}: {response.text[:200]}"
+            if response.status_code < 500 and response.status_code != 429:
+                break  # a request the server rejects will not succeed on retry
+        raise RequestFailed(error)
+
+
+class EngineGenerator:
+    """data.regen.backend=engine: the configured engine (serve=vllm, serve=sglang, serve=local)
+    started with spec=off on the first batch of turns, answering through its OpenAI chat endpoint
+    like the openai backend (same concurrency, retries and turn log), stopped by close() and on
+    error, Ctrl-C or a kill of this process (the engine's own process group and watchdog)."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.folder = regen_log_path(cfg).parent / "engine"
+        self.engine = None
+        self.client = OpenAIGenerator(cfg)
+
+    def run(self, items: list[tuple], turn_log: TurnLog, desc: str) -> dict[str, str]:
+        if self.engine is None:
+            self.engine = start_engine(
+                self.cfg, OFF, None, target_path_for(self.cfg), self.folder, "regen"
+            )
+            self.client.url = f"{self.engine.base_url}/v1"
+            self.client.headers = self.engine.launch.headers
+        return self.client.run(items, turn_log, desc)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.stop(self.cfg.serve.stop_timeout_s)
+            self.engine = None
+
+
+def sampling_params(dcfg: DictConfig) -> dict | None:
+    if not dcfg.regenerate:
+        return None
+    r = dcfg.regen
+    return {
+        "backend": r.backend,
+        "max_new_tokens": r.max_new_tokens,
+        "temperature": r.temperature,
+        "top_p": r.top_p,
+        **({"base_url": r.base_url, "model": r.model} if r.backend == "openai" else {}),
+    }

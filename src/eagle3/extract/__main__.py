@@ -1,0 +1,5 @@
+"""`python -m eagle3.extract`."""
+
+from eagle3.extract.app import main
+
+main()

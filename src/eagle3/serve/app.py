@@ -1,0 +1,62 @@
+"""`python -m eagle3.serve` runs the configured engine (local | vllm | sglang) in the foreground,
+serving the target and the drafter this config exported (eagle3.serve.launch starts and stops it)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from eagle3.core.common import Eagle3Error, app
+from eagle3.core.outputs import check_drafter_files, resolve_drafter_path, serving_folder
+from eagle3.core.spec import Spec, resolve_spec
+from eagle3.core.target import target_path_for
+from eagle3.export.shipped import shipped_drafter, wanted
+from eagle3.serve.launch import check_spec_for_engine, start_engine, untrained_fallback
+
+
+def drafter_for(cfg: DictConfig, spec: Spec) -> Path | None:
+    """The exported drafter folder the engine loads (None: spec=off, or the local server's own
+    untrained fallback)."""
+    if not spec.enabled:
+        return None
+    # each engine reads custom aux-layer ids in its own convention; local reads any
+    if wanted(cfg):
+        folder = serving_folder(shipped_drafter(cfg), cfg.serve.engine)
+    else:
+        try:
+            folder = Path(resolve_drafter_path(cfg, engine=cfg.serve.engine))
+        except Eagle3Error:
+            if untrained_fallback(cfg):
+                return None
+            raise
+    check_drafter_files(folder, cfg.verify)
+    return folder
+
+
+@app
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    spec = resolve_spec(cfg.spec)
+    check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.get("max_depth"))
+    folder = Path(HydraConfig.get().runtime.output_dir)
+    engine = start_engine(cfg, spec, drafter_for(cfg, spec), target_path_for(cfg), folder)
+    print(
+        f"{cfg.serve.engine} serving {cfg.target.name} (spec {spec.label}) at {engine.base_url}; "
+        f"log {engine.log_path}; Ctrl-C stops it",
+        flush=True,
+    )
+    try:
+        while engine.alive():
+            time.sleep(1)
+        raise engine.failure(f"{cfg.serve.engine} server exited with code {engine.proc.returncode}")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.stop(cfg.serve.stop_timeout_s)
+
+
+if __name__ == "__main__":
+    main()

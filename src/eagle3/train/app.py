@@ -1,0 +1,457 @@
+"""`python -m eagle3.train`: train the EAGLE-3 drafter with the TTT unroll under Lightning.
+
+Data: `train.hidden_states=offline` reads the extract stage's shards (aux + final hidden
+states per token); `online` reads the data stage's token ids and runs the target inside
+the step through the same capture code (eagle3.core.target.capture_hidden_states).
+Start: a fresh drafter, or train.init_from's weights (same shapes and vocab map).
+Batches: length-bucketed, right-padded, one deterministic order per (seed, epoch), sharded
+over DDP ranks, resumable mid-epoch. AdamW, linear warmup then cosine, grad clipping.
+
+Output folder (stage "train", hashed by drafter + train + target + seed, upstream data and,
+offline, extract): checkpoints/ (last.ckpt every train.checkpoint_every_n_steps and each
+epoch, epoch*.ckpt, best.ckpt by val tau_hat), drafter.safetensors (final weights),
+best.safetensors (best val tau_hat), drafter_config.json, manifest.json.
+
+The parts live beside it: drafter_module (the LightningModule), datamodule (datasets, samplers,
+the DataModule), callbacks (checkpoints, throughput); this module checks the inputs, builds the
+trainer and runs the stage.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import DictConfig
+from safetensors.torch import save_file
+from torch.utils.data import Dataset
+
+from eagle3.core.artifacts import StageOutput
+from eagle3.core.common import Eagle3Error, app, log, resolve_device
+from eagle3.core.drafter import Eagle3Drafter, build_drafter
+from eagle3.core.drafter_io import (
+    BEST_WEIGHTS,
+    CHECKPOINTS,
+    DRAFTER_CONFIG,
+    FINAL_WEIGHTS,
+    load_drafter,
+    load_trained_drafter,
+    save_drafter_config,
+)
+from eagle3.core.lifecycle import Stopped
+from eagle3.core.outputs import data_output, shards_output, train_output
+from eagle3.core.spec import resolve_spec
+from eagle3.core.target import Target, load_target, tokenizer_hash
+from eagle3.core.target_parts import TargetParts, load_target_parts
+from eagle3.core.tracking import stage_run
+from eagle3.data.vocab import load_vocab_map
+from eagle3.train.callbacks import StopAtStepEnd, Throughput, checkpoint_callbacks
+from eagle3.train.datamodule import DrafterData, datasets_for
+from eagle3.train.distributed import (
+    cluster_plugins,
+    global_rank,
+    local_rank,
+    lost_peer_error,
+    peer_lost,
+    requeue_signal_free,
+    strategy_for,
+    under_slurm,
+    wait_for_rank_zero,
+)
+from eagle3.train.drafter_module import DrafterModule
+
+# ---------------------------------------------------------------- weights
+
+
+def drafter_weights(checkpoint_path: Path) -> dict[str, torch.Tensor]:
+    """The drafter's trainable tensors (and vocab map) out of a Lightning checkpoint."""
+    state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)["state_dict"]
+    prefix = "drafter."
+    return {k[len(prefix) :]: v.contiguous() for k, v in state.items() if k.startswith(prefix)}
+
+
+# ---------------------------------------------------------------- guard rails
+
+
+def check_inputs(
+    cfg: DictConfig,
+    target: Target,
+    data_manifest: dict,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    sample: dict | None,
+) -> None:
+    """Refuse, before the first step, inputs that would train a useless drafter."""
+    hidden = cfg.drafter.get("hidden_size")
+    if hidden is not None and hidden != target.hidden_size:
+        raise Eagle3Error(
+            f"drafter.hidden_size={hidden} but the target's hidden size is {target.hidden_size}: the "
+            "drafter's embedding is the target's, so they must match (set drafter.hidden_size=null)"
+        )
+    if t2d.numel() != target.vocab_size:
+        raise Eagle3Error(
+            f"the vocab map covers {t2d.numel()} target tokens but the target has {target.vocab_size}: "
+            "it was built for another target; rerun `python -m eagle3.data`"
+        )
+    if d2t.numel() != cfg.drafter.draft_vocab_size:
+        raise Eagle3Error(
+            f"the vocab map has {d2t.numel()} draft tokens, drafter.draft_vocab_size is "
+            f"{cfg.drafter.draft_vocab_size}"
+        )
+    recorded = data_manifest.get("counts", {}).get("tokenizer_hash")
+    current = tokenizer_hash(target.tokenizer)
+    if recorded != current:
+        raise Eagle3Error(
+            f"the data and vocab map were built with another tokenizer (hash {recorded}) than the "
+            f"target's ({current}); rerun `python -m eagle3.data` for this target"
+        )
+    if sample is not None and "aux_hidden" in sample:
+        aux, last = sample["aux_hidden"].shape[-1], sample["last_hidden"].shape[-1]
+        if aux != 3 * target.hidden_size or last != target.hidden_size:
+            raise Eagle3Error(
+                f"the shards hold aux states of width {aux} and final states of width {last}, the "
+                f"target needs {3 * target.hidden_size} and {target.hidden_size}: they were extracted "
+                "from another target; rerun `python -m eagle3.extract`"
+            )
+    if cfg.train.attention == "flex" and not torch.cuda.is_available():
+        raise Eagle3Error(
+            "train.attention=flex needs a GPU (flex_attention has no CPU backward); "
+            "use train.attention=sdpa on CPU"
+        )
+
+
+def check_shards(cfg: DictConfig, shards: StageOutput, data_hash: str) -> None:
+    if not shards.complete:
+        raise Eagle3Error(
+            f"no complete hidden-state shards at {shards.path}: run `python -m eagle3.extract` "
+            "(or train.hidden_states=online)"
+        )
+    shards.check_files(cfg.verify)
+    recorded = shards.manifest().get("upstream", {}).get("data")
+    if recorded != data_hash:
+        raise Eagle3Error(
+            f"the shards at {shards.path} were extracted from data {recorded}, this config's data "
+            f"(target {cfg.target.name}) is {data_hash}: another target or data set; rerun "
+            "`python -m eagle3.extract` or point train.shards at the right folder"
+        )
+
+
+# ---------------------------------------------------------------- trainer
+
+
+def in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def choose_strategy(trainer_cfg: DictConfig, multirun: bool) -> str:
+    """Lightning's ddp re-launches the script per rank; under a Hydra multirun that re-runs the
+    whole sweep in every rank, so there ddp becomes ddp_spawn (processes forked from this job)."""
+    strategy = trainer_cfg.strategy
+    if under_slurm():  # srun started one task per rank: nothing to launch or spawn
+        return strategy
+    if multirun and trainer_cfg.devices != 1 and strategy in ("ddp", "auto"):
+        log.warning(
+            "trainer.strategy=%s under a Hydra multirun: using ddp_spawn so ranks do not re-run the "
+            "sweep",
+            strategy,
+        )
+        return "ddp_spawn"
+    return strategy
+
+
+def precision_for(trainer_cfg: DictConfig) -> str:
+    if trainer_cfg.precision != "auto":
+        return trainer_cfg.precision
+    gpu = trainer_cfg.accelerator in ("gpu", "cuda") or (
+        trainer_cfg.accelerator == "auto" and torch.cuda.is_available()
+    )
+    return "bf16-mixed" if gpu else "32-true"
+
+
+def build_trainer(cfg: DictConfig, folder: Path, logger, callbacks=()) -> L.Trainer:
+    trainer_cfg = cfg.trainer
+    return L.Trainer(
+        accelerator=trainer_cfg.accelerator,
+        devices=trainer_cfg.devices,
+        num_nodes=trainer_cfg.num_nodes,
+        strategy=strategy_for(trainer_cfg, choose_strategy(trainer_cfg, in_multirun())),
+        plugins=cluster_plugins(cfg.cluster),
+        precision=precision_for(trainer_cfg),
+        max_epochs=cfg.train.epochs,
+        gradient_clip_val=cfg.train.grad_clip,
+        accumulate_grad_batches=cfg.train.grad_accum,
+        check_val_every_n_epoch=cfg.train.val_every_n_epochs,
+        default_root_dir=str(folder),
+        logger=logger if logger is not None else False,
+        callbacks=[
+            *checkpoint_callbacks(folder / CHECKPOINTS, cfg.train.checkpoint_every_n_steps),
+            *callbacks,
+        ],
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=trainer_cfg.log_every_n_steps,
+        enable_progress_bar=trainer_cfg.progress_bar,
+        enable_model_summary=False,
+    )
+
+
+def resume_checkpoint(folder: Path) -> Path | None:
+    """The newest of last.ckpt and the hpc_ckpt_<n>.ckpt Lightning saves on the requeue signal."""
+    found = [folder / CHECKPOINTS / "last.ckpt", *folder.glob("hpc_ckpt_*.ckpt")]
+    found = [path for path in found if path.exists()]
+    return max(found, key=lambda path: path.stat().st_mtime_ns) if found else None
+
+
+def fit(
+    cfg: DictConfig,
+    target: Target,
+    datamodule: DrafterData,
+    folder: Path,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    logger=None,
+    callbacks=(),
+    evaluation: dict | None = None,
+) -> dict:
+    """Train into `folder` (resuming from its last.ckpt if any); returns the final val metrics."""
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    drafter = build_drafter(target, cfg.drafter).float()
+    drafter.set_vocab_map(d2t.to(drafter.d2t.device), t2d.to(drafter.t2d.device))
+    if cfg.train.get("init_from"):
+        start_from(drafter, cfg.train.init_from, target, cfg.tracking.uri)
+    module = DrafterModule(drafter, target.output_embedding(), cfg.train, target, evaluation)
+    throughput = Throughput(0 if cfg.trainer.progress_bar else cfg.trainer.log_every_n_steps)
+    last = folder / CHECKPOINTS / "last.ckpt"
+    stopper = StopAtStepEnd(last)
+    trainer = build_trainer(cfg, folder, logger, [throughput, *callbacks, stopper])
+    resume = resume_checkpoint(folder)
+    if resume is not None:
+        log.info("resuming from %s", resume)
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()  # process-wide: restored after the fit
+    torch.backends.cuda.enable_cudnn_sdp(cfg.trainer.cudnn_attention)  # a no-op without CUDA
+    try:
+        with stopper.installed(trainer.world_size == 1), requeue_signal_free(cfg.cluster):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=resume and str(resume))
+    except SIGTERMException:  # a SystemExit with status 0: the run was stopped, not finished
+        raise Stopped(stopper.signum or signal.SIGTERM) from None
+    except RuntimeError as err:
+        if trainer.world_size > 1 and peer_lost(err):
+            raise lost_peer_error(err, trainer.world_size, trainer.num_nodes, last) from err
+        raise
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    if stopper.signum is not None:  # signalled after the last step: the fit's last.ckpt holds it
+        raise Stopped(stopper.signum)
+    if trainer.is_global_zero:
+        write_weights(folder, drafter)
+    return {
+        **{k: float(v) for k, v in trainer.callback_metrics.items()},
+        **getattr(throughput, "result", {}),
+    }
+
+
+# what must agree for one drafter's weights to start another's training
+SHAPE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "aux_layer_ids",
+)
+
+
+def start_from(
+    drafter: Eagle3Drafter, source: str, target: Target, tracking_uri: str | None = None
+) -> None:
+    """Load train.init_from's weights (a train output folder, an export, its sglang/vllm folder or a
+    models:/ URI) into `drafter`; its shapes and vocab map must equal this run's, else an error names them."""
+    if (Path(source) / DRAFTER_CONFIG).exists():
+        initial = load_trained_drafter(source, target)
+    else:
+        initial = load_drafter(source, tracking_uri=tracking_uri)
+    ours, theirs = drafter.config, initial.config
+    problems = [
+        f"{key} {getattr(theirs, key, None)} (this run: {getattr(ours, key)})"
+        for key in SHAPE_KEYS
+        if _plain(getattr(theirs, key, None)) != _plain(getattr(ours, key))
+    ]
+    if not problems and not (
+        torch.equal(initial.d2t.cpu(), drafter.d2t.cpu())
+        and torch.equal(initial.t2d.cpu(), drafter.t2d.cpu())
+    ):
+        problems.append(
+            "its vocab map differs from this run's data stage's (another data config or draft vocab)"
+        )
+    if problems:
+        raise Eagle3Error(
+            f"train.init_from={source} cannot start this training: " + "; ".join(problems)
+        )
+    weights = {k: v for k, v in initial.state_dict().items() if not k.startswith("embed_tokens.")}
+    drafter.load_state_dict(weights, strict=False)
+    log.info("train: starting from the weights of %s", source)
+
+
+def _plain(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def write_weights(folder: Path, drafter: Eagle3Drafter) -> None:
+    save_drafter_config(drafter, folder)
+    save_file(drafter_weights(folder / CHECKPOINTS / "last.ckpt"), str(folder / FINAL_WEIGHTS))
+    best = folder / CHECKPOINTS / "best.ckpt"
+    if best.exists():
+        save_file(drafter_weights(best), str(folder / BEST_WEIGHTS))
+
+
+# ---------------------------------------------------------------- the app
+
+
+def evaluation_for(cfg: DictConfig, val_set: Dataset) -> dict:
+    """Held-out prompts (token ids before the first trained token) for measured acceptance."""
+    if not cfg.train.eval_prompts:
+        return {}
+    prompts = []
+    for index in range(min(cfg.train.eval_prompts, len(val_set))):
+        item = val_set[index]
+        trained = item["loss_mask"].nonzero()
+        cut = int(trained[0]) if len(trained) else len(item["input_ids"])
+        prompts.append(item["input_ids"][: max(cut, 1)].tolist())
+    return {
+        "prompts": prompts,
+        "spec": resolve_spec(cfg.spec),
+        "max_new_tokens": cfg.train.eval_max_new_tokens,
+        "tree_temperature": cfg.engine.tree_temperature,
+    }
+
+
+def target_device(cfg: DictConfig) -> str:
+    """Offline the target only lends its embedding and lm_head: CPU. Online it runs in every step:
+    this rank's GPU (and so the GPU dtype), when there is one."""
+    if cfg.train.hidden_states != "online" or cfg.trainer.accelerator == "cpu":
+        return "cpu"
+    device = resolve_device(cfg.target.device)
+    return f"cuda:{local_rank()}" if device.type == "cuda" else str(device)
+
+
+def needs_whole_target(cfg: DictConfig) -> bool:
+    """Online states and measured acceptance run the target; offline training reads only its
+    embedding and head (eagle3.core.target_parts)."""
+    return cfg.train.hidden_states == "online" or bool(cfg.train.eval_prompts)
+
+
+def target_for(cfg: DictConfig) -> Target | TargetParts:
+    if needs_whole_target(cfg):
+        return load_target(cfg, device=target_device(cfg))
+    return load_target_parts(cfg)
+
+
+def run(cfg: DictConfig, callbacks=()) -> StageOutput:
+    """Train the drafter this config describes (a no-op when its output is complete)."""
+    out = train_output(cfg)
+    if out.complete:
+        out.check_files(cfg.verify)
+        log.info("train: %s is complete, nothing to do", out.path)
+        return out
+    data = data_output(cfg)
+    if not data.complete:
+        raise Eagle3Error(
+            f"no complete data stage output at {data.path}: run `python -m eagle3.data` first"
+        )
+    data.check_files(cfg.verify)
+    if cfg.train.hidden_states == "offline":
+        check_shards(cfg, shards_output(cfg), data.hash)
+    target = target_for(cfg)
+    d2t, t2d = load_vocab_map(data.path)
+    train_set, val_set = datasets_for(cfg, data.path)
+    check_inputs(cfg, target, data.manifest(), d2t, t2d, train_set[0] if len(train_set) else None)
+    datamodule = DrafterData(
+        train_set,
+        val_set,
+        cfg.train,
+        cfg.seed,
+        target.tokenizer.pad_token_id or 0,
+        cfg.trainer.num_workers,
+    )
+    evaluation = evaluation_for(cfg, val_set)
+    rank = global_rank(cfg.trainer.devices)
+    if rank > 0:  # train only; rank 0 owns the folder, its manifest and the MLflow run
+        fit(cfg, target, datamodule, out.path, d2t, t2d, callbacks=callbacks, evaluation=evaluation)
+        timeout = cfg.trainer.dist_timeout_s
+        wait_for_rank_zero(lambda: out.complete, out.path, rank, timeout)
+        log.info("train: rank %d done; rank 0 wrote %s", rank, out.path)
+        return out
+    out.start()
+    with stage_run(cfg, "train", artifact_hash=out.hash) as mlflow_run:
+        logger = None
+        if mlflow_run is not None:
+            from lightning.pytorch.loggers import MLFlowLogger
+
+            logger = MLFlowLogger(
+                experiment_name=cfg.tracking.experiment,
+                tracking_uri=cfg.tracking.uri,
+                run_id=mlflow_run.info.run_id,
+            )
+        metrics = fit(cfg, target, datamodule, out.path, d2t, t2d, logger, callbacks, evaluation)
+    counts = {
+        "train_sequences": len(train_set),
+        "val_sequences": len(val_set),
+        "tau_hat": best_tau_hat(out.path, metrics),
+        "val_loss": metrics.get("val/loss"),
+        "tokenizer_hash": data.manifest().get("counts", {}).get("tokenizer_hash"),
+        "data_hash": data.hash,
+        **{
+            k.removeprefix("train/"): v
+            for k, v in metrics.items()
+            if k
+            in (
+                "train/seconds",
+                "train/samples_per_s",
+                "train/tokens_per_s",
+                "train/devices",
+                "train/peak_memory_gib",
+            )
+        },
+        # per TTT step, so a run without MLflow (a GPU box) still reports them
+        "val_acc": [metrics.get(f"val/acc_{k}") for k in range(cfg.train.ttt_length)],
+        # the last validation's, over each sequence's first train.val_head_tokens tokens (ttt.py)
+        "tau_hat_head": metrics.get("val/tau_hat_head"),
+        "val_acc_head": [metrics.get(f"val/acc_head_{k}") for k in range(cfg.train.ttt_length)],
+    }
+    out.finish(counts)
+    log.info(
+        "train: wrote %s (val tau_hat %.3f; over the first %s tokens, the last validation: %.3f)",
+        out.path,
+        counts["tau_hat"] or float("nan"),
+        cfg.train.get("val_head_tokens"),
+        counts["tau_hat_head"] or float("nan"),
+    )
+    return out
+
+
+def best_tau_hat(folder: Path, metrics: dict) -> float | None:
+    best = folder / CHECKPOINTS / "best.ckpt"
+    if best.exists():
+        callbacks = torch.load(best, map_location="cpu", weights_only=False).get("callbacks", {})
+        for state in callbacks.values():
+            if state.get("monitor") == "val/tau_hat" and state.get("best_model_score") is not None:
+                return float(state["best_model_score"])
+    return metrics.get("val/tau_hat")
+
+
+@app
+def main(cfg: DictConfig) -> None:
+    out = run(cfg)
+    print(f"trained drafter: {out.path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""What training reads: token datasets (online) or hidden-state shards (offline), length-bucketed
+deterministic batches sharded over ranks and resumable mid-epoch, and the Lightning DataModule."""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import lightning as L
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from eagle3.core.common import Eagle3Error
+from eagle3.core.outputs import shards_output
+from eagle3.data.app import load_splits
+from eagle3.extract.app import ShardDataset
+
+
+class TokenDataset(Dataset):
+    """Online mode: rows of the data stage's split (id, input_ids, loss_mask) as tensors."""
+
+    def __init__(self, split):
+        self.split = split
+        self.lengths = [len(ids) for ids in split["input_ids"]]
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, index: int) -> dict:
+        row = self.split[index]
+        return {
+            "id": row["id"],
+            "input_ids": torch.tensor(row["input_ids"]),
+            "loss_mask": torch.tensor(row["loss_mask"]),
+        }
+
+
+def item_lengths(dataset) -> list[int]:
+    lengths = getattr(dataset, "lengths", None)
+    if lengths is None:
+        lengths = [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+    return list(lengths)
+
+
+def collate(items: list[dict], max_length: int, pad_id: int) -> dict:
+    """Right-pad to the longest item (truncated to max_length). Padding has loss_mask 0 and, with
+    causal attention, is never seen by real tokens."""
+    length = min(max(len(item["input_ids"]) for item in items), max_length)
+    batch: dict = {"id": [item["id"] for item in items]}
+    fills = {"input_ids": pad_id, "loss_mask": 0, "aux_hidden": 0, "last_hidden": 0}
+    for key, fill in fills.items():
+        if key not in items[0]:
+            continue
+        rows = [item[key][:length] for item in items]
+        padded = torch.full((len(rows), length, *rows[0].shape[1:]), fill, dtype=rows[0].dtype)
+        for i, row in enumerate(rows):
+            padded[i, : len(row)] = row
+        batch[key] = padded
+    batch["attention_mask"] = (
+        torch.arange(length)[None, :]
+        < torch.tensor([min(len(item["input_ids"]), length) for item in items])[:, None]
+    ).long()
+    return batch
+
+
+class BucketBatchSampler:
+    """Length-bucketed batches in one deterministic order per (seed, epoch), this rank's share;
+    `resume(epoch, done)` skips the batches a resumed run already trained on."""
+
+    def __init__(
+        self,
+        lengths: list[int],
+        batch_size: int,
+        bucket_batches: int,
+        seed: int,
+        shuffle: bool,
+        rank: int = 0,
+        world: int = 1,
+    ):
+        self.lengths, self.batch_size, self.bucket_batches = lengths, batch_size, bucket_batches
+        self.seed, self.shuffle, self.rank, self.world = seed, shuffle, rank, world
+        self.epoch, self.skip = 0, {}
+        self.sampler = (
+            self  # Lightning calls set_epoch on `batch_sampler.sampler`, not on the batch sampler
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def resume(self, epoch: int, done: int) -> None:
+        # Lightning creates the first iterator of a resumed fit before it calls set_epoch
+        self.epoch, self.skip = epoch, {epoch: done}
+
+    def all_batches(self, epoch: int) -> list[list[int]]:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        count = len(self.lengths)
+        order = (
+            torch.randperm(count, generator=generator).tolist()
+            if self.shuffle
+            else list(range(count))
+        )
+        span = self.batch_size * self.bucket_batches
+        batches = []
+        for start in range(0, count, span):
+            bucket = sorted(order[start : start + span], key=lambda i: self.lengths[i])
+            batches += [
+                bucket[i : i + self.batch_size] for i in range(0, len(bucket), self.batch_size)
+            ]
+        if self.shuffle:
+            batches = [
+                batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()
+            ]
+        return batches
+
+    def rank_batches(self, epoch: int) -> list[list[int]]:
+        batches = self.all_batches(epoch)
+        per_rank = math.ceil(len(batches) / self.world)
+        batches = (batches * self.world)[: per_rank * self.world]  # every rank takes as many steps
+        return batches[self.rank * per_rank : (self.rank + 1) * per_rank]
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.all_batches(0)) / self.world)
+
+    def __iter__(self):
+        batches = self.rank_batches(self.epoch)
+        yield from batches[self.skip.pop(self.epoch, 0) :]
+
+
+class DrafterData(L.LightningDataModule):
+    """Train/val loaders over either shards (offline) or token rows (online)."""
+
+    def __init__(
+        self,
+        train_set: Dataset,
+        val_set: Dataset,
+        tcfg: DictConfig,
+        seed: int,
+        pad_id: int,
+        num_workers: int = 0,
+    ):
+        super().__init__()
+        self.train_set, self.val_set, self.tcfg = train_set, val_set, tcfg
+        self.seed, self.pad_id, self.num_workers = seed, pad_id, num_workers
+        self.train_sampler: BucketBatchSampler | None = None
+        self.pending_resume: tuple[int, int] | None = None
+
+    def setup(self, stage: str) -> None:
+        rank, world = (
+            (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        )
+        tcfg = self.tcfg
+        self.train_sampler = BucketBatchSampler(
+            item_lengths(self.train_set),
+            tcfg.batch_size,
+            tcfg.bucket_batches,
+            self.seed,
+            shuffle=True,
+            rank=rank,
+            world=world,
+        )
+        self.val_sampler = BucketBatchSampler(
+            item_lengths(self.val_set),
+            tcfg.batch_size,
+            tcfg.bucket_batches,
+            self.seed,
+            shuffle=False,
+            rank=rank,
+            world=world,
+        )
+        if self.pending_resume:
+            self.train_sampler.resume(*self.pending_resume)
+
+    def loader(self, dataset, sampler) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=self.num_workers,
+            collate_fn=functools.partial(
+                collate, max_length=self.tcfg.max_length, pad_id=self.pad_id
+            ),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self.loader(self.train_set, self.train_sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.loader(self.val_set, self.val_sampler)
+
+    def state_dict(self) -> dict:
+        """The data position: batches of the current epoch already trained on (saved in checkpoints)."""
+        done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        epoch = self.trainer.current_epoch
+        if self.train_sampler is not None and done >= len(
+            self.train_sampler
+        ):  # saved at the epoch's end
+            epoch, done = epoch + 1, 0
+        return {"epoch": epoch, "batches_done": done}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending_resume = (state["epoch"], state["batches_done"])
+        if self.train_sampler is not None:
+            self.train_sampler.resume(*self.pending_resume)
+
+
+def datasets_for(cfg: DictConfig, data_dir: Path) -> tuple[Dataset, Dataset]:
+    train_set, val_set = split_datasets(cfg, data_dir)
+    return first_rows(train_set, cfg.train.get("limit")), val_set
+
+
+def first_rows(dataset: Dataset, limit: int | None) -> Dataset:
+    """The first `limit` items of `dataset` (all when null), lengths kept for bucketing."""
+    if limit is None:
+        return dataset
+    if int(limit) < 1 or int(limit) > len(dataset):
+        raise Eagle3Error(
+            f"train.limit={limit}: the data's train split holds {len(dataset)} rows (use 1..{len(dataset)})"
+        )
+    subset = Subset(dataset, range(int(limit)))
+    subset.lengths = item_lengths(dataset)[: int(limit)]
+    return subset
+
+
+def split_datasets(cfg: DictConfig, data_dir: Path) -> tuple[Dataset, Dataset]:
+    if cfg.train.hidden_states == "online":
+        splits = load_splits(data_dir)
+        return TokenDataset(splits["train"]), TokenDataset(splits["val"])
+    if cfg.train.hidden_states != "offline":
+        raise Eagle3Error(f"train.hidden_states={cfg.train.hidden_states}: use offline or online")
+    shards, splits = shards_output(cfg), load_splits(data_dir)
+    return tuple(
+        with_lengths(ShardDataset(shards.path, split=name), splits[name])
+        for name in ("train", "val")
+    )
+
+
+def with_lengths(shard_set, split):
+    """Sequence lengths for bucketing without reading hidden states: shard j of the index holds the
+    data split's rows first_row .. first_row + samples - 1, in order."""
+    if getattr(shard_set, "lengths", None) is None:
+        row_lengths = [len(ids) for ids in split["input_ids"]]
+        shard_set.lengths = [
+            row_lengths[shard["first_row"] + j]
+            for shard in shard_set.shards
+            for j in range(shard["samples"])
+        ]
+        if shard_set.lengths and len(shard_set[0]["input_ids"]) != shard_set.lengths[0]:
+            raise Eagle3Error(
+                f"the shards at {shard_set.root} do not line up with the data split's rows: "
+                "rerun `python -m eagle3.extract`"
+            )
+    return shard_set
