@@ -134,6 +134,9 @@ HASH_EXCLUDED = (
     "compile_loss",
     "compile_unroll",
     "compile_target",
+    "length_buckets",
+    "adamw",
+    "cuda_graph_step",
 )
 
 

@@ -48,7 +48,7 @@ from eagle3.core.target import Target, load_target, tokenizer_hash
 from eagle3.core.target_parts import TargetParts, load_target_parts
 from eagle3.core.tracking import stage_run
 from eagle3.data.vocab import load_vocab_map
-from eagle3.train.callbacks import StopAtStepEnd, Throughput, checkpoint_callbacks
+from eagle3.train.callbacks import GpuBusy, StopAtStepEnd, Throughput, checkpoint_callbacks
 from eagle3.train.datamodule import DrafterData, datasets_for
 from eagle3.train.distributed import (
     cluster_plugins,
@@ -165,13 +165,16 @@ def choose_strategy(trainer_cfg: DictConfig, multirun: bool) -> str:
     return strategy
 
 
+def trains_on_gpu(trainer_cfg: DictConfig) -> bool:
+    return trainer_cfg.accelerator in ("gpu", "cuda") or (
+        trainer_cfg.accelerator == "auto" and torch.cuda.is_available()
+    )
+
+
 def precision_for(trainer_cfg: DictConfig) -> str:
     if trainer_cfg.precision != "auto":
         return trainer_cfg.precision
-    gpu = trainer_cfg.accelerator in ("gpu", "cuda") or (
-        trainer_cfg.accelerator == "auto" and torch.cuda.is_available()
-    )
-    return "bf16-mixed" if gpu else "32-true"
+    return "bf16-mixed" if trains_on_gpu(trainer_cfg) else "32-true"
 
 
 def build_trainer(cfg: DictConfig, folder: Path, logger, callbacks=()) -> L.Trainer:
@@ -226,7 +229,10 @@ def fit(
     if cfg.train.get("init_from"):
         start_from(drafter, cfg.train.init_from, target, cfg.tracking.uri)
     module = DrafterModule(drafter, target.output_embedding(), cfg.train, target, evaluation)
-    throughput = Throughput(0 if cfg.trainer.progress_bar else cfg.trainer.log_every_n_steps)
+    throughput = Throughput(
+        0 if cfg.trainer.progress_bar else cfg.trainer.log_every_n_steps,
+        GpuBusy(cfg.trainer.gpu_busy_from_step, cfg.trainer.gpu_busy_steps),
+    )
     last = folder / CHECKPOINTS / "last.ckpt"
     stopper = StopAtStepEnd(last)
     trainer = build_trainer(cfg, folder, logger, [throughput, *callbacks, stopper])
@@ -380,6 +386,7 @@ def run(cfg: DictConfig, callbacks=()) -> StageOutput:
         cfg.seed,
         target.tokenizer.pad_token_id or 0,
         cfg.trainer.num_workers,
+        pin_memory=trains_on_gpu(cfg.trainer),
     )
     evaluation = evaluation_for(cfg, val_set)
     rank = global_rank(cfg.trainer.devices)
@@ -416,6 +423,9 @@ def run(cfg: DictConfig, callbacks=()) -> StageOutput:
                 "train/seconds",
                 "train/samples_per_s",
                 "train/tokens_per_s",
+                "train/tokens_per_s_per_device",
+                "train/padding_share",
+                "train/gpu_busy_pct",
                 "train/devices",
                 "train/peak_memory_gib",
             )

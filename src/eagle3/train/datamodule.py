@@ -44,11 +44,35 @@ def item_lengths(dataset) -> list[int]:
     return list(lengths)
 
 
-def collate(items: list[dict], max_length: int, pad_id: int) -> dict:
-    """Right-pad to the longest item (truncated to max_length). Padding has loss_mask 0 and, with
-    causal attention, is never seen by real tokens."""
-    length = min(max(len(item["input_ids"]) for item in items), max_length)
-    batch: dict = {"id": [item["id"] for item in items]}
+def padded_length(longest: int, max_length: int, buckets=None) -> int:
+    """The batch's length: the longest item (at most max_length), raised to the first of the
+    ascending `buckets` that holds it (max_length past the last), so a run meets a few fixed shapes."""
+    longest = min(longest, max_length)
+    if not buckets:
+        return longest
+    return min(next((b for b in buckets if b >= longest), max_length), max_length)
+
+
+def check_buckets(buckets) -> list[int] | None:
+    """train.length_buckets: null or ascending positive lengths."""
+    if buckets is None:
+        return None
+    buckets = list(buckets)
+    if not buckets or any(int(b) != b or b < 1 for b in buckets) or buckets != sorted(set(buckets)):
+        raise Eagle3Error(
+            f"train.length_buckets={buckets}: use null or ascending positive token counts, e.g. "
+            "[256,512,1024,2048]"
+        )
+    return [int(b) for b in buckets]
+
+
+def collate(items: list[dict], max_length: int, pad_id: int, buckets=None) -> dict:
+    """Right-pad to the longest item (truncated to max_length), or to its length bucket. Padding has
+    loss_mask 0 and, with causal attention, is never seen by real tokens. `tokens` counts the batch's
+    real (unpadded) tokens, on the host, for the throughput."""
+    real = [min(len(item["input_ids"]), max_length) for item in items]
+    length = padded_length(max(real), max_length, buckets)
+    batch: dict = {"id": [item["id"] for item in items], "tokens": sum(real)}
     fills = {"input_ids": pad_id, "loss_mask": 0, "aux_hidden": 0, "last_hidden": 0}
     for key, fill in fills.items():
         if key not in items[0]:
@@ -58,10 +82,7 @@ def collate(items: list[dict], max_length: int, pad_id: int) -> dict:
         for i, row in enumerate(rows):
             padded[i, : len(row)] = row
         batch[key] = padded
-    batch["attention_mask"] = (
-        torch.arange(length)[None, :]
-        < torch.tensor([min(len(item["input_ids"]), length) for item in items])[:, None]
-    ).long()
+    batch["attention_mask"] = (torch.arange(length)[None, :] < torch.tensor(real)[:, None]).long()
     return batch
 
 
@@ -139,10 +160,13 @@ class DrafterData(L.LightningDataModule):
         seed: int,
         pad_id: int,
         num_workers: int = 0,
+        pin_memory: bool = False,
     ):
         super().__init__()
         self.train_set, self.val_set, self.tcfg = train_set, val_set, tcfg
         self.seed, self.pad_id, self.num_workers = seed, pad_id, num_workers
+        self.pin_memory = pin_memory
+        self.buckets = check_buckets(tcfg.get("length_buckets"))
         self.train_sampler: BucketBatchSampler | None = None
         self.pending_resume: tuple[int, int] | None = None
 
@@ -177,8 +201,9 @@ class DrafterData(L.LightningDataModule):
             dataset,
             batch_sampler=sampler,
             num_workers=self.num_workers,
+            pin_memory=self.pin_memory,  # page-locked batches: the copy to the GPU runs asynchronously
             collate_fn=functools.partial(
-                collate, max_length=self.tcfg.max_length, pad_id=self.pad_id
+                collate, max_length=self.tcfg.max_length, pad_id=self.pad_id, buckets=self.buckets
             ),
         )
 

@@ -15,7 +15,7 @@ from eagle3.core.drafter import Eagle3Drafter
 from eagle3.core.drafter_io import CHECKPOINTS
 from eagle3.core.target import CompiledCapture, Target
 from eagle3.engine import measure_acceptance
-from eagle3.train.ttt import tau_hat, ttt_loss
+from eagle3.train.ttt import tau_hat, tau_hat_on_device, ttt_loss_on_device
 
 
 def warmup_cosine(total_steps: int, warmup_ratio: float):
@@ -35,6 +35,24 @@ def compile_setting(key: str, setting, device: torch.device) -> bool:
     if setting not in ("auto", True, False):
         raise Eagle3Error(f"train.{key}={setting!r}: use auto, true or false")
     return device.type == "cuda" if setting == "auto" else setting
+
+
+ADAMW_KINDS = ("auto", "default", "foreach", "fused")
+
+
+def adamw_options(kind: str, lr: float, device: torch.device) -> dict:
+    """torch.optim.AdamW's implementation options for train.adamw. On a GPU foreach and fused run
+    capturable (step counts on the GPU: no host read in the update) with a tensor learning rate, the
+    form a captured CUDA graph replays; auto = fused on a GPU, torch's default elsewhere."""
+    if kind not in ADAMW_KINDS:
+        raise Eagle3Error(f"train.adamw={kind!r}: use one of {', '.join(ADAMW_KINDS)}")
+    if kind == "auto":
+        kind = "fused" if device.type == "cuda" else "default"
+    if kind == "default":
+        return {"lr": lr}
+    if device.type != "cuda":
+        return {"lr": lr, kind: True}
+    return {"lr": torch.tensor(lr, device=device), kind: True, "capturable": True}
 
 
 class DrafterModule(L.LightningModule):
@@ -58,8 +76,15 @@ class DrafterModule(L.LightningModule):
         self.strict_loading = False  # checkpoints omit the frozen embedding
         self.val_sums: torch.Tensor | None = None
         self.capture = None  # the target forward of the online step (with_hidden_states)
+        # (isfinite(loss) on the device, the step it belongs to) of the steps since the last check
+        self.unchecked_losses: list[tuple[torch.Tensor, tuple]] = []
 
     def setup(self, stage: str) -> None:
+        if self.tcfg.get("cuda_graph_step", False) and self.device.type != "cuda":
+            raise Eagle3Error(
+                f"train.cuda_graph_step=true captures the step as a CUDA graph, and this run trains on "
+                f"{self.device.type}: set train.cuda_graph_step=false (or train on a GPU)"
+            )
         if self.target is not None and (
             self.tcfg.hidden_states == "online" or self.evaluation.get("prompts")
         ):
@@ -74,11 +99,22 @@ class DrafterModule(L.LightningModule):
             )
             model, layer_ids = self.target.model, self.target.aux_layer_ids
             self.capture = CompiledCapture(model, layer_ids) if compiled else self.target.capture
-        aux, last = self.capture(batch["input_ids"], batch["attention_mask"])
+        aux, last = self.capture(batch["input_ids"], self.target_mask(batch["attention_mask"]))
         return {**batch, "aux_hidden": aux, "last_hidden": last}
 
+    def target_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The target's attention mask as the 4-D causal-and-padding mask its sdpa attention applies:
+        given the 2-D mask, transformers reads it back to the host every forward (to choose between
+        the causal kernel and a mask); given the 4-D one, it uses it as it is."""
+        if self.target.model.config._attn_implementation != "sdpa":
+            return attention_mask
+        positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+        causal = positions[None, :] <= positions[:, None]
+        return causal[None, None] & attention_mask.bool()[:, None, None, :]
+
     def step(self, batch: dict, head_tokens: int | None = None):
-        return ttt_loss(
+        """(loss, per-step counts on the device): eagle3.ttt.ttt_loss_on_device."""
+        return ttt_loss_on_device(
             self.drafter,
             self.with_hidden_states(batch),
             self.lm_head_weight,
@@ -91,15 +127,21 @@ class DrafterModule(L.LightningModule):
         )
 
     def training_step(self, batch: dict, batch_idx: int):
-        loss, metrics = self.step(batch)
-        self.stop_if_not_finite(loss, batch, batch_idx)
+        """The step reads nothing back to the host: its metrics stay on the device and are read where
+        they are logged, its loss is checked for NaN/inf there and before every checkpoint."""
+        loss, counts = self.step(batch)
+        where = (self.global_step, self.current_epoch, batch_idx, list(batch["id"]))
+        self.unchecked_losses.append((torch.isfinite(loss.detach()), where))
+        tau = tau_hat_on_device(counts[:, 1], counts[:, 2])
         if self.metrics_used():
+            self.stop_if_not_finite()
             size = len(batch["id"])
-            self.log("train/loss", loss, prog_bar=True, batch_size=size)
-            self.log("train/tau_hat", metrics["tau_hat"], prog_bar=True, batch_size=size)
+            accuracies = counts[:, 1] / counts[:, 2].clamp(min=1)
+            self.log("train/loss", loss.detach(), prog_bar=True, batch_size=size)
+            self.log("train/tau_hat", tau, prog_bar=True, batch_size=size)
             for k in range(self.tcfg.ttt_length):
-                self.log(f"train/acc_{k}", metrics[f"acc_{k}"], batch_size=size)
-        return {"loss": loss, "tau_hat": metrics["tau_hat"]}
+                self.log(f"train/acc_{k}", accuracies[k], batch_size=size)
+        return {"loss": loss, "tau_hat": tau}
 
     def metrics_used(self) -> bool:
         """Whether this step's train metrics are read: the progress bar shows every step, the loggers
@@ -112,15 +154,24 @@ class DrafterModule(L.LightningModule):
             or self.global_step + 1 >= trainer.estimated_stepping_batches
         )
 
-    def stop_if_not_finite(self, loss: torch.Tensor, batch: dict, batch_idx: int) -> None:
-        finite = bool(torch.isfinite(loss.detach()))
-        if self.trainer.strategy.reduce_boolean_decision(finite, all=True):
+    def stop_if_not_finite(self) -> None:
+        """Read the losses' finiteness since the last check (one host read, one collective on every
+        rank at the same steps: the log steps and every checkpoint) and stop at the first bad one."""
+        unchecked, self.unchecked_losses = self.unchecked_losses, []
+        flags = torch.stack([ok for ok, _ in unchecked]).tolist() if unchecked else []
+        bad = next((where for ok, (_, where) in zip(flags, unchecked) if not ok), None)
+        if self.trainer.strategy.reduce_boolean_decision(bad is None, all=True):
             return
-        where = "this rank" if not finite else "another rank"
+        kept = f"The last good checkpoint is kept in {self.trainer.default_root_dir}/{CHECKPOINTS}"
+        if bad is None:
+            steps = f"{unchecked[0][1][0]}-{unchecked[-1][1][0]}" if unchecked else "?"
+            raise Eagle3Error(
+                f"non-finite training loss (another rank) at one of steps {steps}; stopped. {kept}"
+            )
+        step, epoch, batch_idx, ids = bad
         raise Eagle3Error(
-            f"non-finite training loss ({where}) at step {self.global_step}, epoch "
-            f"{self.current_epoch}, batch {batch_idx} (sample ids {batch['id']}); stopped. The "
-            f"last good checkpoint is kept in {self.trainer.default_root_dir}/{CHECKPOINTS}"
+            f"non-finite training loss (this rank) at step {step}, epoch {epoch}, batch {batch_idx} "
+            f"(sample ids {ids}); stopped. {kept}"
         )
 
     def on_validation_epoch_start(self) -> None:
@@ -131,19 +182,13 @@ class DrafterModule(L.LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         head_tokens = self.tcfg.get("val_head_tokens")
-        _, metrics = self.step(batch, head_tokens)
-        for k in range(self.tcfg.ttt_length):
-            count = metrics[f"count_{k}"]
-            head = (
-                [metrics[f"correct_head_{k}"], metrics[f"count_head_{k}"]]
-                if head_tokens
-                else [0, 0]
-            )
-            self.val_sums[k] += torch.tensor(
-                [metrics[f"loss_{k}"] * count, metrics[f"correct_{k}"], count, *head],
-                dtype=torch.float64,
-                device=self.device,
-            )
+        _, counts = self.step(batch, head_tokens)
+        counts = counts.double()
+        loss, correct, count = counts[:, 0], counts[:, 1], counts[:, 2]
+        head = counts[:, 3:5] if head_tokens else torch.zeros_like(counts[:, :2])
+        self.val_sums += torch.cat(
+            [(loss * count)[:, None], correct[:, None], count[:, None], head], 1
+        )
 
     def on_validation_epoch_end(self) -> None:
         sums = self.trainer.strategy.reduce(self.val_sums, reduce_op="sum")
@@ -205,9 +250,9 @@ class DrafterModule(L.LightningModule):
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
             params,
-            lr=self.tcfg.lr,
             weight_decay=self.tcfg.weight_decay,
             betas=tuple(self.tcfg.betas),
+            **adamw_options(self.tcfg.get("adamw", "default"), self.tcfg.lr, self.device),
         )
         schedule = warmup_cosine(
             int(self.trainer.estimated_stepping_batches), self.tcfg.warmup_ratio
@@ -234,6 +279,7 @@ class DrafterModule(L.LightningModule):
             wrapped.clip_grad_norm_(gradient_clip_val)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self.stop_if_not_finite()  # never a checkpoint of weights a non-finite loss has touched
         state = checkpoint["state_dict"]
         for key in [k for k in state if k.startswith("drafter.embed_tokens.")]:
             del state[key]

@@ -183,7 +183,7 @@ def tau_hat(accuracies: list[float] | torch.Tensor) -> torch.Tensor:
     return 1 + torch.cumprod(acc, dim=0).sum()
 
 
-def ttt_loss(
+def ttt_loss_on_device(
     drafter: Eagle3Drafter,
     batch: dict,
     target_lm_head_weight: torch.Tensor,
@@ -193,14 +193,13 @@ def ttt_loss(
     head_tokens: int | None = None,
     compile_loss: bool = False,
     compile_unroll: bool = False,
-):
-    """(weighted loss, metrics) for one batch of {input_ids, loss_mask, aux_hidden, last_hidden}.
-
-    metrics: loss_k, acc_k (floats, per step), correct_k / count_k (counts, for exact
-    aggregation across batches and ranks), tau_hat; with head_tokens also acc_head_k,
-    correct_head_k / count_head_k and tau_hat_head (module docstring). compile_loss runs the
-    soft cross-entropy torch.compile'd (see soft_cross_entropy), compile_unroll the unroll of
-    training batches of two or more rows (see compiled_unroll)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted loss, per-step counts) for one batch of {input_ids, loss_mask, aux_hidden,
+    last_hidden}, with no read to the host: counts is a float32 tensor [ttt_length, 3] of (loss_k,
+    correct_k, count_k) per step on the batch's device, [ttt_length, 5] with head_tokens (correct_head_k,
+    count_head_k appended; module docstring). compile_loss runs the soft cross-entropy torch.compile'd
+    (see soft_cross_entropy), compile_unroll the unroll of training batches of two or more rows (see
+    compiled_unroll)."""
     cross_entropy = compiled_soft_cross_entropy() if compile_loss else soft_cross_entropy
     # validation (no grad) and a batch of one run eager: each is a guard of the compiled graph, so each
     # would cost a compile of its own (minutes on a GPU, at every start of a resumed run)
@@ -220,7 +219,7 @@ def ttt_loss(
     trained = batch["loss_mask"].bool()
     head = trained & (trained.long().cumsum(1) <= head_tokens) if head_tokens else None
     total = 0.0
-    per_step = []  # (loss_k, correct_k, count_k[, correct_head_k, count_head_k]) on device: one sync per batch
+    per_step = []
     for k, logits in enumerate(step_logits):
         probs, argmax, valid = step_targets(target, batch["loss_mask"], k)
         logits = logits[:, : valid.shape[1]]
@@ -236,8 +235,49 @@ def ttt_loss(
             ]
         total = total + step_decay**k * loss_k
         per_step.append(torch.stack(row))
+    return total, torch.stack(per_step)
+
+
+def tau_hat_on_device(correct: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """tau_hat from per-step correct and count tensors, computed where they are (no host read)."""
+    accuracies = correct / count.clamp(min=1)
+    return 1 + torch.cumprod(accuracies, dim=0).sum()
+
+
+def ttt_loss(
+    drafter: Eagle3Drafter,
+    batch: dict,
+    target_lm_head_weight: torch.Tensor,
+    ttt_length: int,
+    step_decay: float,
+    attention: str = "sdpa",
+    head_tokens: int | None = None,
+    compile_loss: bool = False,
+    compile_unroll: bool = False,
+):
+    """(weighted loss, metrics): ttt_loss_on_device with its counts read to the host once.
+
+    metrics: loss_k, acc_k (floats, per step), correct_k / count_k (counts, for exact
+    aggregation across batches and ranks), tau_hat; with head_tokens also acc_head_k,
+    correct_head_k / count_head_k and tau_hat_head (module docstring)."""
+    total, per_step = ttt_loss_on_device(
+        drafter,
+        batch,
+        target_lm_head_weight,
+        ttt_length,
+        step_decay,
+        attention,
+        head_tokens,
+        compile_loss,
+        compile_unroll,
+    )
+    return total, metrics_from_counts(per_step.tolist(), ttt_length)
+
+
+def metrics_from_counts(per_step: list[list[float]], ttt_length: int) -> dict:
+    """The float metrics of ttt_loss from ttt_loss_on_device's counts, read to the host."""
     metrics: dict[str, float] = {}
-    for k, (loss_k, correct, count, *head_counts) in enumerate(torch.stack(per_step).tolist()):
+    for k, (loss_k, correct, count, *head_counts) in enumerate(per_step):
         metrics.update(
             {
                 f"loss_{k}": loss_k,
@@ -255,11 +295,11 @@ def ttt_loss(
                 }
             )
     metrics["tau_hat"] = tau_hat([metrics[f"acc_{k}"] for k in range(ttt_length)]).item()
-    if head is not None:
+    if per_step and len(per_step[0]) > 3:
         metrics["tau_hat_head"] = tau_hat(
             [metrics[f"acc_head_{k}"] for k in range(ttt_length)]
         ).item()
-    return total, metrics
+    return metrics
 
 
 def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
