@@ -6,6 +6,8 @@
     # the train stage's shape (batch 16) with a kernel table of where the step's time goes
     python benchmarks/bench_train.py --config-json c.json --device cuda --lengths 512 --batch 16 \
         --draft-vocab 8192 --profile prof.txt
+    # the step with no host read, lengths padded to buckets, fused AdamW (train.length_buckets, train.adamw)
+    python benchmarks/bench_train.py --vary --no-sync --buckets 128 256 512 --adamw fused
 
 Shapes come from a target's config.json (`--config-json`) or from eagle3's target loader
 (`--targets`, CPU). Inputs are random (aux/final states, token ids): throughput and memory
@@ -72,6 +74,13 @@ def random_batch(config: dict, length: int, device: str, batch: int = 1) -> dict
     }
 
 
+def padded_batch(config: dict, length: int, padded: int, device: str, batch: int) -> dict:
+    """A random batch of `length` real tokens a row, right-padded to `padded` (loss_mask 0 there)."""
+    rows = random_batch(config, padded, device, batch)
+    rows["loss_mask"][:, length:] = 0
+    return rows
+
+
 def write_profile(step, device: str, path: str, steps: int = 2) -> None:
     """The top kernels/ops of `steps` training steps by self time (CUDA time on a GPU)."""
     from torch.profiler import ProfilerActivity, profile
@@ -133,9 +142,14 @@ def measure(
     compile_loss: bool = False,
     compile_unroll: bool = False,
     compile_target: bool = False,
+    no_sync: bool = False,
+    buckets: list[int] | None = None,
+    adamw: str = "default",
 ) -> dict:
     from eagle3.core.target import capture_hidden_states
-    from eagle3.train.ttt import ttt_loss
+    from eagle3.train.datamodule import padded_length
+    from eagle3.train.drafter_module import adamw_options
+    from eagle3.train.ttt import ttt_loss, ttt_loss_on_device
 
     label = path
     if path == "sdpa-gqa":
@@ -143,12 +157,21 @@ def measure(
         path = "sdpa"
     drafter = make_drafter(config, draft_vocab, device)
     head = torch.randn(config["vocab_size"], config["hidden_size"], device=device) * 0.05
-    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
+    optimizer = torch.optim.AdamW(
+        [p for p in drafter.parameters() if p.requires_grad],
+        **adamw_options(adamw, 1e-4, torch.device(device)),
+    )
     if device == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
     # vary: every step a new length (length, length - 8, ...), as the train stage's length buckets give
     lengths = [length - 8 * i if vary else length for i in range(steps + 1)]
-    schedule = iter([random_batch(config, n, device, batch_size) for n in lengths])
+    # buckets: each batch padded up to its bucket (the padding masked out of the loss)
+    schedule = iter(
+        [
+            padded_batch(config, n, padded_length(n, length, buckets), device, batch_size)
+            for n in lengths
+        ]
+    )
     batch = None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
     target = random_target(config, device) if online else None
@@ -167,7 +190,7 @@ def measure(
             if target is not None:  # the online stage's target forward for the hidden states
                 aux, last = capture(batch["input_ids"])
                 batch.update(aux_hidden=aux, last_hidden=last)
-            loss, _ = ttt_loss(
+            loss, _ = (ttt_loss_on_device if no_sync else ttt_loss)(
                 drafter,
                 batch,
                 head,
@@ -210,6 +233,9 @@ def measure(
         "compile_loss": compile_loss,
         "compile_unroll": compile_unroll,
         "compile_target": compile_target,
+        "no_sync": no_sync,
+        "buckets": buckets,
+        "adamw": adamw,
         "ttt": ttt,
         "s_per_step": round(seconds, 4),
         "samples_per_s": round(batch_size / seconds, 1),
@@ -294,6 +320,20 @@ def main() -> None:
         action="store_true",
         help="with --online: the target's forward torch.compile'd (train.compile_target)",
     )
+    parser.add_argument(
+        "--no-sync",
+        action="store_true",
+        help="the step reads nothing to the host (ttt_loss_on_device, as the train stage's step)",
+    )
+    parser.add_argument(
+        "--buckets",
+        nargs="+",
+        type=int,
+        help="pad each batch up to the first of these lengths that holds it (train.length_buckets)",
+    )
+    parser.add_argument(
+        "--adamw", default="default", help="default | foreach | fused | auto (train.adamw)"
+    )
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--draft-vocab", type=int, default=32000)
@@ -334,6 +374,9 @@ def main() -> None:
                         args.compile_loss,
                         args.compile_unroll,
                         args.compile_target,
+                        args.no_sync,
+                        args.buckets,
+                        args.adamw,
                     ),
                 }
             )
@@ -379,6 +422,9 @@ def main() -> None:
                 command += ["--compile-loss"] if args.compile_loss else []
                 command += ["--compile-unroll"] if args.compile_unroll else []
                 command += ["--compile-target"] if args.compile_target else []
+                command += ["--no-sync"] if args.no_sync else []
+                command += ["--buckets", *map(str, args.buckets)] if args.buckets else []
+                command += ["--adamw", args.adamw]
                 command += ["--config-json", args.config_json] if args.config_json else []
                 done = subprocess.run(command, capture_output=True, text=True)
                 lines = done.stdout.strip().splitlines()
