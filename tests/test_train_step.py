@@ -1,6 +1,5 @@
 """The training step on the tiny random target: length buckets and a step that reads nothing back to
-the host give the eager step's losses; throughput in tokens per device; the CUDA-graph step refused
-on a CPU; the optimizer's implementation options."""
+the host give the eager step's losses; throughput in tokens per device; the optimizer's implementation options."""
 
 from __future__ import annotations
 
@@ -142,12 +141,6 @@ def test_busy_seconds_is_the_union_of_intervals():
     assert busy_seconds([]) == 0
 
 
-def test_cuda_graph_step_is_refused_on_a_cpu(make_cfg, target, tmp_path):
-    cfg = make_cfg(*BASE, "train.cuda_graph_step=true")
-    with pytest.raises(Eagle3Error, match=r"^train.cuda_graph_step=true .* on cpu: set train"):
-        synthetic_fit(cfg, tmp_path / "run", target=target)
-
-
 def test_adamw_options_and_hash(make_cfg):
     """train.adamw: torch's default, foreach or fused (capturable with a tensor learning rate on a GPU);
     a bad value names the key; the speed settings leave the train hash alone."""
@@ -167,7 +160,6 @@ def test_adamw_options_and_hash(make_cfg):
             [],
             [BUCKETS],
             ["train.adamw=fused"],
-            ["train.cuda_graph_step=true"],
             ["trainer.gpu_busy_steps=0"],
         )
     }

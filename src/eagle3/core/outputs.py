@@ -136,7 +136,6 @@ HASH_EXCLUDED = (
     "compile_target",
     "length_buckets",
     "adamw",
-    "cuda_graph_step",
 )
 
 

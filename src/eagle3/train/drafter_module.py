@@ -80,11 +80,6 @@ class DrafterModule(L.LightningModule):
         self.unchecked_losses: list[tuple[torch.Tensor, tuple]] = []
 
     def setup(self, stage: str) -> None:
-        if self.tcfg.get("cuda_graph_step", False) and self.device.type != "cuda":
-            raise Eagle3Error(
-                f"train.cuda_graph_step=true captures the step as a CUDA graph, and this run trains on "
-                f"{self.device.type}: set train.cuda_graph_step=false (or train on a GPU)"
-            )
         if self.target is not None and (
             self.tcfg.hidden_states == "online" or self.evaluation.get("prompts")
         ):
