@@ -226,3 +226,24 @@ def load_results():
         load_job("d8", 8, 7, 1, 16, 1040.0, 1000.0, 0.050, 0.016, 0.1),
         load_job("d32s4k8", 32, 4, 8, 16, 800.0, 1000.0, 0.060, 0.016, 0.05),
     ]
+
+
+def step_recorder():
+    """A Lightning callback recording each train step's loss, batch ids and cuDNN attention setting,
+    and each validation's tau_hat."""
+    import lightning as L
+    import torch
+
+    class Recorder(L.Callback):
+        def __init__(self):
+            self.train_loss, self.val_tau, self.ids, self.cudnn = [], [], [], []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.train_loss.append(float(outputs["loss"]))
+            self.ids.append(list(batch["id"]))
+            self.cudnn.append(torch.backends.cuda.cudnn_sdp_enabled())
+
+        def on_validation_end(self, trainer, module):
+            self.val_tau.append(float(trainer.callback_metrics["val/tau_hat"]))
+
+    return Recorder()

@@ -14,7 +14,16 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from support import BASE, DRAFT_VOCAB, FIXTURES, TESTS, peaked_target, synthetic_data, synthetic_fit
+from support import (
+    BASE,
+    DRAFT_VOCAB,
+    FIXTURES,
+    TESTS,
+    peaked_target,
+    step_recorder,
+    synthetic_data,
+    synthetic_fit,
+)
 
 from eagle3.core import outputs
 from eagle3.core.common import Eagle3Error, compose
@@ -27,19 +36,6 @@ from eagle3.train.drafter_module import DrafterModule, compile_setting, warmup_c
 from eagle3.train.ttt import tau_hat
 
 
-class Recorder(L.Callback):
-    def __init__(self):
-        self.train_loss, self.val_tau, self.ids, self.cudnn = [], [], [], []
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.train_loss.append(float(outputs["loss"]))
-        self.ids.append(list(batch["id"]))
-        self.cudnn.append(torch.backends.cuda.cudnn_sdp_enabled())
-
-    def on_validation_end(self, trainer, module):
-        self.val_tau.append(float(trainer.callback_metrics["val/tau_hat"]))
-
-
 @pytest.fixture(scope="module")
 def target(test_root):
     return peaked_target(compose([f"paths.root={test_root}", "target=tiny-llama"]))
@@ -47,7 +43,7 @@ def target(test_root):
 
 def test_loss_decreases_and_tau_rises(make_cfg, target, tmp_path, caplog):
     cfg = make_cfg(*BASE, "train.epochs=4", "train.lr=2e-2", "trainer.log_every_n_steps=5")
-    recorder = Recorder()
+    recorder = step_recorder()
     torch.backends.cuda.enable_cudnn_sdp(True)
     with caplog.at_level("INFO", logger="eagle3"):
         metrics = synthetic_fit(cfg, tmp_path / "run", [recorder], target)
@@ -114,7 +110,7 @@ def test_train_metrics_are_logged_on_log_steps_and_the_last(
         return log(module, name, *args, **kwargs)
 
     monkeypatch.setattr(DrafterModule, "log", spy)
-    recorder = Recorder()
+    recorder = step_recorder()
     cfg = make_cfg(*BASE, "train.epochs=2", "trainer.log_every_n_steps=5")
     metrics = synthetic_fit(cfg, tmp_path / "run", [recorder], target)
     names = ["train/loss", "train/tau_hat"] + [f"train/acc_{k}" for k in range(3)]
@@ -226,7 +222,7 @@ def test_compiled_target_trains_as_the_hooked_one(make_cfg, target, tmp_path, mo
     monkeypatch.setattr(CompiledCapture, "__call__", spy)
     losses = []
     for compiled in ("false", "true"):
-        recorder = Recorder()
+        recorder = step_recorder()
         cfg = make_cfg(*BASE, "train.epochs=1", f"train.compile_target={compiled}")
         synthetic_fit(cfg, tmp_path / compiled, [recorder], target, n_train=21)
         losses.append(recorder.train_loss)
@@ -395,7 +391,7 @@ def test_resume_after_kill_is_exact(make_cfg, test_root, target, tmp_path):
     (one batch into epoch 2), the rerun resumes there; the result equals an uninterrupted run."""
     overrides = [f"paths.root={test_root}", *BASE, "train.epochs=2"]
     uninterrupted, killed = tmp_path / "uninterrupted", tmp_path / "killed"
-    recorder = Recorder()
+    recorder = step_recorder()
     synthetic_fit(compose(overrides), uninterrupted, [recorder], target, n_train=12)
     crashed = run_script(tmp_path, killed, overrides, kill_at=5, n_train=12)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
@@ -428,7 +424,7 @@ def test_sigterm_stops_with_a_checkpoint_of_its_step_and_resumes_exactly(
     the rerun trains only the steps after it and ends equal to an uninterrupted run."""
     overrides = [f"paths.root={test_root}", *BASE, "train.epochs=2"]
     uninterrupted, stopped = tmp_path / "uninterrupted", tmp_path / "stopped"
-    recorder = Recorder()
+    recorder = step_recorder()
     synthetic_fit(compose(overrides), uninterrupted, [recorder], target, n_train=12)
     cut = run_script(
         tmp_path, stopped, overrides, step, 12, signal_name="SIGTERM", in_validation=in_validation

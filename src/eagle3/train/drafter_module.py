@@ -108,7 +108,7 @@ class DrafterModule(L.LightningModule):
         return causal[None, None] & attention_mask.bool()[:, None, None, :]
 
     def step(self, batch: dict, head_tokens: int | None = None):
-        """(loss, per-step counts on the device): eagle3.ttt.ttt_loss_on_device."""
+        """(loss, per-step counts on the device): eagle3.train.ttt.ttt_loss_on_device."""
         return ttt_loss_on_device(
             self.drafter,
             self.with_hidden_states(batch),

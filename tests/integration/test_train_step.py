@@ -8,13 +8,13 @@ import random
 import lightning as L
 import pytest
 import torch
-from test_train import BASE, Recorder, peaked_target, synthetic_fit
+from support import BASE, peaked_target, step_recorder, synthetic_fit
 
-from eagle3.callbacks import busy_seconds
-from eagle3.common import Eagle3Error, compose
-from eagle3.datamodule import check_buckets, collate
-from eagle3.drafter_module import DrafterModule, adamw_options
-from eagle3.outputs import train_output
+from eagle3.core.common import Eagle3Error, compose
+from eagle3.core.outputs import train_output
+from eagle3.train.callbacks import busy_seconds
+from eagle3.train.datamodule import check_buckets, collate
+from eagle3.train.drafter_module import DrafterModule, adamw_options
 
 # the synthetic rows are 10..24 tokens and train.max_length is 32: every bucket is met
 BUCKETS = "train.length_buckets=[12,16,24]"
@@ -42,7 +42,7 @@ def test_bucketed_step_without_host_reads_gives_the_eager_losses(make_cfg, targe
     The bucketed run meets only the buckets' lengths, the other a length per batch."""
     runs = {}
     for name, options in (("eager", []), ("bucketed", [BUCKETS, "train.adamw=fused"])):
-        recorder, shapes = Recorder(), Shapes()
+        recorder, shapes = step_recorder(), Shapes()
         # checkpoints and validation once, at the end: the steps are what is compared
         cfg = make_cfg(*BASE, "train.epochs=9", *QUIET, *options)
         synthetic_fit(cfg, tmp_path / name, [recorder, shapes], target)
