@@ -171,11 +171,12 @@ class CompiledCapture:
 
 def target_key(tcfg: DictConfig) -> dict:
     """The target fields that decide its weights and tokenizer (what artifact hashes depend on):
-    everything but where and in which precision it runs, and the size hints used for planning."""
+    everything but where and in which precision it runs, whether its folder's own code may run
+    (the same code gives the same outputs), and the size hints used for planning."""
     return {
         k: v
         for k, v in OmegaConf.to_container(tcfg, resolve=True).items()
-        if k not in ("device", "dtype", "plan")
+        if k not in ("device", "dtype", "plan", "trust_remote_code")
     }
 
 
