@@ -20,7 +20,7 @@ run of step-k hits at position v-1, then moves on by accepted + 1. Its acceptanc
         --drafter .h200/export-s4/export/df3d3646650e/sglang \
         --json results/smollm2-135m_h200_2026-11-30c/val_acc_by_position.json
 
-Runs on CPU in float32 (target via eagle3.core.target.load_target, drafter via eagle3.export.app).
+Runs on CPU in float32 (target via eagle3.core.target.load_target, drafter via eagle3.export).
 """
 
 from __future__ import annotations

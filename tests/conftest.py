@@ -115,7 +115,7 @@ def smollm2(test_root):
 
 @pytest.fixture(scope="session")
 def smollm2_trained_drafter(test_root):
-    """The exported SmolLM2 drafter trained by eagle3.train.app (engine_helpers.trained_smollm2_drafter)."""
+    """The exported SmolLM2 drafter trained by eagle3.train (engine_helpers.trained_smollm2_drafter)."""
     from engine_helpers import trained_smollm2_drafter
 
     return trained_smollm2_drafter(test_root)

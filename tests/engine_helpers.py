@@ -1,6 +1,6 @@
 """Shared pieces of the engine tests: reference greedy decoding, a drafter fitted to the
 target (real TTT training on the target's own greedy rollouts, so drafts get accepted), a
-SmolLM2 drafter trained by eagle3.train.app, specs and a chi-square p-value."""
+SmolLM2 drafter trained by eagle3.train, specs and a chi-square p-value."""
 
 from __future__ import annotations
 
@@ -120,8 +120,8 @@ def agree_prompts(target, cfg) -> list[list[int]]:
 
 
 def trained_smollm2_drafter(test_root: Path) -> Path:
-    """A drafter trained with eagle3.train.app (Lightning, TTT, online hidden states) on the target's own
-    greedy continuations of the first vicuna prompts (SmolLM2), exported by eagle3.export.app; made once
+    """A drafter trained with eagle3.train (Lightning, TTT, online hidden states) on the target's own
+    greedy continuations of the first vicuna prompts (SmolLM2), exported by eagle3.export; made once
     per test root."""
     from eagle3.core.drafter_io import load_trained_drafter
     from eagle3.core.target import load_target

@@ -1,4 +1,4 @@
-"""Nothing left running, nothing shared: real `eagle3.serve.app` / `eagle3.bench.app` processes stopped by
+"""Nothing left running, nothing shared: real `eagle3.serve` / `eagle3.bench` processes stopped by
 SIGINT, SIGTERM, SIGHUP and SIGKILL take their engine servers with them (and the MLflow run is
 marked KILLED); two runs started in the same second get separate folders."""
 
@@ -73,7 +73,7 @@ def common_overrides(artifacts: Path, root: Path) -> list[str]:
 def start_serve(test_root, root, *overrides, pinned: bool = True):
     """`python -m eagle3.serve` (clock pinned unless told)."""
     argv = app_argv(
-        "eagle3.serve.app",
+        "eagle3.serve",
         *common_overrides(test_root / "artifacts", root),
         *overrides,
         pinned=pinned,
@@ -149,7 +149,7 @@ def test_killed_serve_takes_its_engine_along(test_root, tmp_path, sig):
 
 def bench_argv(artifacts, root, *overrides, multirun: bool = False) -> list[str]:
     return app_argv(
-        "eagle3.bench.app",
+        "eagle3.bench",
         *(["-m"] if multirun else []),
         *common_overrides(artifacts, root),
         "bench.suite=vicuna",
@@ -261,7 +261,7 @@ def sweep_results(root: Path) -> list[tuple[str, list[str]]]:
 
 @pytest.mark.slow
 def test_two_sweeps_in_the_same_second_stay_apart(own_artifacts, tmp_path):
-    """Two `eagle3.bench.app -m` sweeps with one clock second: separate folders, summaries and
+    """Two `eagle3.bench -m` sweeps with one clock second: separate folders, summaries and
     parent runs, every job in its own sweep (spec=off and one chain each: the chain's job reuses
     its sweep's spec=off measurement, so each sweep starts two engines)."""
     procs = []
@@ -319,7 +319,7 @@ def settled_runs(root: Path) -> dict[str, list[str]]:
 
 
 def test_killed_sweep_leaves_no_run_running(own_artifacts, tmp_path):
-    """SIGKILL of `eagle3.bench.app -m` during its job: the sweep's parent run and the job's child run
+    """SIGKILL of `eagle3.bench -m` during its job: the sweep's parent run and the job's child run
     are marked KILLED by the watchdog the bench started, with no other process opening the store."""
     argv = bench_argv(own_artifacts, tmp_path, "spec=off", multirun=True)
     argv += ["bench.max_new_tokens=2000", "bench.ignore_eos=true", "engine.max_context=2048"]

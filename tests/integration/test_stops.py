@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 from hydra.experimental.callback import Callback
-from support import REPO
+from support import REPO, TESTS
 
 from eagle3.core.common import compose
 
-TESTS = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent  # test_stops itself, imported by the bench's Hydra
 
 
 class TermAfterFirstJob(Callback):
@@ -49,7 +49,7 @@ def last_line(text: str) -> str:
 def test_sigterm_between_bench_jobs_is_one_line(test_root, tmp_path):
     """Two jobs that fail fast (serve=hf does not speculate); SIGTERM once the first has ended."""
     out = run_app(
-        "eagle3.bench.app",
+        "eagle3.bench",
         "-m",
         "spec=d4,d8",
         "serve=hf",
@@ -57,7 +57,9 @@ def test_sigterm_between_bench_jobs_is_one_line(test_root, tmp_path):
         f"paths.root={tmp_path}",
         f"paths.artifacts={test_root}/artifacts",
         "+hydra.callbacks.term_after_first._target_=test_stops.TermAfterFirstJob",
-        env={"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])},
+        env={
+            "PYTHONPATH": os.pathsep.join([str(HERE), str(TESTS), os.environ.get("PYTHONPATH", "")])
+        },
     )
     assert out.returncode == 128 + signal.SIGTERM, out.stderr
     assert "Traceback" not in out.stderr
@@ -148,7 +150,7 @@ def test_a_misspelt_option_in_a_sweep_is_one_line_before_any_run(make_cfg, tmp_p
     store = tmp_path / "mlruns" / "mlflow.db"
     make_cfg()  # the store, empty
     out = run_app(
-        "eagle3.bench.app",
+        "eagle3.bench",
         "-m",
         "spec=d2,d4",
         "target=tiny-llama",

@@ -592,7 +592,7 @@ def test_smollm2_greedy_is_lossless_untrained_drafter(smollm2, name):
 def test_smollm2_greedy_is_lossless_trained_drafter(
     smollm2, smollm2_trained_drafter, test_root, name
 ):
-    """The drafter eagle3.train.app made (engine_helpers.trained_smollm2_drafter), loaded as the server
+    """The drafter eagle3.train made (engine_helpers.trained_smollm2_drafter), loaded as the server
     loads it: drafts are accepted (measured tau > 1.2) and the output is still the target's greedy decode."""
     from engine_helpers import agree_cfg, agree_prompts
 

@@ -4,6 +4,7 @@ device/dtype choice."""
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import os
@@ -60,10 +61,11 @@ def app(task):
             print(f"eagle3 error: {err}  (add debug=true for the traceback)", file=sys.stderr)
             sys.exit(1)
 
-    # Hydra names a job after the last part of the (unwrapped) task's module; the wrapper stands in
-    # for the task so that `eagle3.train.app` runs as the job `train`.
-    if task.__module__.endswith(".app"):
-        guarded.__module__ = task.__module__.removesuffix(".app")
+    # Hydra names a job after the (unwrapped) task's module, or its file when run as __main__; the
+    # wrapper stands in for the task so that eagle3/train/app.py runs as the job `train`.
+    source = Path(inspect.getfile(task))
+    if source.stem == "app":
+        guarded.__module__ = f"eagle3.{source.parent.name}"
         del guarded.__wrapped__
     hydra_app = hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(guarded)
 
