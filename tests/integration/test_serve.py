@@ -229,7 +229,7 @@ def test_sglang_launch_tolerates_the_config_names_transformers_already_has(make_
     launch = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321)
     assert launch.env["EAGLE3_TOLERATED_CONFIG_NAMES"] == "qwen3_asr"
     assert launch.env["PYTHONPATH"].split(os.pathsep)[0] == str(
-        REPO / "src" / "eagle3" / "config_clash"
+        REPO / "src" / "eagle3" / "serve" / "config_clash"
     )
     done = subprocess.run(
         [sys.executable, str(script)],
