@@ -38,16 +38,8 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-@dataclass
-class Target:
-    model: torch.nn.Module
-    tokenizer: object
-    path: Path
-    aux_layer_ids: list[int]
-
-    @property
-    def config(self):
-        return self.model.config
+class TargetShape:
+    """The shape figures of a target, read from its HF config (`self.config`)."""
 
     @property
     def num_layers(self) -> int:
@@ -60,6 +52,18 @@ class Target:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+
+@dataclass
+class Target(TargetShape):
+    model: torch.nn.Module
+    tokenizer: object
+    path: Path
+    aux_layer_ids: list[int]
+
+    @property
+    def config(self):
+        return self.model.config
 
     @property
     def device(self) -> torch.device:

@@ -16,14 +16,19 @@ from safetensors import safe_open
 from transformers import AutoTokenizer, PretrainedConfig
 
 from eagle3.core.common import Eagle3Error, resolve_dtype
-from eagle3.core.target import default_aux_layer_ids, folder_text_config, resolve_target_path
+from eagle3.core.target import (
+    TargetShape,
+    default_aux_layer_ids,
+    folder_text_config,
+    resolve_target_path,
+)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
 @dataclass
-class TargetParts:
+class TargetParts(TargetShape):
     """Duck-types eagle3.core.target.Target for everything but running the model."""
 
     config: PretrainedConfig
@@ -33,18 +38,6 @@ class TargetParts:
     embedding: torch.Tensor  # [vocab, H]
     head: torch.Tensor  # [vocab, H]; the embedding itself when the target ties them
     norm: torch.Tensor  # [H], the final norm's weight
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
 
     @property
     def device(self) -> torch.device:
