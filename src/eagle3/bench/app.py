@@ -7,6 +7,7 @@ suite, batch size, max tokens) and cached like a stage artifact.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
 from eagle3.bench import sweep
 from eagle3.bench.verdict import (
@@ -149,7 +150,7 @@ def send(client: httpx.Client, api: str, ids: list[int], bcfg, model: str) -> di
     latency = time.perf_counter() - start
     record = {"prompt_tokens": len(ids), "ttft_s": first, "latency_s": latency, **_counts(last)}
     record["tok_per_s"] = record["output_tokens"] / latency if latency > 0 else 0.0
-    if bcfg.get("check_outputs"):
+    if bcfg.check_outputs:
         record["output_ids"] = list(last.get("output_ids") or [])
     return record
 
@@ -290,7 +291,7 @@ class Served:
 
 def open_engine(cfg: DictConfig, spec: Spec, drafter_path, target_path, folder: Path):
     """The engine a job measures: a started server, or with serve.inprocess one in this process."""
-    if cfg.serve.get("inprocess"):
+    if cfg.serve.inprocess:
         return inprocess.engine_for(cfg, spec, drafter_path)
     return Served(start_engine(cfg, spec, drafter_path, target_path, folder), cfg, target_path)
 
@@ -341,7 +342,7 @@ def measure(
     records = [p.pop("records") for p in passes]
     (folder / "requests.json").write_text(json.dumps(records, indent=1))
     metrics = combine_repeats(passes)
-    if bcfg.get("check_outputs"):  # the first pass's token ids, compared with spec=off's
+    if bcfg.check_outputs:  # the first pass's token ids, compared with spec=off's
         metrics["outputs"] = [r.get("output_ids", []) for r in records[0]]
     return metrics
 
@@ -350,13 +351,10 @@ def engine_cfg(cfg: DictConfig, spec: Spec) -> DictConfig:
     """The config a job's engine is built from: the job's spec at every step (engine.schedule=auto
     counts as off here, so a shape sweep measures each shape; spec=off never runs a schedule); a
     schedule file given by path applies to the job's engine."""
-    setting = str(cfg.engine.get("schedule", "off"))
+    setting = str(cfg.engine.schedule)
     if setting == "off" or (spec.enabled and setting != "auto"):
         return cfg
-    copy = cfg.copy()
-    with open_dict(copy):
-        copy.engine.schedule = "off"
-    return copy
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, schedule="off"))
 
 
 def settled(passes: list[dict], against: Spread | None, min_repeats: int) -> bool:
@@ -461,7 +459,7 @@ def job_identity(cfg: DictConfig) -> dict:
         "max_new_tokens": cfg.bench.max_new_tokens,
         "spec": "invalid",
         "depth": cfg.spec.depth,
-        "steps": cfg.spec.get("steps"),
+        "steps": cfg.spec.steps,
         "topk": cfg.spec.topk,
         "spec_enabled": bool(cfg.spec.enabled),
     }
@@ -536,8 +534,8 @@ def check_context(cfg: DictConfig, prompts, requests: list[list[int]], target_pa
 def job_spec(cfg: DictConfig) -> Spec:
     """The job's spec, refused when impossible or when its engine cannot run it."""
     spec = resolve_spec(cfg.spec)
-    check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.get("max_depth"))
-    if cfg.serve.get("inprocess") and cfg.serve.engine not in inprocess.ENGINES:
+    check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.max_depth)
+    if cfg.serve.inprocess and cfg.serve.engine not in inprocess.ENGINES:
         raise Eagle3Error(
             f"serve.inprocess=true runs serve=local or serve=hf inside the bench; "
             f"{cfg.serve.engine} runs as its own server (serve.inprocess=false)"
@@ -566,7 +564,7 @@ def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict
         drafter=str(drafter_path) if drafter_path else None, drafter_hash=drafter_hash(drafter_path)
     )
     outputs = metrics.pop("outputs", None)
-    if cfg.bench.get("check_outputs"):
+    if cfg.bench.check_outputs:
         check = compare_outputs(requests, base.get("outputs") or [], outputs or [], cfg)
         (folder / "output_check.json").write_text(json.dumps(check, indent=1))
         metrics.update(check)
@@ -586,7 +584,7 @@ def off_spread(base: dict) -> Spread | None:
 
 def check_output_settings(cfg: DictConfig) -> None:
     """bench.check_outputs compares greedy outputs, which only /generate answers carry."""
-    if not cfg.bench.get("check_outputs"):
+    if not cfg.bench.check_outputs:
         return
     if cfg.bench.temperature != 0:
         raise Eagle3Error(

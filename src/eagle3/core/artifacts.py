@@ -20,9 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from eagle3.core.common import Eagle3Error
+from eagle3.core.config import plain
 from eagle3.core.redact import mask
 
 TRACKED_PACKAGES = (
@@ -38,9 +37,7 @@ TRACKED_PACKAGES = (
 
 def to_plain(section: Any) -> Any:
     """A resolved plain-python copy of a config section (or a value as it is)."""
-    if isinstance(section, DictConfig) or OmegaConf.is_config(section):
-        return OmegaConf.to_container(section, resolve=True)
-    return section
+    return plain(section)
 
 
 def config_hash(*parts: Any) -> str:

@@ -18,7 +18,9 @@ import hydra
 import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
+from eagle3.core import config as schema  # registers the typed schemas before any composition
 from eagle3.core.lifecycle import Stopped, raise_on_signals
 
 CONF_DIR = str(Path(__file__).resolve().parents[3] / "conf")
@@ -54,8 +56,8 @@ def app(task):
     def guarded(cfg: DictConfig):
         raise_on_signals()
         try:
-            return task(cfg)
-        except (Eagle3Error, FileNotFoundError) as err:
+            return task(schema.typed(cfg))
+        except (Eagle3Error, FileNotFoundError, MissingMandatoryValue) as err:
             if cfg.get("debug"):
                 raise
             print(f"eagle3 error: {err}  (add debug=true for the traceback)", file=sys.stderr)
@@ -142,20 +144,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtypes[name]
 
 
-def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """The primary config composed outside a Hydra app (tests, notebooks, subprocess helpers)."""
+def compose(overrides: list[str] | tuple[str, ...] = ()) -> schema.Config:
+    """The primary config, typed, composed outside a Hydra app (tests, notebooks, subprocess
+    helpers)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     if GlobalHydra.instance().is_initialized():  # inside a Hydra app: reuse its search path
-        return hydra_compose("config", overrides=list(overrides))
+        return schema.typed(hydra_compose("config", overrides=list(overrides)))
     with initialize_config_dir(CONF_DIR, version_base="1.3"):
-        return hydra_compose("config", overrides=list(overrides))
+        return schema.typed(hydra_compose("config", overrides=list(overrides)))
 
 
 def api_key(scfg) -> str | None:
     """The API key the engine server requires and clients send: the value of the environment
     variable named by serve.api_key_env (never stored in a config); None when unset or empty."""
-    name = scfg.get("api_key_env")
+    name = getattr(scfg, "api_key_env", None)
     return os.environ.get(name) or None if name else None

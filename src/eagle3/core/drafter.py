@@ -34,7 +34,7 @@ def drafter_config(target_config, dcfg, aux_layer_ids: list[int]) -> LlamaConfig
     """A Llama config for the drafter: the target's shapes unless `drafter.*` overrides them."""
 
     def pick(name, target_value):
-        value = dcfg.get(name)
+        value = getattr(dcfg, name)
         return target_value if value is None else value
 
     target = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)

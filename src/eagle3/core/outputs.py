@@ -48,7 +48,7 @@ def data_output(cfg: DictConfig) -> StageOutput:
     if fingerprint:  # absent for packaged and hub sources: their hashes stay as they were
         sections["source_fingerprint"] = fingerprint
     if (
-        cfg.data.get("vocab_map_from") is not None
+        cfg.data.vocab_map_from is not None
     ):  # absent when null: the hashes of outputs from before the key
         sections["vocab_map_from"] = str(cfg.data.vocab_map_from)
     return stage_output(cfg.paths.artifacts, "data", sections)
@@ -88,7 +88,10 @@ def answer_sections(cfg: DictConfig) -> dict:
         if data["regen"].get(key) is None:
             data["regen"].pop(key, None)
     if data["regen"].get("backend") == "engine":  # the engine and its precision write the answers
-        data["regen"]["served_by"] = {"engine": cfg.serve.engine, "dtype": cfg.serve.get("dtype")}
+        data["regen"]["served_by"] = {
+            "engine": cfg.serve.engine,
+            "dtype": getattr(cfg.serve, "dtype", None),
+        }
     return {"target": target_key(cfg.target), "data": data}
 
 
@@ -196,7 +199,7 @@ def resolve_drafter_path(cfg: DictConfig, engine: str = "sglang") -> Path:
     models:/NAME/VERSION), else the export of the current config. A whole export gives the
     engine's own subfolder, never another engine's (their aux-layer ids differ); a half-written
     export is refused whether found by path or by hash."""
-    path = cfg.drafter.get("path")
+    path = cfg.drafter.path
     if path and str(path).startswith(MODELS_URI):
         name, version = parse_models_uri(str(path))
         folder = download_registered(

@@ -20,6 +20,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from eagle3.core.config import plain
+
 MASK = "***"
 SECRET_NAME = re.compile(r"token|key|secret|passw", re.IGNORECASE)
 ENV_SECTIONS = ("env", "env_set", "environ")
@@ -90,7 +92,7 @@ def mask_argv(argv: list[str]) -> list[str]:
 
 def masked_config(cfg: DictConfig) -> dict:
     """The resolved config as plain data, secrets masked."""
-    return mask(OmegaConf.to_container(cfg, resolve=True))
+    return mask(plain(cfg))
 
 
 def mask_yaml_file(path: Path) -> None:

@@ -46,7 +46,7 @@ def resolve_spec(scfg: DictConfig) -> Spec:
     """Validate `spec.*` and fill in derived fields; errors name the violated rule."""
     if not scfg.enabled:
         return OFF
-    depth, steps, topk = scfg.depth, scfg.get("steps"), scfg.topk
+    depth, steps, topk = scfg.depth, scfg.steps, scfg.topk
     if not isinstance(depth, int) or depth < 2:
         raise Eagle3Error(
             f"spec.depth={depth}: must be an integer >= 2 (tokens verified per step, root included); "

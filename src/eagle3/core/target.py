@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -29,6 +29,7 @@ from transformers import (
 
 from eagle3.core.artifacts import config_hash
 from eagle3.core.common import Eagle3Error, installed_file, log, resolve_device, resolve_dtype
+from eagle3.core.config import plain
 
 READY_MARKER = ".eagle3-ready"  # written last: a folder without it is half-written and redone
 
@@ -179,7 +180,7 @@ def target_key(tcfg: DictConfig) -> dict:
     (the same code gives the same outputs), and the size hints used for planning."""
     return {
         k: v
-        for k, v in OmegaConf.to_container(tcfg, resolve=True).items()
+        for k, v in plain(tcfg).items()
         if k not in ("device", "dtype", "plan", "trust_remote_code")
     }
 
@@ -309,7 +310,7 @@ def build_random_moe(tcfg: DictConfig, artifacts: Path) -> Path:
     if (out / READY_MARKER).exists():
         return out
     tokenizer = smollm2_tokenizer(artifacts)
-    shapes = OmegaConf.to_container(tcfg.architecture, resolve=True)
+    shapes = plain(tcfg.architecture)
     config = DeepseekV3Config(
         vocab_size=len(tokenizer),
         rope_parameters={"rope_type": "default", "rope_theta": float(tcfg.rope_theta)},
@@ -411,13 +412,13 @@ def load_target(cfg: DictConfig, device: str | None = None) -> Target:
         raise remote_code_error(path, err) from err
     model.to(dev).eval().requires_grad_(False)
     layers = model.config.num_hidden_layers
-    aux = list(tcfg.aux_layer_ids) if tcfg.get("aux_layer_ids") else default_aux_layer_ids(layers)
+    aux = list(tcfg.aux_layer_ids) if tcfg.aux_layer_ids else default_aux_layer_ids(layers)
     return Target(model, tokenizer, Path(path) if not isinstance(path, str) else Path(path), aux)
 
 
 def trust_remote_code(tcfg: DictConfig) -> bool:
     """target.trust_remote_code: run the Python code a model folder ships (config.json auto_map)."""
-    return bool(tcfg.get("trust_remote_code", False))
+    return bool(tcfg.trust_remote_code)
 
 
 def target_tokenizer(path, tcfg: DictConfig):

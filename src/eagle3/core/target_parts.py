@@ -106,5 +106,5 @@ def load_target_parts(cfg: DictConfig) -> TargetParts:
     names = part_names(list(weight_map(path)), tied)
     tensors = read_tensors(path, names, weight_map(path), dtype)
     layers = config.num_hidden_layers
-    aux = list(tcfg.aux_layer_ids) if tcfg.get("aux_layer_ids") else default_aux_layer_ids(layers)
+    aux = list(tcfg.aux_layer_ids) if tcfg.aux_layer_ids else default_aux_layer_ids(layers)
     return TargetParts(config, AutoTokenizer.from_pretrained(path), path, aux, **tensors)

@@ -54,13 +54,13 @@ def _setup(cfg: DictConfig) -> str:
     if experiment is not None:
         experiment_id = experiment.experiment_id
     else:
-        location = cfg.tracking.get("artifact_location")
+        location = cfg.tracking.artifact_location
         # A local store keeps artifacts beside it; a server decides for itself.
         location = (
             Path(location).resolve().as_uri() if location and not uri.startswith("http") else None
         )
         experiment_id = mlflow.create_experiment(name, artifact_location=location)
-    set_experiment_kind(experiment_id, cfg.tracking.get("experiment_kind"), experiment)
+    set_experiment_kind(experiment_id, cfg.tracking.experiment_kind, experiment)
     mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
 

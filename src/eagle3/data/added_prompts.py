@@ -10,11 +10,12 @@ answers it.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from eagle3.core.common import Eagle3Error, installed_file, log
 from eagle3.data.suites import read_rows
@@ -50,8 +51,8 @@ def check_not_a_suite(source: DictConfig, suites: DictConfig) -> None:
     for name, suite in suites.items():
         if suite.package != source.package or Path(suite.file).name != Path(source.file).name:
             continue
-        wanted = dict(source.get("where") or {})
-        suite_where = dict(suite.get("where") or {})
+        wanted = dict(source.where or {})
+        suite_where = dict(suite.where or {})
         if not suite_where or all(wanted.get(k) == v for k, v in suite_where.items()):
             raise Eagle3Error(
                 f"data.extra_sources entry {source.package}/{source.file} where {wanted or 'none'} "
@@ -70,8 +71,8 @@ def packaged_prompts(sources, suites: DictConfig, counts: dict) -> list[dict]:
     conversations = []
     for source in sources:
         check_not_a_suite(source, suites)
-        where = dict(source.get("where") or {})
-        unless = dict(source.get("unless") or {})
+        where = dict(source.where or {})
+        unless = dict(source.unless or {})
         rows = read_rows(installed_file(source.package, source.file))
         name = f"{source.package}:{Path(source.file).stem}"  # two files of a package: distinct ids
         kept = 0
@@ -94,17 +95,8 @@ def packaged_prompts(sources, suites: DictConfig, counts: dict) -> list[dict]:
     return conversations
 
 
-SELF_PROMPT_KEYS = ("count", "temperature", "max_new_tokens", "seed", "topics", "instruction")
-
-
 def self_prompt_requests(scfg: DictConfig) -> list[tuple[str, int, list[dict]]]:
     """(id, turn, messages) asking the target to write scfg.count prompts, topics in rotation."""
-    missing = [key for key in SELF_PROMPT_KEYS if key not in scfg]
-    if missing:
-        raise Eagle3Error(
-            f"data.self_prompts lacks {', '.join(missing)} (it needs {', '.join(SELF_PROMPT_KEYS)}; "
-            "conf/data/sharegpt.yaml shows one)"
-        )
     topics = list(scfg.topics)
     if not topics:
         raise Eagle3Error("data.self_prompts.topics is empty: name at least one topic")
@@ -126,19 +118,14 @@ def self_prompt_requests(scfg: DictConfig) -> list[tuple[str, int, list[dict]]]:
 def generator_cfg(cfg: DictConfig) -> DictConfig:
     """The config a generator writes self-prompts under: data.self_prompts's sampling settings."""
     scfg = cfg.data.self_prompts
-    return OmegaConf.merge(
-        cfg,
-        {
-            "data": {
-                "regen": {
-                    "temperature": scfg.temperature,
-                    "top_p": 1.0,
-                    "max_new_tokens": scfg.max_new_tokens,
-                    "seed": scfg.seed,
-                }
-            }
-        },
+    regen = dataclasses.replace(
+        cfg.data.regen,
+        temperature=scfg.temperature,
+        top_p=1.0,
+        max_new_tokens=scfg.max_new_tokens,
+        seed=scfg.seed,
     )
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, regen=regen))
 
 
 def self_written_prompts(
@@ -169,23 +156,19 @@ def more_prompts(
 ) -> dict[str, list[dict]]:
     """The splits with the configured extra prompts; counts gets how many of each kind were added."""
     dcfg = cfg.data
-    added = (
-        bool(dcfg.get("first_turn_copies"))
-        or bool(dcfg.get("extra_sources"))
-        or bool(dcfg.get("self_prompts"))
-    )
+    added = bool(dcfg.first_turn_copies) or bool(dcfg.extra_sources) or bool(dcfg.self_prompts)
     if added and not dcfg.regenerate:
         raise Eagle3Error(
             "data.first_turn_copies, data.extra_sources and data.self_prompts add prompts without "
             "answers: set data.regenerate=true"
         )
-    splits = first_turn_copies(splits, int(dcfg.get("first_turn_copies") or 0))
+    splits = first_turn_copies(splits, int(dcfg.first_turn_copies or 0))
     train = list(splits["train"])
-    if dcfg.get("extra_sources"):
+    if dcfg.extra_sources:
         extra = packaged_prompts(dcfg.extra_sources, cfg.bench.suites, counts)
         train += extra
         counts["extra_source_prompts"] = len(extra)
-    if dcfg.get("self_prompts"):
+    if dcfg.self_prompts:
         written = self_written_prompts(cfg, folder, make_generator, make_log)
         train += written
         counts["self_prompts"] = len(written)

@@ -243,7 +243,7 @@ def answer_turns(
         seed_regen_log(cfg, shared)
     turn_log = TurnLog(shared)
     conversations = [c for convs in splits.values() for c in convs]
-    if rcfg.get("reuse_answers"):
+    if rcfg.reuse_answers:
         sources = rcfg.reuse_answers
         sources = [sources] if isinstance(sources, str) else list(sources)
         counts["regen_turns_reused"] = sum(
@@ -378,7 +378,7 @@ class LocalGenerator:
         tokenizer = self.target.tokenizer
         self.eot_id = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer, cfg.data))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eot_id
-        seed = self.rcfg.get("seed")
+        seed = self.rcfg.seed
         torch.manual_seed(cfg.data.seed if seed is None else seed)
 
     def run(self, items: list[tuple], turn_log: TurnLog, desc: str) -> dict[str, str]:

@@ -90,7 +90,7 @@ def named_suite_rows(bcfg: DictConfig, name: str) -> tuple[list[dict], str, str]
         )
     suite = bcfg.suites[name]
     rows = read_rows(packaged_file(suite.package, suite.file))
-    rows = [r for r in rows if all(r.get(k) == v for k, v in (suite.get("where") or {}).items())]
+    rows = [r for r in rows if all(r.get(k) == v for k, v in (suite.where or {}).items())]
     return rows, suite.field, f"{name} ({suite.package})"
 
 
@@ -121,10 +121,10 @@ def load_suite(bcfg: DictConfig) -> list[Prompt]:
 def check_bench_settings(bcfg: DictConfig) -> None:
     """bench.* values that cannot be measured, refused before anything is launched."""
     for key, least in (("batch_size", 1), ("max_new_tokens", 1), ("warmup", 0), ("repeats", 1)):
-        value = bcfg.get(key)
+        value = getattr(bcfg, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise Eagle3Error(f"bench.{key}={value}: must be an integer >= {least}")
-    limit = bcfg.get("limit")
+    limit = bcfg.limit
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise Eagle3Error(
             f"bench.limit={limit}: must be a number of prompts >= 1, or null for all of them"

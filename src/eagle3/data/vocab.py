@@ -25,7 +25,7 @@ def vocab_map_for(
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(d2t, t2d, coverage of the training answers): counted from them, or data.vocab_map_from's: a data
     output folder, its vocab_map.safetensors, or any drafter export.load_drafter reads."""
-    draft_vocab, source = cfg.drafter.draft_vocab_size, cfg.data.get("vocab_map_from")
+    draft_vocab, source = cfg.drafter.draft_vocab_size, cfg.data.vocab_map_from
     if source is None:
         return build_vocab_map(train["input_ids"], train["loss_mask"], target_vocab, draft_vocab)
     if Path(source).is_file() or (Path(source) / "vocab_map.safetensors").exists():

@@ -280,7 +280,7 @@ def load_engine_drafter(cfg: DictConfig, target, spec):
     try:
         path = resolve_drafter_path(cfg, engine="local")
     except Eagle3Error:
-        if cfg.drafter.get("path") or cfg.serve.drafter_fallback != "untrained":
+        if cfg.drafter.path or cfg.serve.drafter_fallback != "untrained":
             raise
         log.warning(
             "no exported drafter for this config: serving an UNTRAINED drafter (acceptance ~1; "
@@ -303,7 +303,7 @@ def load_engine_drafter(cfg: DictConfig, target, spec):
 
 
 def build_service(cfg: DictConfig) -> EngineService:
-    if cfg.engine.get("cpu_threads"):
+    if cfg.engine.cpu_threads:
         torch.set_num_threads(int(cfg.engine.cpu_threads))
     spec = resolve_spec(cfg.spec)
     target = load_target(cfg)
@@ -312,7 +312,7 @@ def build_service(cfg: DictConfig) -> EngineService:
     wide = [shape for shape in schedule.shapes if shape.enabled] if schedule else []
     if wide and drafter is None:  # spec=off with a schedule file that drafts
         drafter, source = load_engine_drafter(cfg, target, wide[0])
-    deterministic = bool(cfg.engine.get("deterministic"))
+    deterministic = bool(cfg.engine.deterministic)
     max_batch = max_batch_size(cfg, target, drafter)
     if max_batch > 1 or schedule is not None or deterministic:
         return batched_service(cfg, target, drafter, spec, source, max_batch, schedule)
@@ -365,8 +365,8 @@ def max_batch_size(cfg: DictConfig, target, drafter) -> int:
     drafter (the fused batch-1 decoder serves any HF target)."""
     from eagle3.engine.llama import LeanDrafter, LeanLlama
 
-    setting = cfg.engine.get("max_batch_size")
-    concurrency = int(cfg.get("bench", {}).get("batch_size") or 1)
+    setting = cfg.engine.max_batch_size
+    concurrency = int(cfg.bench.batch_size or 1)
     if setting is None:
         return concurrency
     if str(setting) != "auto":
@@ -391,7 +391,7 @@ def engine_schedule(cfg: DictConfig, spec, drafter_source: str):
     spec=off (no drafter) serves without one."""
     from eagle3.engine.schedule import read_schedule, resolve_schedule_path
 
-    setting = cfg.engine.get("schedule", "off")
+    setting = cfg.engine.schedule
     source = drafter_source if spec.enabled else None
     path = resolve_schedule_path(setting, source)
     return read_schedule(path) if path is not None else None
@@ -408,7 +408,7 @@ def batched_service(
     from eagle3.engine.scheduler import BatchScheduler
 
     use_graphs = uses_graphs(cfg, target)
-    deterministic = bool(cfg.engine.get("deterministic"))
+    deterministic = bool(cfg.engine.deterministic)
     decoder = BatchDecoder(
         target,
         drafter,

@@ -145,7 +145,7 @@ def fits_target(cfg: DictConfig, manifest: dict) -> bool:
 def wanted(cfg: DictConfig) -> bool:
     """Whether this config's drafter is the shipped one: asked for by name, or (shipped.use=auto)
     nothing else named or trained and the target is the shipped drafter's."""
-    path = cfg.drafter.get("path")
+    path = cfg.drafter.path
     if path == KEYWORD:
         return True
     if path or cfg.shipped.use != "auto":

@@ -18,6 +18,7 @@ the HF capture.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fcntl
 import json
 import os
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import httpx
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -75,14 +76,14 @@ def text_config(path: Path | str) -> dict:
 
 
 def target_shape(tcfg: DictConfig, path: Path | str) -> TargetShape:
-    hints = tcfg.get("plan") or {}
+    hints = tcfg.plan or {}
     if not isinstance(path, Path) and hints.get("num_layers") and hints.get("hidden_size"):
         # a hub id planned without downloading it (the dry run)
         config = {"num_hidden_layers": hints["num_layers"], "hidden_size": hints["hidden_size"]}
     else:
         config = text_config(path)
     layers = int(config["num_hidden_layers"])
-    aux = list(tcfg.aux_layer_ids) if tcfg.get("aux_layer_ids") else default_aux_layer_ids(layers)
+    aux = list(tcfg.aux_layer_ids) if tcfg.aux_layer_ids else default_aux_layer_ids(layers)
     if max(aux) >= layers or min(aux) < 0:
         raise Eagle3Error(f"target.aux_layer_ids {aux} out of range for a {layers}-layer target")
     return TargetShape(
@@ -125,9 +126,9 @@ def rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 def engine_config(cfg: DictConfig, max_model_len: int) -> DictConfig:
     """The primary config with `serve` replaced by `extract.engine` (the vLLM settings of
     serve=vllm), so launch.vllm_launch composes the base command."""
-    job = OmegaConf.to_container(cfg, resolve=True)
-    job["serve"] = {**job["extract"]["engine"], "max_model_len": max_model_len}
-    return OmegaConf.create(job)
+    return dataclasses.replace(
+        cfg, serve=dataclasses.replace(cfg.extract.engine, max_model_len=max_model_len)
+    )
 
 
 def capture_launch(cfg: DictConfig, shape: TargetShape, states_dir: Path, port: int | None = None):

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from eagle3.core.common import Eagle3Error, resolve_dtype
+from eagle3.core.config import plain
 from eagle3.core.drafter import Eagle3Drafter, drafter_config
 from eagle3.core.outputs import data_output
 from eagle3.core.target import default_aux_layer_ids, folder_text_config, resolve_target_path
@@ -25,12 +26,11 @@ def target_weights_gb(cfg: DictConfig) -> float | None:
     """target.plan.weights_gb; else, for a target planned from target.plan.config, its weights at
     the dtypes target.plan.storage says they are stored in; else the size of the target folder's
     weight files (None: unknown, a hub id with no plan)."""
-    hint = cfg.target.get("plan") or {}
+    hint = cfg.target.plan or {}
     if hint.get("weights_gb") is not None:
         return float(hint["weights_gb"])
     if hint.get("config") is not None:
-        config = OmegaConf.to_container(hint.config, resolve=True)
-        return checkpoint_bytes(config, OmegaConf.to_container(hint.storage)) / 1e9
+        return checkpoint_bytes(plain(hint["config"]), plain(hint["storage"])) / 1e9
     path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
     if not isinstance(path, Path):
         return None
@@ -85,7 +85,7 @@ def planned_tokens(cfg: DictConfig) -> tuple[int, bool]:
 
 
 def target_hidden_size(cfg: DictConfig) -> int:
-    hint = (cfg.target.get("plan") or {}).get("hidden_size")
+    hint = (cfg.target.plan or {}).get("hidden_size")
     if hint is not None:
         return int(hint)
     return int(
@@ -169,9 +169,9 @@ def plan_settings(cfg: DictConfig) -> DictConfig:
 def target_config(cfg: DictConfig) -> dict:
     """The target's text config: target.plan.config (planned without downloading it), else the
     folder's config.json."""
-    hint = (cfg.target.get("plan") or {}).get("config")
+    hint = (cfg.target.plan or {}).get("config")
     if hint is not None:
-        return OmegaConf.to_container(hint, resolve=True)
+        return plain(hint)
     return folder_text_config(resolve_target_path(cfg.target, Path(cfg.paths.artifacts)))
 
 
@@ -194,7 +194,7 @@ def where(cfg: DictConfig, stage: str, gpus: int) -> str:
     """Which machine runs the stage: a job of pipeline.launcher with conf/cluster's resources for its
     app, or the host that runs the pipeline."""
     if cfg.pipeline.launcher:
-        res = cfg.cluster.get(stage) or cfg.cluster.job
+        res = getattr(cfg.cluster, stage, None) or cfg.cluster.job
         kind = cfg.cluster.constraint or "any"
         return (
             f"{cfg.pipeline.launcher} job, {res.nodes} node(s) ({kind}) x {res.gpus_per_node} GPU(s), "
@@ -261,8 +261,10 @@ def data_plan(cfg: DictConfig, config: dict, weights: float) -> StagePlan:
         )
         plan.hours, plan.time_note = engine_hours(cfg, "regen_tokens_per_s", config, 1, answers)
         return plan
-    gpus = int(cfg.serve.get("tp_size") or 1)
-    fraction = cfg.serve.get("mem_fraction_static") or plan_settings(cfg).engine_memory_fraction
+    gpus = int(getattr(cfg.serve, "tp_size", None) or 1)
+    fraction = (
+        getattr(cfg.serve, "mem_fraction_static", None) or plan_settings(cfg).engine_memory_fraction
+    )
     tokens = int(regen.concurrency) * int(cfg.data.max_length)
     parts, note = engine_gpu(cfg, config, weights, gpus, float(fraction), cfg.serve.dtype, tokens)
     plan = StagePlan("data", where(cfg, "data", gpus), parts, note, disk_gb=tokens_disk)
@@ -404,8 +406,8 @@ def bench_plan(cfg: DictConfig, config: dict, weights: float) -> StagePlan:
             None,
             "measured by the bench",
         )
-    gpus = int(scfg.get("tp_size") or 1)
-    fraction = scfg.get("mem_fraction_static") or flag_value(
+    gpus = int(getattr(scfg, "tp_size", None) or 1)
+    fraction = getattr(scfg, "mem_fraction_static", None) or flag_value(
         scfg.extra_args, "--gpu-memory-utilization"
     )
     fraction = fraction or plan_settings(cfg).vllm_memory_fraction

@@ -40,7 +40,7 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     spec = resolve_spec(cfg.spec)
-    check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.get("max_depth"))
+    check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.max_depth)
     folder = Path(HydraConfig.get().runtime.output_dir)
     engine = start_engine(cfg, spec, drafter_for(cfg, spec), target_path_for(cfg), folder)
     print(

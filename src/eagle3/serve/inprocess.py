@@ -21,10 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagle3.core.common import log
+from eagle3.core.config import from_plain, plain
 from eagle3.core.spec import Spec
 from eagle3.core.target import load_target
 from eagle3.engine.service import Generation, build_service
@@ -49,7 +50,7 @@ class LocalEngine(InProcess):
     """The embedded engine's service, called directly."""
 
     def __init__(self, job: dict):
-        self.service = build_service(OmegaConf.create(job))
+        self.service = build_service(from_plain(job))
 
     def counters(self) -> dict:
         return self.service.stats()
@@ -75,7 +76,7 @@ class LocalEngine(InProcess):
             "output_tokens": tokens,
             "verify_steps": reply.result.stats.verify_steps,
             "tok_per_s": tokens / latency if latency > 0 else 0.0,
-            **({"output_ids": list(reply.tokens)} if bcfg.get("check_outputs") else {}),
+            **({"output_ids": list(reply.tokens)} if bcfg.check_outputs else {}),
         }
 
     def run(self, requests: list[list[int]], bcfg, desc: str) -> tuple[list[dict], float]:
@@ -171,7 +172,7 @@ def engine_for(cfg: DictConfig, spec: Spec, drafter_path: Path | None):
     """The in-process engine for this job: the one kept from the previous job when its config is
     the same, else a fresh one (the kept one is freed first: one engine in memory at a time)."""
     if cfg.serve.engine == "hf":
-        config = {"target": OmegaConf.to_container(cfg.target, resolve=True), "hf": True}
+        config = {"target": plain(cfg.target), "hf": True}
     else:
         config = local_job_config(cfg, spec, drafter_path)
     key = json.dumps(config, sort_keys=True, default=str)

@@ -124,8 +124,8 @@ def untrained_fallback(cfg: DictConfig) -> bool:
     builds an untrained drafter itself when none was exported for this config."""
     return (
         cfg.serve.engine == "local"
-        and cfg.serve.get("drafter_fallback") == "untrained"
-        and not cfg.drafter.get("path")
+        and getattr(cfg.serve, "drafter_fallback", None) == "untrained"
+        and not cfg.drafter.path
     )
 
 
@@ -138,7 +138,7 @@ def compose_launch(
 ) -> Launch:
     """The command that serves `cfg.target` (+ the drafter when spec is enabled) on `cfg.serve.engine`."""
     scfg = cfg.serve
-    check_spec_for_engine(scfg.engine, spec, scfg.get("max_depth"))
+    check_spec_for_engine(scfg.engine, spec, scfg.max_depth)
     if spec.enabled and drafter_path is None and not untrained_fallback(cfg):
         raise Eagle3Error(f"spec {spec.label} needs a drafter; set drafter.path or use spec=off")
     if scfg.engine not in SERVED:
@@ -229,7 +229,7 @@ def vllm_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
     ]
     if v.enforce_eager:
         argv.append("--enforce-eager")
-    if cfg.target.get("trust_remote_code", False):  # the model folder's own code (conf/target)
+    if cfg.target.trust_remote_code:  # the model folder's own code (conf/target)
         argv.append("--trust-remote-code")
     if spec.enabled:
         config = {
@@ -304,7 +304,7 @@ def sglang_argv(cfg, spec: Spec, drafter_path, target_path, port) -> list[str]:
             "--speculative-num-draft-tokens",
             str(spec.depth),
         ]
-    if cfg.target.get("trust_remote_code", False):  # the model folder's own code (conf/target)
+    if cfg.target.trust_remote_code:  # the model folder's own code (conf/target)
         argv.append("--trust-remote-code")
     if api_key(s):
         argv += ["--api-key", api_key(s)]  # masked in command.json and the log
@@ -366,7 +366,7 @@ def sglang_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
         sglang_parse(engine_python(cfg.serve), args)
     argv = [engine_python(cfg.serve), "-m", "sglang.launch_server", *args]
     env = {k: str(v) for k, v in cfg.serve.env.items()}
-    env.update(config_clash_env(cfg.serve.get("tolerate_config_names") or [], env))
+    env.update(config_clash_env(getattr(cfg.serve, "tolerate_config_names", []), env))
     return Launch("sglang", argv, env, cfg.serve.host, port)
 
 

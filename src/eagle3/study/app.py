@@ -16,11 +16,12 @@ study.json files of one recipe; study.compare draws studies on other data side b
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
 from eagle3.core import tracking
 from eagle3.core.artifacts import StageOutput, config_hash, stage_output, to_plain
@@ -99,10 +100,8 @@ def size_rows(cfg: DictConfig, data_path: Path) -> tuple[list[int], int]:
 
 def size_cfg(cfg: DictConfig, rows: int, n_train: int) -> DictConfig:
     """The recipe with train.limit set (null for the whole split: the plain recipe's drafter)."""
-    sized = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-    with open_dict(sized):
-        sized.train.limit = None if rows == n_train else rows
-    return sized
+    limit = None if rows == n_train else rows
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, limit=limit))
 
 
 def study_output(cfg: DictConfig, data_hash: str) -> StageOutput:
@@ -166,7 +165,7 @@ def suite_prompt_ids(cfg: DictConfig, tokenizer) -> dict[str, list[list[int]]]:
         source = (
             {"prompts": suite} if suite.endswith(".jsonl") else {"suite": suite, "prompts": None}
         )
-        bench = OmegaConf.merge(cfg.bench, {**source, "limit": None})
+        bench = dataclasses.replace(cfg.bench, **source, limit=None)
         chosen = load_suite(bench)[: cfg.study.prompts]
         prompts[suite_name(suite)] = [
             tokenizer.apply_chat_template(
@@ -258,7 +257,7 @@ def log_mlflow(cfg: DictConfig, result: dict, files: list[Path]) -> str | None:
 
 def train_sizes(cfg: DictConfig, data) -> list[dict]:
     """Train (or find) one drafter per size; a point per size without its engine tau yet."""
-    if cfg.train.get("init_from"):
+    if cfg.train.init_from:
         raise Eagle3Error(
             f"train.init_from={cfg.train.init_from}: the study trains every size from scratch"
         )
@@ -316,7 +315,7 @@ def study_title(cfg: DictConfig, spec_label: str) -> str:
 
 def write_outputs(cfg: DictConfig, result: dict, folder: Path) -> list[Path]:
     title, suites = result["title"], result["suites"]
-    references = reference_points(cfg.study.get("references"), result["points"])
+    references = reference_points(cfg.study.references, result["points"])
     png = plot(
         result["points"],
         result["fits"],
@@ -346,7 +345,7 @@ def run(cfg: DictConfig) -> StageOutput:
         "hash": out.hash,
         "data_hash": data.hash,
         "overrides": job_overrides(),
-        "label": cfg.study.get("label"),
+        "label": cfg.study.label,
         "spec": resolve_spec(cfg.spec).label,
         "title": study_title(cfg, resolve_spec(cfg.spec).label),
         "suites": [suite_name(str(s)) for s in cfg.study.suites],
@@ -452,7 +451,7 @@ def compare(cfg: DictConfig, paths: list[Path]) -> Path:
 
 @app
 def main(cfg: DictConfig) -> None:
-    if cfg.study.get("compare"):
+    if cfg.study.compare:
         compare(cfg, [Path(str(p)) for p in cfg.study.compare])
         return
     if cfg.study.log_from:

@@ -45,7 +45,7 @@ def installed_version(package: str) -> str:
 def wanted_packages(cfg: DictConfig) -> list[str]:
     """bundle.packages, plus the package the target is shipped in."""
     packages = list(cfg.bundle.packages)
-    if cfg.target.get("kind") == "gguf_package" and cfg.target.get("package"):
+    if cfg.target.kind == "gguf_package" and cfg.target.package:
         packages.append(str(cfg.target.package))
     return list(dict.fromkeys(packages))
 
@@ -74,10 +74,10 @@ def configured_files(cfg: DictConfig) -> dict[str, Path]:
     """files/<name> -> path: the data source, the drafter, the starting weights and a local target
     the config names (those that exist here), and bundle.files."""
     named = [
-        cfg.data.get("source"),
-        cfg.drafter.get("path"),
-        cfg.train.get("init_from"),
-        cfg.target.get("path"),
+        cfg.data.source,
+        cfg.drafter.path,
+        cfg.train.init_from,
+        cfg.target.path,
         *cfg.bundle.files,
     ]
     files = {}

@@ -9,6 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3.core.common import CONF_DIR, app
+from eagle3.core.config import plain
 from eagle3.core.lineage import chain_to, lineage_lines, lineage_of
 from eagle3.core.target import load_target
 from eagle3.export.shipped import KEYWORD, asset_manifest, asset_path
@@ -42,10 +43,7 @@ def drafter_lineage(cfg: DictConfig) -> list[dict]:
 
 @app
 def main(cfg: DictConfig) -> None:
-    summary = {
-        name: OmegaConf.to_container(cfg[name], resolve=True)
-        for name in ("target", "drafter", "spec", "serve")
-    }
+    summary = {name: plain(getattr(cfg, name)) for name in ("target", "drafter", "spec", "serve")}
     print("config:\n" + OmegaConf.to_yaml(summary))
     target = load_target(cfg)
     print(f"target {cfg.target.name}: {target.path}")
@@ -56,7 +54,7 @@ def main(cfg: DictConfig) -> None:
     print(f"artifacts: {cfg.paths.artifacts}")
     print(f"mlflow: {cfg.tracking.uri}")
     print("engines: " + json.dumps(engines_available(cfg)))
-    if cfg.drafter.get("path"):
+    if cfg.drafter.path:
         print(f"drafter {cfg.drafter.path}, lineage (oldest first):")
         print("\n".join(lineage_lines(drafter_lineage(cfg))))
 

@@ -205,7 +205,7 @@ def main(cfg: DictConfig) -> None:
 
     experiment_id = tracking.setup(cfg)
     artifacts = str(Path(cfg.tracking.artifact_location).resolve().as_uri())
-    if cfg.tracking.get("ui_screenshot"):
+    if cfg.tracking.ui_screenshot:
         out = Path(cfg.tracking.ui_screenshot).resolve()
         with (
             tempfile.TemporaryDirectory(prefix="eagle3-ui-") as logs,

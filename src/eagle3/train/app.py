@@ -85,7 +85,7 @@ def check_inputs(
     sample: dict | None,
 ) -> None:
     """Refuse, before the first step, inputs that would train a useless drafter."""
-    hidden = cfg.drafter.get("hidden_size")
+    hidden = cfg.drafter.hidden_size
     if hidden is not None and hidden != target.hidden_size:
         raise Eagle3Error(
             f"drafter.hidden_size={hidden} but the target's hidden size is {target.hidden_size}: the "
@@ -226,7 +226,7 @@ def fit(
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     drafter = build_drafter(target, cfg.drafter).float()
     drafter.set_vocab_map(d2t.to(drafter.d2t.device), t2d.to(drafter.t2d.device))
-    if cfg.train.get("init_from"):
+    if cfg.train.init_from:
         start_from(drafter, cfg.train.init_from, target, cfg.tracking.uri)
     module = DrafterModule(drafter, target.output_embedding(), cfg.train, target, evaluation)
     throughput = Throughput(
@@ -441,7 +441,7 @@ def run(cfg: DictConfig, callbacks=()) -> StageOutput:
         "train: wrote %s (val tau_hat %.3f; over the first %s tokens, the last validation: %.3f)",
         out.path,
         counts["tau_hat"] or float("nan"),
-        cfg.train.get("val_head_tokens"),
+        cfg.train.val_head_tokens,
         counts["tau_hat_head"] or float("nan"),
     )
     return out

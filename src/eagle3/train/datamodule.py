@@ -166,7 +166,7 @@ class DrafterData(L.LightningDataModule):
         self.train_set, self.val_set, self.tcfg = train_set, val_set, tcfg
         self.seed, self.pad_id, self.num_workers = seed, pad_id, num_workers
         self.pin_memory = pin_memory
-        self.buckets = check_buckets(tcfg.get("length_buckets"))
+        self.buckets = check_buckets(tcfg.length_buckets)
         self.train_sampler: BucketBatchSampler | None = None
         self.pending_resume: tuple[int, int] | None = None
 
@@ -231,7 +231,7 @@ class DrafterData(L.LightningDataModule):
 
 def datasets_for(cfg: DictConfig, data_dir: Path) -> tuple[Dataset, Dataset]:
     train_set, val_set = split_datasets(cfg, data_dir)
-    return first_rows(train_set, cfg.train.get("limit")), val_set
+    return first_rows(train_set, cfg.train.limit), val_set
 
 
 def first_rows(dataset: Dataset, limit: int | None) -> Dataset:

@@ -89,9 +89,7 @@ class DrafterModule(L.LightningModule):
         if "aux_hidden" in batch:
             return batch
         if self.capture is None:
-            compiled = compile_setting(
-                "compile_target", self.tcfg.get("compile_target", False), self.device
-            )
+            compiled = compile_setting("compile_target", self.tcfg.compile_target, self.device)
             model, layer_ids = self.target.model, self.target.aux_layer_ids
             self.capture = CompiledCapture(model, layer_ids) if compiled else self.target.capture
         aux, last = self.capture(batch["input_ids"], self.target_mask(batch["attention_mask"]))
@@ -117,8 +115,8 @@ class DrafterModule(L.LightningModule):
             self.tcfg.step_decay,
             self.tcfg.attention,
             head_tokens,
-            compile_setting("compile_loss", self.tcfg.get("compile_loss", "auto"), self.device),
-            compile_setting("compile_unroll", self.tcfg.get("compile_unroll", False), self.device),
+            compile_setting("compile_loss", self.tcfg.compile_loss, self.device),
+            compile_setting("compile_unroll", self.tcfg.compile_unroll, self.device),
         )
 
     def training_step(self, batch: dict, batch_idx: int):
@@ -176,7 +174,7 @@ class DrafterModule(L.LightningModule):
         )
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        head_tokens = self.tcfg.get("val_head_tokens")
+        head_tokens = self.tcfg.val_head_tokens
         _, counts = self.step(batch, head_tokens)
         counts = counts.double()
         loss, correct, count = counts[:, 0], counts[:, 1], counts[:, 2]
@@ -200,7 +198,7 @@ class DrafterModule(L.LightningModule):
         for k, acc in enumerate(accuracies.tolist()):
             self.log(f"val/acc_{k}", acc)
         head_line = ""
-        if self.tcfg.get("val_head_tokens"):
+        if self.tcfg.val_head_tokens:
             head = sums[:, 3] / sums[:, 4].clamp(min=1)
             head_tau = float(tau_hat(head.cpu()))
             self.log("val/tau_hat_head", head_tau)
@@ -247,7 +245,7 @@ class DrafterModule(L.LightningModule):
             params,
             weight_decay=self.tcfg.weight_decay,
             betas=tuple(self.tcfg.betas),
-            **adamw_options(self.tcfg.get("adamw", "default"), self.tcfg.lr, self.device),
+            **adamw_options(self.tcfg.adamw, self.tcfg.lr, self.device),
         )
         schedule = warmup_cosine(
             int(self.trainer.estimated_stepping_batches), self.tcfg.warmup_ratio
