@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from eagle3.core.drafter import build_drafter
 from eagle3.core.spec import Spec
 from eagle3.core.target import Target, default_aux_layer_ids
-from eagle3.engine import SpecDecoder, summarize
+from eagle3.engine import DecodeRequest, SpecDecoder, summarize
 
 ENGINE_CONF = Path(__file__).resolve().parents[1] / "conf" / "engine" / "default.yaml"
 
@@ -161,10 +161,12 @@ def bench(target, drafter, spec: Spec, prompts, args) -> dict:
 def timed_generate(decoder, prompts, max_new_tokens: int, stop_ids, warmup_tokens: int = 16):
     """Warm up on the first prompt (allocator, kernels), then decode every prompt once, one after
     another: (the GenerationResults, wall seconds of the timed pass)."""
-    decoder.generate(prompts[0], warmup_tokens, stop_ids=stop_ids)
+    decoder.generate(DecodeRequest(prompts[0], warmup_tokens, stop_ids=stop_ids))
     sync()
     started = time.perf_counter()
-    results = [decoder.generate(p, max_new_tokens, stop_ids=stop_ids) for p in prompts]
+    results = [
+        decoder.generate(DecodeRequest(p, max_new_tokens, stop_ids=stop_ids)) for p in prompts
+    ]
     sync()
     return results, time.perf_counter() - started
 
@@ -174,7 +176,7 @@ def profile(decoder, prompt, stop, label: str, args) -> None:
     from torch.profiler import ProfilerActivity
 
     with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        decoder.generate(prompt, 32, stop_ids=stop)
+        decoder.generate(DecodeRequest(prompt, 32, stop_ids=stop))
         sync()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     if args.json:

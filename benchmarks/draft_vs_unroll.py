@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 from bench_engine import load, load_drafter, parse_spec, read_suite
 
-from eagle3.engine import SpecDecoder
+from eagle3.engine import DecodeRequest, SpecDecoder
 from eagle3.engine.fused import FusedGreedy
 from eagle3.train.ttt import unroll
 
@@ -98,7 +98,9 @@ def main() -> None:
         }
         for prompt in read_suite(Path(suite), target.tokenizer, args.prompts):
             chains.clear()
-            answer = decoder.generate(prompt, args.max_new_tokens, stop_ids=[eos]).tokens
+            answer = decoder.generate(
+                DecodeRequest(prompt, args.max_new_tokens, stop_ids=[eos])
+            ).tokens
             compare(target, drafter, prompt, answer, chains, counts)
         rows.append({"suite": Path(suite).stem, **counts})
         print(Path(suite).stem)

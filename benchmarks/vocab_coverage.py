@@ -24,7 +24,7 @@ from bench_engine import load, load_drafter, read_suite, strip_eos
 from eagle3.core.spec import OFF
 from eagle3.data.app import load_splits
 from eagle3.data.vocab import build_vocab_map
-from eagle3.engine import SpecDecoder
+from eagle3.engine import DecodeRequest, SpecDecoder
 
 
 def main() -> None:
@@ -65,7 +65,8 @@ def main() -> None:
         answers = []
         for prompt in read_suite(Path(suite), target.tokenizer, args.prompts):
             answers += strip_eos(
-                decoder.generate(prompt, args.max_new_tokens, stop_ids=[eos]).tokens, eos
+                decoder.generate(DecodeRequest(prompt, args.max_new_tokens, stop_ids=[eos])).tokens,
+                eos,
             )
         outside = {
             name: sum(t not in vocab for t in answers) / len(answers)

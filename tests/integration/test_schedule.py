@@ -20,6 +20,7 @@ from support import server_cfg
 from eagle3.bench.concurrency import write_load_summary
 from eagle3.core.common import Eagle3Error
 from eagle3.core.spec import OFF, Spec
+from eagle3.engine import DecodeRequest
 from eagle3.engine.batch import BatchDecoder
 from eagle3.engine.schedule import Schedule, read_schedule, resolve_schedule_path
 from eagle3.engine.service import Generation, build_service
@@ -85,7 +86,7 @@ def test_shapes_follow_the_schedule_and_lose_nothing(
     step = 0
     while step <= max(arrivals) or decoder.busy:
         for index in arrivals.get(step, []):
-            requests[index] = decoder.add(references[index][0], budgets[index])
+            requests[index] = decoder.add(DecodeRequest(references[index][0], budgets[index]))
         rows_before, shapes_before = Counter(decoder.rows_per_step), Counter(decoder.shape_steps)
         decoder.step()
         rows = list((decoder.rows_per_step - rows_before).elements())
@@ -184,7 +185,7 @@ def test_deterministic_outputs_do_not_depend_on_batch_or_shape(
     for name in ("off", "d6", "d8s4k3"):
         for batch in (1, 4, 16):
             decoder = BatchDecoder(target, drafter, spec(name), batch, deterministic=True)
-            requests = [decoder.add(p, 12) for p in prompts]
+            requests = [decoder.add(DecodeRequest(p, 12)) for p in prompts]
             outputs[name, batch] = [r.tokens for r in decoder.generate_all(requests)]
             assert max(decoder.rows_per_step) == batch
     first = outputs["off", 1]

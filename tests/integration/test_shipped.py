@@ -92,7 +92,7 @@ def test_shipped_drafter_drafts_smollm2_losslessly_on_prompts_it_never_saw(
     from eagle3.bench.app import tokenize_prompts
     from eagle3.core.spec import resolve_spec
     from eagle3.data.suites import load_suite
-    from eagle3.engine import SpecDecoder, summarize
+    from eagle3.engine import DecodeRequest, SpecDecoder, summarize
     from eagle3.engine.service import load_engine_drafter
 
     out = unpack(shipped_asset(), tmp_path / "shipped")
@@ -112,7 +112,7 @@ def test_shipped_drafter_drafts_smollm2_losslessly_on_prompts_it_never_saw(
     decoder = SpecDecoder(smollm2, drafter, spec)
     stats = []
     for prompt in tokenize_prompts(smollm2.tokenizer, load_suite(cfg.bench)):
-        result = decoder.generate(prompt, 48)
+        result = decoder.generate(DecodeRequest(prompt, 48))
         assert result.tokens == reference_greedy(smollm2.model, prompt, 48)
         stats.append(result.stats)
     assert summarize(stats)["tau"] > 2.0

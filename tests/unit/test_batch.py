@@ -13,7 +13,7 @@ import torch
 from engine_helpers import FALSE_ALARM, PROMPTS, chi_square_p_value, reference_greedy, spec
 
 from eagle3.core.common import Eagle3Error
-from eagle3.engine import SpecDecoder
+from eagle3.engine import DecodeRequest, SpecDecoder
 from eagle3.engine.batch import BatchDecoder
 
 NEW_TOKENS = 40
@@ -58,12 +58,12 @@ def test_batched_greedy_equals_each_prompt_alone(tiny_target, fitted, references
         graph_batch_sizes=(),
         static_shapes=static,
     )
-    requests = [decoder.add(prompt, NEW_TOKENS) for prompt, _ in references]
+    requests = [decoder.add(DecodeRequest(prompt, NEW_TOKENS)) for prompt, _ in references]
     results = decoder.generate_all(requests)
     single = SpecDecoder(tiny_target, fitted, spec(name), fused=False)
     for (prompt, expected), result in zip(references, results):
         assert result.tokens == expected and result.finish_reason == "length"
-        alone = single.generate(prompt, NEW_TOKENS)
+        alone = single.generate(DecodeRequest(prompt, NEW_TOKENS))
         assert result.stats.accepted_per_step == alone.stats.accepted_per_step
     assert decoder.steps < sum(r.stats.verify_steps for r in results)  # steps were shared
     assert not decoder.busy and not decoder.rows
@@ -96,10 +96,12 @@ def test_staggered_arrivals_stops_and_a_cancel(tiny_target, fitted, references, 
         for index in arrivals.get(step, []):
             prompt, _ = references[index]
             requests[index] = decoder.add(
-                prompt,
-                NEW_TOKENS,
-                stop_ids={stops[index]} if index in stops else (),
-                on_tokens=listener(index),
+                DecodeRequest(
+                    prompt,
+                    NEW_TOKENS,
+                    stop_ids={stops[index]} if index in stops else (),
+                    on_tokens=listener(index),
+                )
             )
         decoder.step()
         step += 1
@@ -133,12 +135,12 @@ def test_context_end_and_budget(tiny_target, fitted, references):
         static_shapes=True,
         graph_batch_sizes=(1,),
     )
-    short, long = decoder.add(prompt, 5), decoder.add(prompt, 100)
+    short, long = decoder.add(DecodeRequest(prompt, 5)), decoder.add(DecodeRequest(prompt, 100))
     decoder.generate_all([short, long])
     assert short.result.tokens == expected[:5]
     assert long.result.tokens == expected[:12] and long.result.finish_reason == "length"
     with pytest.raises(Eagle3Error, match="prompt has"):
-        decoder.add(list(range(1, max_context + 1)), 4)
+        decoder.add(DecodeRequest(list(range(1, max_context + 1)), 4))
 
 
 @pytest.mark.parametrize("name", ["d3", "tree"])
@@ -149,7 +151,9 @@ def test_batched_sampling_preserves_the_sequence_distribution(six_token_case, na
     target, drafter, prompt = case.target, case.drafter, case.prompt
     temperature, length, exact = case.temperature, case.length, case.exact
     decoder = BatchDecoder(target, drafter, spec(name), max_batch_size=8, seed=1)
-    requests = [decoder.add(prompt, length, temperature=temperature) for _ in range(draws)]
+    requests = [
+        decoder.add(DecodeRequest(prompt, length, temperature=temperature)) for _ in range(draws)
+    ]
     decoder.generate_all(requests)
     counts = torch.zeros(6**length, dtype=torch.float64)
     for request in requests:

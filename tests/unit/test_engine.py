@@ -9,7 +9,14 @@ from engine_helpers import FALSE_ALARM, PROMPTS, chi_square_p_value, reference_g
 
 from eagle3.core.common import Eagle3Error
 from eagle3.core.drafter import build_drafter
-from eagle3.engine import ContextOverflow, RequestStats, SpecDecoder, measure_acceptance, summarize
+from eagle3.engine import (
+    ContextOverflow,
+    DecodeRequest,
+    RequestStats,
+    SpecDecoder,
+    measure_acceptance,
+    summarize,
+)
 from eagle3.engine.sampling import sampled_path
 
 NEW_TOKENS = 40
@@ -44,7 +51,7 @@ def references(tiny_target):
 def test_greedy_is_lossless_untrained_drafter(tiny_target, untrained, references, name):
     decoder = SpecDecoder(tiny_target, untrained, spec(name))
     for prompt, expected in references:
-        result = decoder.generate(prompt, NEW_TOKENS)
+        result = decoder.generate(DecodeRequest(prompt, NEW_TOKENS))
         assert result.tokens == expected
         assert result.finish_reason == "length" and result.stats.completion_tokens == NEW_TOKENS
 
@@ -56,7 +63,7 @@ def test_greedy_is_lossless_fitted_drafter(tiny_target, fitted, references, name
     decoder = SpecDecoder(tiny_target, fitted, spec(name))
     accepted = []
     for prompt, expected in references:
-        result = decoder.generate(prompt, NEW_TOKENS)
+        result = decoder.generate(DecodeRequest(prompt, NEW_TOKENS))
         assert result.tokens == expected
         accepted += result.stats.accepted_per_step
     assert max(accepted) >= min(2, spec(name).depth - 1) and sum(accepted) > len(accepted) // 2
@@ -72,7 +79,10 @@ def test_fused_steps_match_step_by_step(tiny_target, fitted, references, name):
     )
     assert fused.fused is not None and plain.fused is None
     for prompt, expected in references:
-        a, b = fused.generate(prompt, NEW_TOKENS), plain.generate(prompt, NEW_TOKENS)
+        a, b = (
+            fused.generate(DecodeRequest(prompt, NEW_TOKENS)),
+            plain.generate(DecodeRequest(prompt, NEW_TOKENS)),
+        )
         assert a.tokens == b.tokens == expected
         assert a.stats.accepted_per_step == b.stats.accepted_per_step
         assert a.stats.verify_steps == b.stats.verify_steps and a.stats.draft_time_s > 0
@@ -101,9 +111,9 @@ def test_overlapped_steps_commit_the_same_and_waste_at_most_one(
     overlapped = SpecDecoder(tiny_target, fitted, spec(name))
     serial = SpecDecoder(tiny_target, fitted, spec(name), overlap_steps=False)
     for prompt, expected in references:
-        b = serial.generate(prompt, NEW_TOKENS)
+        b = serial.generate(DecodeRequest(prompt, NEW_TOKENS))
         launched.clear(), from_host.clear()
-        a = overlapped.generate(prompt, NEW_TOKENS)
+        a = overlapped.generate(DecodeRequest(prompt, NEW_TOKENS))
         assert (
             a.tokens == b.tokens == expected
             and a.stats.accepted_per_step == b.stats.accepted_per_step
@@ -113,11 +123,13 @@ def test_overlapped_steps_commit_the_same_and_waste_at_most_one(
         )  # the rest ran ahead
         launched.clear()
         stop = expected[NEW_TOKENS // 2]
-        a = overlapped.generate(prompt, NEW_TOKENS, stop_ids=[stop])
+        a = overlapped.generate(DecodeRequest(prompt, NEW_TOKENS, stop_ids=[stop]))
         assert a.tokens == expected[: expected.index(stop) + 1]
         assert a.stats.verify_steps <= len(launched) <= a.stats.verify_steps + 1
     short = SpecDecoder(tiny_target, fitted, spec(name), max_context=len(references[0][0]) + 12)
-    assert short.generate(references[0][0], NEW_TOKENS).tokens == references[0][1][:12]
+    assert (
+        short.generate(DecodeRequest(references[0][0], NEW_TOKENS)).tokens == references[0][1][:12]
+    )
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -152,7 +164,7 @@ def test_every_chain_draft_is_the_unrolls_step(tiny_target, fitted, references, 
     checked, drafted_steps = [0] * decoder.spec.steps, 0
     for prompt, expected in references:
         chains.clear()
-        assert decoder.generate(prompt, NEW_TOKENS).tokens == expected
+        assert decoder.generate(DecodeRequest(prompt, NEW_TOKENS)).tokens == expected
         sequence = prompt + expected
         aux, _ = tiny_target.capture(torch.tensor([sequence]))
         with torch.no_grad():
@@ -177,7 +189,10 @@ def test_lean_forward_off_gives_the_same_tokens(tiny_target, fitted, references,
     plain = SpecDecoder(tiny_target, fitted, spec("d8s4k3"), fused=fused, lean=False)
     assert lean.target_run.lean is not None and plain.target_run.lean is None
     for prompt, expected in references:
-        a, b = lean.generate(prompt, NEW_TOKENS), plain.generate(prompt, NEW_TOKENS)
+        a, b = (
+            lean.generate(DecodeRequest(prompt, NEW_TOKENS)),
+            plain.generate(DecodeRequest(prompt, NEW_TOKENS)),
+        )
         assert a.tokens == b.tokens == expected
         assert a.stats.accepted_per_step == b.stats.accepted_per_step
 
@@ -209,7 +224,8 @@ def test_prefill_attention_leaves_cudnn_out(
     before = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(True)  # torch's default, whatever earlier tests left
     try:
-        result = decoder.generate(prompt, 1)  # the prefill's root token only: no verify step
+        # the prefill's root token only: no verify step
+        result = decoder.generate(DecodeRequest(prompt, 1))
         assert torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
@@ -228,7 +244,10 @@ def test_padded_prefill_commits_the_same(tiny_target, fitted, references, fused)
     padded.prefill_widths = [64]
     for prompt, expected in references:
         assert len(prompt) < 64
-        a, b = padded.generate(prompt, NEW_TOKENS), plain.generate(prompt, NEW_TOKENS)
+        a, b = (
+            padded.generate(DecodeRequest(prompt, NEW_TOKENS)),
+            plain.generate(DecodeRequest(prompt, NEW_TOKENS)),
+        )
         assert a.tokens == b.tokens == expected
         assert a.stats.accepted_per_step == b.stats.accepted_per_step
 
@@ -242,7 +261,7 @@ def test_fused_steps_across_cache_widths(tiny_target, fitted):
             SpecDecoder(tiny_target, fitted, spec(name)),
             SpecDecoder(tiny_target, fitted, spec(name), fused=False),
         )
-        a, b = fused.generate(prompt, 30), plain.generate(prompt, 30)
+        a, b = fused.generate(DecodeRequest(prompt, 30)), plain.generate(DecodeRequest(prompt, 30))
         assert a.tokens == b.tokens and a.stats.accepted_per_step == b.stats.accepted_per_step
         assert fused.fused.widths[:2] == [256, 512] and fused.fused.width == 512
 
@@ -263,7 +282,10 @@ def test_compiled_draft_phases_commit_the_same(tiny_target, fitted, references):
         compiled = SpecDecoder(tiny_target, fitted, spec(name), compile_draft=True)
         eager = SpecDecoder(tiny_target, fitted, spec(name))
         for prompt, expected in prompts:
-            a, b = compiled.generate(prompt, 30), eager.generate(prompt, 30)
+            a, b = (
+                compiled.generate(DecodeRequest(prompt, 30)),
+                eager.generate(DecodeRequest(prompt, 30)),
+            )
             assert a.tokens == b.tokens and a.stats.accepted_per_step == b.stats.accepted_per_step
             assert expected is None or a.tokens == expected[:30]
         assert compiled.fused.width == (512 if graphs == 4 else 256)
@@ -302,7 +324,7 @@ def test_fused_phases_are_graph_safe(tiny_target, untrained, references, name):
 
     decoder = SpecDecoder(tiny_target, untrained, spec(name))
     prompt, _ = references[0]
-    decoder.generate(prompt, 3)
+    decoder.generate(DecodeRequest(prompt, 3))
     fused = decoder.fused
     fused.root.fill_(prompt[-1])
     fused.position.fill_(len(prompt))
@@ -334,7 +356,10 @@ def test_full_tree_accepts_at_least_the_chain(tiny_target, fitted, references):
         SpecDecoder(tiny_target, fitted, spec("all_s4k3")),
     )
     for prompt, expected in references:
-        a, b = chain.generate(prompt, NEW_TOKENS), tree.generate(prompt, NEW_TOKENS)
+        a, b = (
+            chain.generate(DecodeRequest(prompt, NEW_TOKENS)),
+            tree.generate(DecodeRequest(prompt, NEW_TOKENS)),
+        )
         assert a.tokens == b.tokens == expected
         assert b.stats.verify_steps <= a.stats.verify_steps
 
@@ -344,11 +369,11 @@ def test_stop_ids_and_on_tokens(tiny_target, fitted, references):
     decoder = SpecDecoder(tiny_target, fitted, spec("d6"))
     stop = expected[7]
     first = expected.index(stop)
-    result = decoder.generate(prompt, NEW_TOKENS, stop_ids=[stop])
+    result = decoder.generate(DecodeRequest(prompt, NEW_TOKENS, stop_ids=[stop]))
     assert result.tokens == expected[: first + 1] and result.finish_reason == "stop"
     seen = []
     result = decoder.generate(
-        prompt, NEW_TOKENS, on_tokens=lambda new: seen.extend(new) or len(seen) >= 10
+        DecodeRequest(prompt, NEW_TOKENS, on_tokens=lambda new: seen.extend(new) or len(seen) >= 10)
     )
     assert (
         result.finish_reason == "stop"
@@ -356,7 +381,9 @@ def test_stop_ids_and_on_tokens(tiny_target, fitted, references):
         and len(seen) >= 10
     )
     seen = []  # a step that commits past max_new_tokens: on_tokens sees only what the result keeps
-    result = decoder.generate(prompt, 10, on_tokens=lambda new: seen.extend(new) or False)
+    result = decoder.generate(
+        DecodeRequest(prompt, 10, on_tokens=lambda new: seen.extend(new) or False)
+    )
     assert (
         1 + sum(a + 1 for a in result.stats.accepted_per_step) > 10
         and seen == result.tokens == expected[:10]
@@ -369,7 +396,9 @@ def test_request_generator_reproduces_and_leaves_the_running_one(tiny_target, fi
     state = decoder.generator.get_state()
     draw = lambda seed: (
         decoder.generate(
-            prompt, 12, temperature=1.0, generator=torch.Generator().manual_seed(seed)
+            DecodeRequest(
+                prompt, 12, temperature=1.0, generator=torch.Generator().manual_seed(seed)
+            )
         ).tokens
     )
     assert draw(5) == draw(5) != draw(6)
@@ -379,14 +408,13 @@ def test_request_generator_reproduces_and_leaves_the_running_one(tiny_target, fi
 def test_context_limits(tiny_target, fitted, references):
     prompt, expected = references[0]
     decoder = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), max_context=len(prompt) + 12)
-    result = decoder.generate(
-        prompt, NEW_TOKENS
-    )  # the tree no longer fits near the end: plain steps
+    # the tree no longer fits near the end: plain steps
+    result = decoder.generate(DecodeRequest(prompt, NEW_TOKENS))
     assert result.tokens == expected[:12] and result.finish_reason == "length"
     with pytest.raises(ContextOverflow, match=f"context holds {len(prompt) + 12}"):
-        decoder.generate(list(range(1, len(prompt) + 13)), 4)
+        decoder.generate(DecodeRequest(list(range(1, len(prompt) + 13)), 4))
     with pytest.raises(Eagle3Error, match="empty prompt"):
-        decoder.generate([], 4)
+        decoder.generate(DecodeRequest([], 4))
     with pytest.raises(Eagle3Error, match="needs a drafter"):
         SpecDecoder(tiny_target, None, spec("d6"))
 
@@ -431,7 +459,10 @@ def test_tree_temperature_changes_the_trees_not_the_tokens(tiny_target, fitted, 
         draft = plain.draft
         plain.draft = lambda *args: drafted.append(draft(*args)) or drafted[-1]  # noqa: B023
         for prompt, expected in references:
-            a, b = fused.generate(prompt, NEW_TOKENS), plain.generate(prompt, NEW_TOKENS)
+            a, b = (
+                fused.generate(DecodeRequest(prompt, NEW_TOKENS)),
+                plain.generate(DecodeRequest(prompt, NEW_TOKENS)),
+            )
             assert a.tokens == b.tokens == expected
             assert a.stats.accepted_per_step == b.stats.accepted_per_step
         trees[temperature] = [sorted(zip(t.depths.tolist(), t.tokens.tolist())) for t in drafted]
@@ -455,7 +486,10 @@ def test_draft_attention_explicit_and_sdpa_commit_the_same(tiny_target, fitted, 
     with pytest.raises(Eagle3Error, match="engine.draft_attention='flash'"):
         SpecDecoder(tiny_target, fitted, spec("d10s5k4"), draft_attention="flash")
     for prompt, expected in references:
-        a, b = explicit.generate(prompt, NEW_TOKENS), sdpa.generate(prompt, NEW_TOKENS)
+        a, b = (
+            explicit.generate(DecodeRequest(prompt, NEW_TOKENS)),
+            sdpa.generate(DecodeRequest(prompt, NEW_TOKENS)),
+        )
         assert a.tokens == b.tokens == expected
         assert a.stats.accepted_per_step == b.stats.accepted_per_step
 
@@ -543,7 +577,7 @@ def test_sampling_preserves_the_sequence_distribution(six_token_case, name):
     counts = torch.zeros(6**length, dtype=torch.float64)
     accepted = rejected = 0
     for _ in range(draws):
-        result = decoder.generate(prompt, length, temperature=temperature)
+        result = decoder.generate(DecodeRequest(prompt, length, temperature=temperature))
         a, b = result.tokens
         counts[a * 6 + b] += 1
         accepted += result.stats.accepted_per_step[0] > 0
@@ -559,7 +593,9 @@ def test_top_p_restricts_to_the_nucleus(tiny_target, fitted, references):
         logits = tiny_target.model(torch.tensor([prompt])).logits[0, -1]
     top = int(logits.argmax())
     for _ in range(5):  # top_p tiny: only the most likely token survives
-        assert decoder.generate(prompt, 1, temperature=1.0, top_p=1e-6).tokens == [top]
+        assert decoder.generate(DecodeRequest(prompt, 1, temperature=1.0, top_p=1e-6)).tokens == [
+            top
+        ]
 
 
 # ---------------------------------------------------------------- SmolLM2
@@ -584,7 +620,7 @@ def test_smollm2_greedy_is_lossless_untrained_drafter(smollm2, name):
         expected = reference_greedy(
             smollm2.model, prompt, 24
         )  # (generate's min_new_tokens would mask EOS)
-        assert decoder.generate(prompt, 24).tokens == expected
+        assert decoder.generate(DecodeRequest(prompt, 24)).tokens == expected
 
 
 @pytest.mark.slow
@@ -604,7 +640,7 @@ def test_smollm2_greedy_is_lossless_trained_drafter(
     stats = []
     for prompt in agree_prompts(smollm2, cfg)[:3]:
         expected = reference_greedy(smollm2.model, prompt, 24)
-        result = decoder.generate(prompt, 24)
+        result = decoder.generate(DecodeRequest(prompt, 24))
         assert result.tokens == expected
         stats.append(result.stats)
     assert summarize(stats)["tau"] > 1.2

@@ -95,7 +95,7 @@ def test_compiled_layers_match_hf_and_decode_the_same(tiny_target):
     from torch._dynamo.utils import counters
 
     from eagle3.core.common import compose
-    from eagle3.engine import SpecDecoder
+    from eagle3.engine import DecodeRequest, SpecDecoder
 
     counters.clear()
     prefill_then_verify(tiny_target, lambda needed: CACHE, compiled=True)
@@ -105,7 +105,7 @@ def test_compiled_layers_match_hf_and_decode_the_same(tiny_target):
     assert decoder.target_run.compile_layers and decoder.fused is not None
     for text in PROMPTS[:2]:
         prompt = tiny_target.tokenizer(text)["input_ids"]
-        assert decoder.generate(prompt, 24).tokens == reference_greedy(
+        assert decoder.generate(DecodeRequest(prompt, 24)).tokens == reference_greedy(
             tiny_target.model, prompt, 24
         )
     # enter_layer and leave_layer, each compiled once for q = 8 (the prefill stays eager)

@@ -3,11 +3,18 @@ continuous batching and acceptance measurement (its HTTP front is `eagle3.serve.
 
 May import: core."""
 
-from eagle3.engine.decoder import ContextOverflow, GenerationResult, RequestStats, SpecDecoder
+from eagle3.engine.decoder import (
+    ContextOverflow,
+    DecodeRequest,
+    GenerationResult,
+    RequestStats,
+    SpecDecoder,
+)
 from eagle3.engine.evaluate import measure_acceptance, summarize
 
 __all__ = [
     "ContextOverflow",
+    "DecodeRequest",
     "GenerationResult",
     "RequestStats",
     "SpecDecoder",

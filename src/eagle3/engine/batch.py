@@ -24,7 +24,6 @@ import dataclasses
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,7 +45,7 @@ from eagle3.engine.batched import (
     target_forward,
     tree_mask,
 )
-from eagle3.engine.decoder import GenerationResult, RequestStats, check_prompt
+from eagle3.engine.decoder import DecodeRequest, GenerationResult, RequestStats, check_prompt
 from eagle3.engine.kv import SlotKV
 from eagle3.engine.llama import LeanDrafter, LeanLlama
 from eagle3.engine.runners import eager_attention
@@ -59,11 +58,9 @@ from eagle3.engine.tree import top_children
 class BatchRequest:
     """One request's decoding state while it waits, runs and after it finishes."""
 
-    prompt: list[int]
-    budget: int
+    asked: DecodeRequest  # what the caller asked for
+    budget: int  # tokens it may add (asked.max_new_tokens, less where the context ends first)
     sampling: Sampling
-    stop_ids: set
-    on_tokens: Callable[[list[int]], bool] | None
     stats: RequestStats
     started: float = field(default_factory=time.perf_counter)
     out: list[int] = field(default_factory=list)
@@ -83,7 +80,7 @@ class BatchRequest:
         """The tokens in the target's cache when the request joins a batch: its prompt, and when it
         decoded elsewhere first (engine/scheduler.py's batch-1 path), what it committed there but
         its last token (the next step's root)."""
-        return self.prompt + self.out[:-1]
+        return self.asked.prompt_ids + self.out[:-1]
 
     def cancel(self) -> None:
         """Leave at the next step boundary (finish_reason "abort"); safe from any thread."""
@@ -196,27 +193,16 @@ class BatchDecoder:
     def check_prompt(self, prompt_ids: list[int]) -> None:
         check_prompt(prompt_ids, self.max_context)
 
-    def add(
-        self,
-        prompt_ids: list[int],
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop_ids=(),
-        on_tokens: Callable[[list[int]], bool] | None = None,
-        generator: torch.Generator | None = None,
-    ) -> BatchRequest:
-        """Queue a request; it joins the batch at the next step. on_tokens and generator as
-        SpecDecoder.generate's (called on the stepping thread)."""
-        self.check_prompt(prompt_ids)
+    def add(self, asked: DecodeRequest) -> BatchRequest:
+        """Queue a request; it joins the batch at the next step (its on_tokens is called on the
+        stepping thread)."""
+        self.check_prompt(asked.prompt_ids)
         request = BatchRequest(
-            prompt=list(prompt_ids),
-            budget=min(max_new_tokens, self.max_context - len(prompt_ids)),
-            sampling=Sampling(temperature, top_p, generator or self.generator),
-            stop_ids=set(stop_ids),
-            on_tokens=on_tokens,
+            asked=asked,
+            budget=asked.budget(self.max_context),
+            sampling=asked.sampling(self.generator),
             stats=RequestStats(
-                prompt_tokens=len(prompt_ids),
+                prompt_tokens=len(asked.prompt_ids),
                 draft_tokens_per_step=max(s.depth for s in self.schedule.shapes) - 1,
                 draft_tokens=0,
             ),
@@ -307,7 +293,7 @@ class BatchDecoder:
         stats.total_time_s = time.perf_counter() - request.started
         tokens = request.out[: request.budget]
         for i, token in enumerate(tokens):
-            if token in request.stop_ids:
+            if token in request.asked.stop_ids:
                 tokens = tokens[: i + 1]
                 break
         stats.completion_tokens = len(tokens)
@@ -317,9 +303,9 @@ class BatchDecoder:
     def _commit(self, request: BatchRequest, new: list[int]) -> None:
         """Append a step's tokens and decide whether the request finishes (SpecDecoder's rules)."""
         request.out += new
-        if any(t in request.stop_ids for t in new):
+        if any(t in request.asked.stop_ids for t in new):
             request.finish = "stop"
-        elif request.on_tokens is not None and self._tell(request, new):
+        elif request.asked.on_tokens is not None and self._tell(request, new):
             request.finish = "stop"
         elif len(request.out) >= request.budget:
             request.finish = "length"
@@ -328,7 +314,9 @@ class BatchDecoder:
     def _tell(request: BatchRequest, new: list[int]) -> bool:
         """on_tokens(the step's tokens within the budget); one that raises ends only its request."""
         try:
-            return bool(request.on_tokens(new[: request.budget - len(request.out) + len(new)]))
+            return bool(
+                request.asked.on_tokens(new[: request.budget - len(request.out) + len(new)])
+            )
         except Exception as error:  # noqa: BLE001 -- the caller's callback, re-raised to the caller
             request.error = error
             return True

@@ -12,7 +12,7 @@ spec=off is the same loop with a root-only tree.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +39,36 @@ def check_prompt(prompt_ids: list[int], max_context: int) -> None:
             f"prompt has {len(prompt_ids)} tokens but the context holds {max_context} "
             f"(prompt + completion); at most {max_context - 1} prompt tokens"
         )
+
+
+@dataclass
+class DecodeRequest:
+    """One request as the decoders take it (SpecDecoder.generate, BatchDecoder.add,
+    BatchScheduler.generate). on_tokens(new) is called after every step with the newly committed
+    tokens (within max_new_tokens); returning True stops (stop strings, streaming). generator:
+    this request's sampling generator (a per-request seed); None draws from the decoder's running
+    one (seeded once, engine.seed)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop_ids: Collection[int] = frozenset()
+    on_tokens: Callable[[list[int]], bool] | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        # copies: a caller that reuses its list or set cannot change a request in flight
+        self.prompt_ids = list(self.prompt_ids)
+        self.stop_ids = frozenset(self.stop_ids)
+
+    def budget(self, max_context: int) -> int:
+        """Tokens this request may add: max_new_tokens, less where the context ends first."""
+        return min(self.max_new_tokens, max_context - len(self.prompt_ids))
+
+    def sampling(self, running: torch.Generator) -> Sampling:
+        """How it chooses tokens; `running`: the decoder's generator, used without its own."""
+        return Sampling(self.temperature, self.top_p, self.generator or running)
 
 
 @dataclass
@@ -182,31 +212,20 @@ class SpecDecoder:
     # ------------------------------------------------------------ public
 
     @torch.inference_mode()
-    def generate(
-        self,
-        prompt_ids: list[int],
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop_ids=(),
-        on_tokens: Callable[[list[int]], bool] | None = None,
-        generator: torch.Generator | None = None,
-    ) -> GenerationResult:
-        """Decode up to max_new_tokens after the prompt. on_tokens(new) is called after every
-        step with the newly committed tokens (within max_new_tokens); returning True stops (stop
-        strings, streaming). generator: this request's sampling generator (a per-request seed);
-        None draws from the decoder's running one (seeded once, engine.seed)."""
+    def generate(self, request: DecodeRequest) -> GenerationResult:
+        """Decode up to request.max_new_tokens after its prompt (DecodeRequest says how)."""
+        prompt_ids = request.prompt_ids
         self.check_prompt(prompt_ids)
         stats = RequestStats(
             prompt_tokens=len(prompt_ids),
             draft_tokens_per_step=self.spec.depth - 1 if self.spec.enabled else 0,
         )
         started = time.perf_counter()
-        budget = min(max_new_tokens, self.max_context - len(prompt_ids))
-        sampling = Sampling(temperature, top_p, generator or self.generator)
+        budget = request.budget(self.max_context)
+        sampling = request.sampling(self.generator)
         root, h_last = self.prefill(prompt_ids, sampling)
         stats.prefill_time_s = time.perf_counter() - started
-        out, stop_ids = [root], set(stop_ids)
+        out, stop_ids, on_tokens = [root], request.stop_ids, request.on_tokens
         finish = self._finished(out, budget, stop_ids, on_tokens, [root])
         position, pending = len(prompt_ids), None
         while finish is None:
@@ -455,7 +474,7 @@ class SpecDecoder:
         return "length" if len(out) >= budget else None
 
     @staticmethod
-    def _truncate(out: list[int], budget: int, stop_ids: set) -> list[int]:
+    def _truncate(out: list[int], budget: int, stop_ids: Collection[int]) -> list[int]:
         out = out[:budget]
         for i, token in enumerate(out):
             if token in stop_ids:

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from eagle3.core.spec import Spec
 from eagle3.core.target import Target
-from eagle3.engine.decoder import RequestStats, SpecDecoder
+from eagle3.engine.decoder import DecodeRequest, RequestStats, SpecDecoder
 
 
 def summarize(stats: list[RequestStats]) -> dict:
@@ -60,5 +60,7 @@ def measure_acceptance(
     stats = []
     for prompt in tqdm(prompts, desc=f"measuring acceptance ({spec.label})", disable=not progress):
         usable = prompt[-(decoder.max_context - 1) :]
-        stats.append(decoder.generate(usable, max_new_tokens, stop_ids=stop_ids).stats)
+        stats.append(
+            decoder.generate(DecodeRequest(usable, max_new_tokens, stop_ids=stop_ids)).stats
+        )
     return summarize(stats)

@@ -9,6 +9,7 @@ its last token the next root), so the two share steps from then on.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -16,11 +17,11 @@ import torch
 
 from eagle3.core.common import log
 from eagle3.engine.batch import BatchDecoder, BatchRequest
-from eagle3.engine.decoder import GenerationResult, SpecDecoder
+from eagle3.engine.decoder import DecodeRequest, GenerationResult, SpecDecoder
 
 
 class BatchScheduler:
-    """Drop-in for SpecDecoder.generate in the server (same arguments), concurrent callers share steps."""
+    """Drop-in for SpecDecoder.generate in the server (a DecodeRequest), concurrent callers share steps."""
 
     concurrent = True  # the server calls generate() from many threads at once
 
@@ -39,19 +40,8 @@ class BatchScheduler:
     def check_prompt(self, prompt_ids: list[int]) -> None:
         self.decoder.check_prompt(prompt_ids)
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop_ids=(),
-        on_tokens=None,
-        generator: torch.Generator | None = None,
-    ) -> GenerationResult:
-        request = self.decoder.add(
-            prompt_ids, max_new_tokens, temperature, top_p, stop_ids, on_tokens, generator
-        )
+    def generate(self, asked: DecodeRequest) -> GenerationResult:
+        request = self.decoder.add(asked)
         with self.wake:
             self.wake.notify()
         request.done.wait()
@@ -82,7 +72,7 @@ class BatchScheduler:
 
         def on_tokens(new: list[int]) -> bool:
             request.out += new
-            if request.on_tokens is not None and BatchDecoder._tell(request, new):
+            if request.asked.on_tokens is not None and BatchDecoder._tell(request, new):
                 own_stop[0] = True
             elif request.cancelled:
                 own_stop[0] = True
@@ -90,17 +80,15 @@ class BatchScheduler:
                 arrival[0] = True
             return own_stop[0] or arrival[0]
 
-        sampling = request.sampling
+        # the batch's budget and generator: handed over to the batch, the request goes on with both
+        alone = dataclasses.replace(
+            request.asked,
+            max_new_tokens=request.budget,
+            on_tokens=on_tokens,
+            generator=request.sampling.generator,
+        )
         try:
-            result = self.single.generate(
-                request.prompt,
-                request.budget,
-                sampling.temperature,
-                sampling.top_p,
-                stop_ids=request.stop_ids,
-                on_tokens=on_tokens,
-                generator=sampling.generator,
-            )
+            result = self.single.generate(alone)
         except Exception as error:  # noqa: BLE001 -- this request fails, the engine keeps serving
             log.exception("batch-1 decode failed")
             request.error, request.finish = error, "abort"

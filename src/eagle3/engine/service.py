@@ -1,6 +1,6 @@
 """The embedded engine without its HTTP front: the decoder (the fused batch-1 SpecDecoder, or a
 BatchScheduler over a BatchDecoder), its tokenizer and cumulative acceptance counters. The server
-(engine/server.py) puts routes in front of it; the bench's in-process mode calls it directly.
+(eagle3.serve.server) puts routes in front of it; the bench's in-process mode calls it directly.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from eagle3.core.drafter_io import attach_target_embedding, check_drafter_for_ta
 from eagle3.core.outputs import resolve_drafter_path
 from eagle3.core.spec import resolve_spec
 from eagle3.core.target import load_target
-from eagle3.engine.decoder import GenerationResult, RequestStats, SpecDecoder
+from eagle3.engine.decoder import DecodeRequest, GenerationResult, RequestStats, SpecDecoder
 
 
 @dataclass
@@ -175,9 +175,6 @@ class EngineService:
     def _generate(self, request: Generation, on_text, cancel: threading.Event) -> Reply:
         stop = request.stop
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        stop_ids = set(request.stop_token_ids or ())
-        if not request.ignore_eos and self.tokenizer.eos_token_id is not None:
-            stop_ids.add(self.tokenizer.eos_token_id)
         produced: list[int] = []
         sent = [""]
 
@@ -198,17 +195,7 @@ class EngineService:
             if self.cancelled(cancel):  # gone while queued: nothing decoded
                 stats = RequestStats(prompt_tokens=len(request.prompt_ids))
                 return Reply([], "abort", GenerationResult([], "abort", stats), 0.0)
-            temperature = request.temperature
-            seed = request.seed
-            result = self.decoder.generate(
-                request.prompt_ids,
-                request.max_new_tokens or self.scfg.default_max_tokens,
-                self.scfg.default_temperature if temperature is None else temperature,
-                request.top_p,
-                stop_ids=stop_ids,
-                on_tokens=on_tokens,
-                generator=torch.Generator().manual_seed(seed) if seed is not None else None,
-            )
+            result = self.decoder.generate(self.decode_request(request, on_tokens))
         with self.lock if not serial else nullcontext():
             self.counters.add(result)
         if self.cancelled(cancel):
@@ -218,6 +205,23 @@ class EngineService:
             on_text(text[len(sent[0]) :])
         return Reply(
             result.tokens, text, result.finish_reason, result, time.perf_counter() - started
+        )
+
+    def decode_request(self, request: Generation, on_tokens) -> DecodeRequest:
+        """What the decoder takes: the server's defaults where the request left them None, the
+        tokenizer's EOS a stop token unless ignore_eos, its own generator where it gave a seed."""
+        stop_ids = set(request.stop_token_ids or ())
+        if not request.ignore_eos and self.tokenizer.eos_token_id is not None:
+            stop_ids.add(self.tokenizer.eos_token_id)
+        temperature, seed = request.temperature, request.seed
+        return DecodeRequest(
+            request.prompt_ids,
+            request.max_new_tokens or self.scfg.default_max_tokens,
+            self.scfg.default_temperature if temperature is None else temperature,
+            request.top_p,
+            stop_ids=stop_ids,
+            on_tokens=on_tokens,
+            generator=torch.Generator().manual_seed(seed) if seed is not None else None,
         )
 
     def decode(self, tokens: list[int]) -> str:

@@ -32,7 +32,7 @@ from eagle3.core.target import load_target
 from eagle3.data import app as data_stage
 from eagle3.data.app import load_splits
 from eagle3.data.suites import load_suite
-from eagle3.engine.decoder import SpecDecoder
+from eagle3.engine.decoder import DecodeRequest, SpecDecoder
 from eagle3.engine.evaluate import summarize
 from eagle3.study.report import (
     compare_plot,
@@ -206,7 +206,7 @@ def engine_tau(cfg: DictConfig, target, train_dir: Path, prompts: dict) -> dict:
     every, taus = [], {}
     for suite, suite_prompts in prompts.items():
         stats = [
-            decoder.generate(ids, cfg.study.max_new_tokens, stop_ids=stop).stats
+            decoder.generate(DecodeRequest(ids, cfg.study.max_new_tokens, stop_ids=stop)).stats
             for ids in suite_prompts
         ]
         taus[suite] = summarize(stats)["tau"]
