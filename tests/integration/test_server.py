@@ -358,6 +358,48 @@ def test_bad_requests_are_400_naming_the_field(server, payload, field):
     assert client.get("/health").status_code == 200
 
 
+@pytest.mark.parametrize(
+    "route, body, message",
+    [
+        (
+            "/generate",
+            lambda vocab, _limit: {
+                "input_ids": [1, 2],
+                "sampling_params": {"stop_token_ids": [vocab]},
+            },
+            lambda vocab, _limit: f"stop_token_ids[0] = {vocab} is not a token id",
+        ),
+        (
+            "/v1/completions",
+            lambda vocab, _limit: {"prompt": [1, vocab], "max_tokens": 2},
+            lambda vocab, _limit: f"input_ids[1] = {vocab} is not a token id",
+        ),
+        (
+            "/v1/chat/completions",
+            lambda _vocab, limit: {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": limit + 1,
+            },
+            lambda _vocab, limit: (
+                f"max_tokens = {limit + 1} exceeds this server's limit of {limit}"
+            ),
+        ),
+    ],
+)
+def test_a_streaming_request_the_engine_refuses_is_400_before_any_event(
+    server, route, body, message
+):
+    """A stream has sent its status line once decoding starts: the engine's refusal must come
+    before, as a 400 with a JSON error, and nothing is decoded or counted."""
+    client, service = server
+    vocab, limit = service.vocab_size, service.scfg.max_tokens_limit
+    before = client.get("/stats").json()["requests"]
+    reply = client.post(route, json={**body(vocab, limit), "stream": True})
+    assert reply.status_code == 400 and reply.headers["content-type"] == "application/json"
+    assert message(vocab, limit) in reply.json()["error"]["message"]
+    assert client.get("/stats").json()["requests"] == before
+
+
 def test_malformed_json_and_chat_fields(server):
     client, _ = server
     reply = client.post(

@@ -25,7 +25,9 @@ import time
 import uuid
 from typing import Annotated
 
-from fastapi import Request
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
 from omegaconf import DictConfig
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -60,6 +62,23 @@ class GenerateRequest(Strict):
     sampling_params: SamplingParams = SamplingParams()
     stream: bool = False
 
+    def generation(self, service: EngineService) -> Generation:
+        """The body as the engine's request: exactly one of text (tokenized) or input_ids."""
+        if (self.text is None) == (self.input_ids is None):
+            raise Eagle3Error("give exactly one of text or input_ids")
+        ids = self.input_ids if self.input_ids is not None else service.encode_text(self.text)
+        sp = self.sampling_params
+        return Generation(
+            ids,
+            sp.max_new_tokens,
+            sp.temperature,
+            sp.top_p,
+            stop=sp.stop,
+            stop_token_ids=sp.stop_token_ids,
+            ignore_eos=sp.ignore_eos,
+            seed=sp.seed,
+        )
+
 
 class OpenAIRequest(Strict):
     """The fields the OpenAI completions and chat bodies share."""
@@ -75,9 +94,27 @@ class OpenAIRequest(Strict):
         False  # an extension SGLang's and vLLM's OpenAI routes accept too (benchmarks send it)
     )
 
+    def generation_of(self, ids: list[int], max_new_tokens: int | None) -> Generation:
+        """The engine's request for the prompt `ids` with these shared fields."""
+        return Generation(
+            ids,
+            max_new_tokens,
+            self.temperature,
+            self.top_p,
+            self.stop,
+            ignore_eos=self.ignore_eos,
+            seed=self.seed,
+        )
+
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[int]
+
+    def generation(self, service: EngineService) -> Generation:
+        """A text prompt tokenized, a list of token ids taken as it is."""
+        prompt = self.prompt
+        ids = prompt if isinstance(prompt, list) else service.encode_text(prompt, "prompt")
+        return self.generation_of(ids, self.max_tokens)
 
 
 class Message(Strict):
@@ -88,6 +125,11 @@ class Message(Strict):
 class ChatRequest(OpenAIRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+
+    def generation(self, service: EngineService) -> Generation:
+        """The messages through the chat template; max_completion_tokens before max_tokens."""
+        ids = service.encode_chat([m.model_dump() for m in self.messages])
+        return self.generation_of(ids, self.max_completion_tokens or self.max_tokens)
 
 
 # ---------------------------------------------------------------- the engine behind the routes
@@ -101,8 +143,6 @@ class Gate:
         self.app, self.service = app, service
 
     async def __call__(self, scope, receive, send):
-        from fastapi.responses import JSONResponse
-
         refusal = None
         if scope["type"] == "http":
             refusal = self.refusal(scope)
@@ -150,35 +190,53 @@ async def answer(request, run, poll_s: float):
         watcher.cancel()
 
 
-def create_app(service: EngineService):
-    from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
-
+def create_app(service: EngineService) -> FastAPI:
     api = FastAPI(title="eagle3 local engine")
     api.add_middleware(Gate, service=service)
-    poll_s = service.scfg.disconnect_poll_s
+    add_error_handlers(api)
+    add_info_routes(api, service)
+    add_generate_route(api, service)
+    add_completions_route(api, service)
+    add_chat_route(api, service)
+    return api
 
-    @api.exception_handler(RequestValidationError)
-    async def bad_request(_request: Request, err: RequestValidationError):
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
-            for e in err.errors()
-        )
-        return JSONResponse(
-            {"error": {"message": f"invalid request: {problems}", "type": "invalid_request"}}, 400
-        )
 
-    @api.exception_handler(Eagle3Error)
-    async def engine_refused(_request: Request, err: Eagle3Error):
-        return JSONResponse({"error": {"message": str(err), "type": "invalid_request"}}, 400)
+# ---------------------------------------------------------------- errors
 
-    @api.exception_handler(Exception)
-    async def engine_failed(_request: Request, err: Exception):
-        log.exception("request failed")
-        message = f"internal error: {type(err).__name__}: {err}"
-        return JSONResponse({"error": {"message": message, "type": "internal"}}, 500)
 
+async def bad_request(_request: Request, err: RequestValidationError) -> JSONResponse:
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
+        for e in err.errors()
+    )
+    return JSONResponse(
+        {"error": {"message": f"invalid request: {problems}", "type": "invalid_request"}}, 400
+    )
+
+
+async def engine_refused(_request: Request, err: Eagle3Error) -> JSONResponse:
+    return JSONResponse({"error": {"message": str(err), "type": "invalid_request"}}, 400)
+
+
+async def engine_failed(_request: Request, err: Exception) -> JSONResponse:
+    log.exception("request failed")
+    message = f"internal error: {type(err).__name__}: {err}"
+    return JSONResponse({"error": {"message": message, "type": "internal"}}, 500)
+
+
+def add_error_handlers(api: FastAPI) -> None:
+    """400 naming the field for a body that fails its schema or a request the engine refuses
+    (Eagle3Error); 500 naming the exception for anything else."""
+    api.add_exception_handler(RequestValidationError, bad_request)
+    api.add_exception_handler(Eagle3Error, engine_refused)
+    api.add_exception_handler(Exception, engine_failed)
+
+
+# ---------------------------------------------------------------- routes
+
+
+def add_info_routes(api: FastAPI, service: EngineService) -> None:
+    """GET /health (with the launch token), /stats (the counters), /v1/models."""
     launch_token = os.environ.get(LAUNCH_TOKEN_ENV)
 
     @api.get("/health")
@@ -196,168 +254,131 @@ def create_app(service: EngineService):
             "data": [{"id": service.model_name, "object": "model", "owned_by": "eagle3"}],
         }
 
+
+def add_generate_route(api: FastAPI, service: EngineService) -> None:
+    """SGLang-native POST /generate: text, output ids and meta_info (its SSE chunks carry the text
+    delta, the last one the ids and meta_info too)."""
+
+    def chunk(delta: str, reply: Reply | None) -> dict:
+        return {
+            "text": delta,
+            **({"meta_info": meta(reply), "output_ids": reply.tokens} if reply else {}),
+        }
+
+    def whole(reply: Reply) -> dict:
+        return {"text": reply.text, "output_ids": reply.tokens, "meta_info": meta(reply)}
+
     @api.post("/generate")
     async def generate(req: GenerateRequest, request: Request):
-        if (req.text is None) == (req.input_ids is None):
-            raise Eagle3Error("give exactly one of text or input_ids")
-        ids = req.input_ids if req.input_ids is not None else service.encode_text(req.text)
-        sp = req.sampling_params
-        service.check_request(ids, sp.max_new_tokens, sp.stop_token_ids)
-        generation = Generation(
-            ids,
-            sp.max_new_tokens,
-            sp.temperature,
-            sp.top_p,
-            stop=sp.stop,
-            stop_token_ids=sp.stop_token_ids,
-            ignore_eos=sp.ignore_eos,
-            seed=sp.seed,
-        )
-        run = lambda on_text=None, cancel=None: service.generate(generation, on_text, cancel)
-        if req.stream:
-            return stream(
-                request,
-                run,
-                lambda delta, reply: {
-                    "text": delta,
-                    **({"meta_info": meta(reply), "output_ids": reply.tokens} if reply else {}),
-                },
-            )
-        reply = await answer(request, run, poll_s)
-        return {"text": reply.text, "output_ids": reply.tokens, "meta_info": meta(reply)}
+        return await respond(service, request, req, chunk, whole)
+
+
+def add_completions_route(api: FastAPI, service: EngineService) -> None:
+    """OpenAI POST /v1/completions."""
+
+    def chunk(delta: str, reply: Reply | None) -> dict:
+        finish = reply.finish_reason if reply else None
+        choice = {"index": 0, "text": delta, "finish_reason": finish}
+        return openai_body("text_completion", service.model_name, [choice])
+
+    def whole(reply: Reply) -> dict:
+        choice = {
+            "index": 0,
+            "text": reply.text,
+            "finish_reason": reply.finish_reason,
+            "logprobs": None,
+        }
+        body = openai_body("text_completion", service.model_name, [choice])
+        return {**body, "usage": usage(reply)}
 
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        ids = (
-            req.prompt
-            if isinstance(req.prompt, list)
-            else service.encode_text(req.prompt, "prompt")
-        )
-        service.check_request(ids, req.max_tokens, ())
-        generation = Generation(
-            ids,
-            req.max_tokens,
-            req.temperature,
-            req.top_p,
-            req.stop,
-            ignore_eos=req.ignore_eos,
-            seed=req.seed,
-        )
-        run = lambda on_text=None, cancel=None: service.generate(generation, on_text, cancel)
-        make = lambda choices: openai_body("text_completion", service.model_name, choices)
-        if req.stream:
-            return stream(
-                request,
-                run,
-                lambda delta, reply: make(
-                    [
-                        {
-                            "index": 0,
-                            "text": delta,
-                            "finish_reason": reply.finish_reason if reply else None,
-                        }
-                    ]
-                ),
-                done=True,
-            )
-        reply = await answer(request, run, poll_s)
-        body = make(
-            [
-                {
-                    "index": 0,
-                    "text": reply.text,
-                    "finish_reason": reply.finish_reason,
-                    "logprobs": None,
-                }
-            ]
-        )
+        return await respond(service, request, req, chunk, whole, done=True)
+
+
+def add_chat_route(api: FastAPI, service: EngineService) -> None:
+    """OpenAI POST /v1/chat/completions."""
+
+    def chunk(delta: str, reply: Reply | None) -> dict:
+        finish = reply.finish_reason if reply else None
+        message = {"role": "assistant", "content": delta} if delta else {}
+        choice = {"index": 0, "delta": message, "finish_reason": finish}
+        return openai_body("chat.completion.chunk", service.model_name, [choice])
+
+    def whole(reply: Reply) -> dict:
+        message = {"role": "assistant", "content": reply.text}
+        choice = {"index": 0, "message": message, "finish_reason": reply.finish_reason}
+        body = openai_body("chat.completion", service.model_name, [choice])
         return {**body, "usage": usage(reply)}
 
     @api.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
-        ids = service.encode_chat([m.model_dump() for m in req.messages])
-        limit = req.max_completion_tokens or req.max_tokens
-        service.check_request(ids, limit, ())
-        generation = Generation(
-            ids,
-            limit,
-            req.temperature,
-            req.top_p,
-            req.stop,
-            ignore_eos=req.ignore_eos,
-            seed=req.seed,
-        )
-        run = lambda on_text=None, cancel=None: service.generate(generation, on_text, cancel)
-        if req.stream:
-            return stream(
-                request,
-                run,
-                lambda delta, reply: openai_body(
-                    "chat.completion.chunk",
-                    service.model_name,
-                    [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": delta} if delta else {},
-                            "finish_reason": reply.finish_reason if reply else None,
-                        }
-                    ],
-                ),
-                done=True,
-            )
-        reply = await answer(request, run, poll_s)
-        body = openai_body(
-            "chat.completion",
-            service.model_name,
-            [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": reply.text},
-                    "finish_reason": reply.finish_reason,
-                }
-            ],
-        )
-        return {**body, "usage": usage(reply)}
+        return await respond(service, request, req, chunk, whole, done=True)
 
-    def stream(request, run, chunk, done: bool = False):
-        """Server-sent events: one chunk per committed step's text, then a final chunk. A client
-        that disconnects (or a closed stream) cancels the generation within one step."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        cancel = threading.Event()
-        put = lambda item: loop.call_soon_threadsafe(events.put_nowait, item)
 
-        def work():
-            try:
-                reply = run(lambda delta: put(("delta", delta)), cancel)
-                put(("end", reply))
-            except Exception as err:  # reported in-band: the status line has been sent
-                put(("error", err))
+# ---------------------------------------------------------------- answering a generation
 
-        threading.Thread(target=work, daemon=True).start()
 
-        async def lines():
-            watcher = asyncio.ensure_future(watch_disconnect(request, cancel, poll_s))
-            try:
-                while True:
-                    kind, value = await events.get()
-                    if kind == "delta":
-                        yield f"data: {json.dumps(chunk(value, None))}\n\n"
-                    elif kind == "end":
-                        yield f"data: {json.dumps(chunk('', value))}\n\n"
-                        break
-                    else:
-                        yield f"data: {json.dumps({'error': {'message': str(value)}})}\n\n"
-                        break
-                if done:
-                    yield "data: [DONE]\n\n"
-            finally:
-                cancel.set()
-                watcher.cancel()
+def admit(
+    service: EngineService, req: GenerateRequest | CompletionRequest | ChatRequest
+) -> Generation:
+    """The body as a Generation, checked before anything is decoded: a stream has sent its status
+    line by the time the engine could refuse it, so a bad request is a 400 only from here."""
+    generation = req.generation(service)
+    service.check_request(
+        generation.prompt_ids, generation.max_new_tokens, generation.stop_token_ids
+    )
+    return generation
 
-        return StreamingResponse(lines(), media_type="text/event-stream")
 
-    return api
+async def respond(service: EngineService, request: Request, req, chunk, whole, done: bool = False):
+    """Decode the body's generation: a server-sent event per chunk(delta, None), then
+    chunk("", reply) (and "[DONE]" when done) for a streaming body; else whole(reply)."""
+    generation = admit(service, req)
+    run = lambda on_text=None, cancel=None: service.generate(generation, on_text, cancel)
+    poll_s = service.scfg.disconnect_poll_s
+    if req.stream:
+        return stream(request, run, chunk, poll_s, done)
+    return whole(await answer(request, run, poll_s))
+
+
+def stream(request, run, chunk, poll_s: float, done: bool = False) -> StreamingResponse:
+    """Server-sent events: one chunk per committed step's text, then a final chunk. A client
+    that disconnects (or a closed stream) cancels the generation within one step."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    cancel = threading.Event()
+    put = lambda item: loop.call_soon_threadsafe(events.put_nowait, item)
+
+    def work():
+        try:
+            reply = run(lambda delta: put(("delta", delta)), cancel)
+            put(("end", reply))
+        except Exception as err:  # reported in-band: the status line has been sent
+            put(("error", err))
+
+    threading.Thread(target=work, daemon=True).start()
+
+    async def lines():
+        watcher = asyncio.ensure_future(watch_disconnect(request, cancel, poll_s))
+        try:
+            while True:
+                kind, value = await events.get()
+                if kind == "delta":
+                    yield f"data: {json.dumps(chunk(value, None))}\n\n"
+                elif kind == "end":
+                    yield f"data: {json.dumps(chunk('', value))}\n\n"
+                    break
+                else:
+                    yield f"data: {json.dumps({'error': {'message': str(value)}})}\n\n"
+                    break
+            if done:
+                yield "data: [DONE]\n\n"
+        finally:
+            cancel.set()
+            watcher.cancel()
+
+    return StreamingResponse(lines(), media_type="text/event-stream")
 
 
 def meta(reply: Reply) -> dict:
