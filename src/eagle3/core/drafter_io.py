@@ -639,6 +639,13 @@ FINAL_WEIGHTS, BEST_WEIGHTS, DRAFTER_CONFIG = (
 )
 
 
+def drafter_weights(checkpoint_path: Path) -> dict[str, torch.Tensor]:
+    """The drafter's trainable tensors (and vocab map) out of a Lightning checkpoint."""
+    state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)["state_dict"]
+    prefix = "drafter."
+    return {k[len(prefix) :]: v.contiguous() for k, v in state.items() if k.startswith(prefix)}
+
+
 def save_drafter_config(drafter: Eagle3Drafter, folder: Path) -> None:
     (folder / DRAFTER_CONFIG).write_text(json.dumps(drafter.config.to_dict(), indent=2))
 

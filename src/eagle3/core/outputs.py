@@ -184,12 +184,15 @@ def train_output(cfg: DictConfig) -> StageOutput:
     return stage_output(cfg.paths.artifacts, "train", sections, upstream_hashes(cfg))
 
 
+# export.* fields that do not change what an export writes: where it is registered, and the
+# checkpoint `python -m eagle3.export.checkpoint` reads.
+HASH_EXCLUDED_EXPORT = ("register", "registry_name", "checkpoint")
+
+
 def export_output(cfg: DictConfig) -> StageOutput:
     """Where the current config's export lives (upstream: the training stage's hash)."""
     sections = {
-        "export": {
-            k: v for k, v in to_plain(cfg.export).items() if k not in ("register", "registry_name")
-        }
+        "export": {k: v for k, v in to_plain(cfg.export).items() if k not in HASH_EXCLUDED_EXPORT}
     }
     return stage_output(cfg.paths.artifacts, "export", sections, {"train": train_output(cfg).hash})
 

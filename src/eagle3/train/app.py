@@ -37,6 +37,7 @@ from eagle3.core.drafter_io import (
     CHECKPOINTS,
     DRAFTER_CONFIG,
     FINAL_WEIGHTS,
+    drafter_weights,
     load_drafter,
     load_trained_drafter,
     save_drafter_config,
@@ -62,16 +63,6 @@ from eagle3.train.distributed import (
     wait_for_rank_zero,
 )
 from eagle3.train.drafter_module import DrafterModule
-
-# ---------------------------------------------------------------- weights
-
-
-def drafter_weights(checkpoint_path: Path) -> dict[str, torch.Tensor]:
-    """The drafter's trainable tensors (and vocab map) out of a Lightning checkpoint."""
-    state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)["state_dict"]
-    prefix = "drafter."
-    return {k[len(prefix) :]: v.contiguous() for k, v in state.items() if k.startswith(prefix)}
-
 
 # ---------------------------------------------------------------- guard rails
 
