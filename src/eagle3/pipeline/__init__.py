@@ -1,3 +1,4 @@
-"""`python -m eagle3.pipeline`: the stages in order, planned before anything runs.
+"""`python -m eagle3.pipeline`: the stages in order, planned before anything runs; the train stage's
+memory per GPU (`python -m eagle3.pipeline.memory`).
 
 May import: every stage package."""

@@ -310,10 +310,18 @@ def drafter_params(cfg: DictConfig, config: dict) -> int:
     )
 
 
+def train_world(cfg: DictConfig) -> int:
+    """Training ranks: trainer.devices (1 when not a count) x trainer.num_nodes."""
+    devices = int(cfg.trainer.devices) if str(cfg.trainer.devices).isdigit() else 1
+    return devices * int(cfg.trainer.num_nodes)
+
+
 def train_gpu(cfg: DictConfig, config: dict, params: int, world: int) -> dict[str, float]:
     """Per GPU: fp32 params, grads and Adam m, v (16 B a parameter; sharded over the ranks under
-    FSDP), DDP's gradient buckets (4 B), the frozen fp32 embedding, the target's head as a buffer
-    plus the fp32 copy the loss makes, and activations per token and TTT step (conf/pipeline)."""
+    FSDP), DDP's gradient buckets (4 B), the frozen fp32 embedding, under FSDP the unit it gathers
+    to compute (the whole drafter, Lightning's default wrapping: bf16 params with the embedding and
+    bf16 grads, 2 + 2 B a parameter), the target's head as a buffer plus the fp32 copy the loss
+    makes, and activations per token and TTT step (conf/pipeline)."""
     settings = plan_settings(cfg)
     vocab, hidden = int(config["vocab_size"]), int(config["hidden_size"])
     draft_hidden = int(cfg.drafter.hidden_size or hidden)
@@ -324,13 +332,17 @@ def train_gpu(cfg: DictConfig, config: dict, params: int, world: int) -> dict[st
         settings.logit_copies * int(cfg.drafter.draft_vocab_size)
         + settings.hidden_copies * draft_hidden
     )
-    return {
+    embedding = vocab * draft_hidden
+    parts = {
         "states": 16 * params / shards / 1e9,
         "DDP buckets": 0.0 if fsdp or world == 1 else 4 * params / 1e9,
-        "frozen embedding": 4 * vocab * draft_hidden / shards / 1e9,
+        "frozen embedding": 4 * embedding / shards / 1e9,
         "target head": (cpu_itemsize(cfg) + 4) * vocab * hidden / 1e9,
         "activations": tokens * per_token / 1e9,
     }
+    if fsdp:
+        parts["gathered unit"] = (2 * (params + embedding) + 2 * params) / 1e9
+    return parts
 
 
 def parts_gb(cfg: DictConfig, config: dict) -> float:
@@ -343,8 +355,7 @@ def parts_gb(cfg: DictConfig, config: dict) -> float:
 def train_plan(cfg: DictConfig, config: dict, weights: float) -> StagePlan:
     from eagle3.train.app import needs_whole_target
 
-    devices = int(cfg.trainer.devices) if str(cfg.trainer.devices).isdigit() else 1
-    world = devices * int(cfg.trainer.num_nodes)
+    world = train_world(cfg)
     params = drafter_params(cfg, config)
     if needs_whole_target(cfg):
         host, what = weights, "the whole model: online states or measured acceptance"
