@@ -41,6 +41,7 @@ from eagle3.data.vocab import load_vocab_map
 from eagle3.train.datamodule import collate
 from eagle3.train.ttt import (
     shift_left,
+    step_metrics,
     step_targets,
     target_distribution,
     tau_hat,
@@ -221,13 +222,14 @@ def main() -> None:
                     )
         if check is None:  # the first batch through the training's own ttt_loss: same counts?
             aux, last = target.capture(batch["input_ids"], batch["attention_mask"])
-            _, metrics = ttt_loss(
+            _, counts = ttt_loss(
                 drafter,
                 {**batch, "aux_hidden": aux, "last_hidden": last},
                 target.model.get_output_embeddings().weight,
                 steps,
                 0.8,
             )
+            metrics = step_metrics(counts)
             mine = (tally - before)[..., :2].sum((1, 2))
             check = all(
                 metrics[f"correct_{k}"] == mine[k, 0] and metrics[f"count_{k}"] == mine[k, 1]

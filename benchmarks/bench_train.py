@@ -149,7 +149,7 @@ def measure(
     from eagle3.core.target import capture_hidden_states
     from eagle3.train.datamodule import padded_length
     from eagle3.train.drafter_module import adamw_options
-    from eagle3.train.ttt import ttt_loss, ttt_loss_on_device
+    from eagle3.train.ttt import step_metrics, ttt_loss
 
     label = path
     if path == "sdpa-gqa":
@@ -190,7 +190,7 @@ def measure(
             if target is not None:  # the online stage's target forward for the hidden states
                 aux, last = capture(batch["input_ids"])
                 batch.update(aux_hidden=aux, last_hidden=last)
-            loss, _ = (ttt_loss_on_device if no_sync else ttt_loss)(
+            loss, counts = ttt_loss(
                 drafter,
                 batch,
                 head,
@@ -200,6 +200,8 @@ def measure(
                 compile_loss=compile_loss,
                 compile_unroll=compile_unroll,
             )
+        if not no_sync:  # the metrics read to the host every step
+            step_metrics(counts)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
         optimizer.step()
@@ -247,7 +249,7 @@ def measure(
 
 def check_flex(config: dict, length: int, ttt: int, device: str, draft_vocab: int) -> dict:
     """sdpa vs flex on the same random inputs (float32): loss and every gradient."""
-    from eagle3.train.ttt import ttt_loss
+    from eagle3.train.ttt import step_metrics, ttt_loss
 
     drafter = make_drafter(config, draft_vocab, device)
     head = torch.randn(config["vocab_size"], config["hidden_size"], device=device) * 0.05
@@ -255,7 +257,8 @@ def check_flex(config: dict, length: int, ttt: int, device: str, draft_vocab: in
     results = {}
     for path in ("sdpa", "flex"):
         drafter.zero_grad()
-        loss, metrics = ttt_loss(drafter, batch, head, ttt, 0.8, attention=path)
+        loss, counts = ttt_loss(drafter, batch, head, ttt, 0.8, attention=path)
+        metrics = step_metrics(counts)
         loss.backward()
         results[path] = (
             loss.detach(),
@@ -323,7 +326,7 @@ def main() -> None:
     parser.add_argument(
         "--no-sync",
         action="store_true",
-        help="the step reads nothing to the host (ttt_loss_on_device, as the train stage's step)",
+        help="the step reads nothing to the host (no step_metrics, as the train stage's step)",
     )
     parser.add_argument(
         "--buckets",

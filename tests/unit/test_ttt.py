@@ -12,6 +12,7 @@ from eagle3.train.ttt import (
     compiled_soft_cross_entropy,
     compiled_unroll,
     soft_cross_entropy,
+    step_metrics,
     tau_hat,
     ttt_loss,
     unroll,
@@ -103,7 +104,8 @@ def test_unroll_equals_chain_drafting(case):
 @torch.no_grad()
 def test_metrics_by_brute_force(case):
     drafter, batch, lm_head = case
-    loss, metrics = ttt_loss(drafter, batch, lm_head, TTT, step_decay=0.8)
+    loss, counts = ttt_loss(drafter, batch, lm_head, TTT, step_decay=0.8)
+    metrics = step_metrics(counts)
     step_logits = unroll(drafter, batch["input_ids"], batch["aux_hidden"], TTT)
     draft_to_target = torch.arange(DRAFT_VOCAB) + drafter.d2t
     ids, mask, last = batch["input_ids"], batch["loss_mask"], batch["last_hidden"]
@@ -147,8 +149,8 @@ def test_head_metrics_by_brute_force(case):
     token outside the draft vocab counted as a miss; tau_hat_head from them."""
     drafter, batch, lm_head = case
     head = 4
-    _, metrics = ttt_loss(drafter, batch, lm_head, TTT, step_decay=0.8, head_tokens=head)
-    _, plain = ttt_loss(drafter, batch, lm_head, TTT, step_decay=0.8)
+    metrics = step_metrics(ttt_loss(drafter, batch, lm_head, TTT, 0.8, head_tokens=head)[1])
+    plain = step_metrics(ttt_loss(drafter, batch, lm_head, TTT, step_decay=0.8)[1])
     assert "tau_hat_head" not in plain and plain["tau_hat"] == metrics["tau_hat"]
     step_logits = unroll(drafter, batch["input_ids"], batch["aux_hidden"], TTT)
     draft_to_target = torch.arange(DRAFT_VOCAB) + drafter.d2t
@@ -186,8 +188,9 @@ def test_flex_matches_sdpa_forward(case):
     """flex_attention has no CPU backward, so on CPU only values are compared; the GPU test
     below compares gradients."""
     drafter, batch, lm_head = case
-    loss_sdpa, metrics_sdpa = ttt_loss(drafter, batch, lm_head, TTT, 0.8, attention="sdpa")
-    loss_flex, metrics_flex = ttt_loss(drafter, batch, lm_head, TTT, 0.8, attention="flex")
+    loss_sdpa, counts_sdpa = ttt_loss(drafter, batch, lm_head, TTT, 0.8, attention="sdpa")
+    loss_flex, counts_flex = ttt_loss(drafter, batch, lm_head, TTT, 0.8, attention="flex")
+    metrics_sdpa, metrics_flex = step_metrics(counts_sdpa), step_metrics(counts_flex)
     torch.testing.assert_close(loss_flex, loss_sdpa, atol=1e-5, rtol=1e-5)
     for key in metrics_sdpa:
         assert metrics_flex[key] == pytest.approx(metrics_sdpa[key], rel=1e-5, abs=1e-6), key
@@ -282,7 +285,8 @@ def test_smollm2_drafter_shapes_and_a_ttt_step(make_cfg, smollm2):
         "aux_hidden": aux,
         "last_hidden": last,
     }
-    loss, metrics = ttt_loss(drafter, batch, lm_head, 7, 0.8)
+    loss, counts = ttt_loss(drafter, batch, lm_head, 7, 0.8)
+    metrics = step_metrics(counts)
     assert torch.isfinite(loss) and metrics["count_0"] > 0 and 1.0 <= metrics["tau_hat"] <= 8.0
 
 

@@ -15,7 +15,7 @@ from eagle3.core.drafter import Eagle3Drafter
 from eagle3.core.drafter_io import CHECKPOINTS
 from eagle3.core.target import CompiledCapture, Target
 from eagle3.engine import measure_acceptance
-from eagle3.train.ttt import tau_hat, tau_hat_on_device, ttt_loss_on_device
+from eagle3.train.ttt import tau_hat, tau_hat_on_device, ttt_loss
 
 
 def warmup_cosine(total_steps: int, warmup_ratio: float):
@@ -106,8 +106,8 @@ class DrafterModule(L.LightningModule):
         return causal[None, None] & attention_mask.bool()[:, None, None, :]
 
     def step(self, batch: dict, head_tokens: int | None = None):
-        """(loss, per-step counts on the device): eagle3.train.ttt.ttt_loss_on_device."""
-        return ttt_loss_on_device(
+        """(loss, per-step counts on the device): eagle3.train.ttt.ttt_loss."""
+        return ttt_loss(
             self.drafter,
             self.with_hidden_states(batch),
             self.lm_head_weight,

@@ -183,7 +183,7 @@ def tau_hat(accuracies: list[float] | torch.Tensor) -> torch.Tensor:
     return 1 + torch.cumprod(acc, dim=0).sum()
 
 
-def ttt_loss_on_device(
+def ttt_loss(
     drafter: Eagle3Drafter,
     batch: dict,
     target_lm_head_weight: torch.Tensor,
@@ -197,9 +197,9 @@ def ttt_loss_on_device(
     """(weighted loss, per-step counts) for one batch of {input_ids, loss_mask, aux_hidden,
     last_hidden}, with no read to the host: counts is a float32 tensor [ttt_length, 3] of (loss_k,
     correct_k, count_k) per step on the batch's device, [ttt_length, 5] with head_tokens (correct_head_k,
-    count_head_k appended; module docstring). compile_loss runs the soft cross-entropy torch.compile'd
-    (see soft_cross_entropy), compile_unroll the unroll of training batches of two or more rows (see
-    compiled_unroll)."""
+    count_head_k appended; module docstring); step_metrics reads them to the host as metrics.
+    compile_loss runs the soft cross-entropy torch.compile'd (see soft_cross_entropy), compile_unroll
+    the unroll of training batches of two or more rows (see compiled_unroll)."""
     cross_entropy = compiled_soft_cross_entropy() if compile_loss else soft_cross_entropy
     # validation (no grad) and a batch of one run eager: each is a guard of the compiled graph, so each
     # would cost a compile of its own (minutes on a GPU, at every start of a resumed run)
@@ -244,38 +244,11 @@ def tau_hat_on_device(correct: torch.Tensor, count: torch.Tensor) -> torch.Tenso
     return 1 + torch.cumprod(accuracies, dim=0).sum()
 
 
-def ttt_loss(
-    drafter: Eagle3Drafter,
-    batch: dict,
-    target_lm_head_weight: torch.Tensor,
-    ttt_length: int,
-    step_decay: float,
-    attention: str = "sdpa",
-    head_tokens: int | None = None,
-    compile_loss: bool = False,
-    compile_unroll: bool = False,
-):
-    """(weighted loss, metrics): ttt_loss_on_device with its counts read to the host once.
-
-    metrics: loss_k, acc_k (floats, per step), correct_k / count_k (counts, for exact
-    aggregation across batches and ranks), tau_hat; with head_tokens also acc_head_k,
-    correct_head_k / count_head_k and tau_hat_head (module docstring)."""
-    total, per_step = ttt_loss_on_device(
-        drafter,
-        batch,
-        target_lm_head_weight,
-        ttt_length,
-        step_decay,
-        attention,
-        head_tokens,
-        compile_loss,
-        compile_unroll,
-    )
-    return total, metrics_from_counts(per_step.tolist(), ttt_length)
-
-
-def metrics_from_counts(per_step: list[list[float]], ttt_length: int) -> dict:
-    """The float metrics of ttt_loss from ttt_loss_on_device's counts, read to the host."""
+def step_metrics(counts: torch.Tensor) -> dict:
+    """ttt_loss's per-step counts read to the host once, as metrics: loss_k, acc_k (floats, per
+    step), correct_k / count_k (counts, for exact aggregation across batches and ranks), tau_hat;
+    with head_tokens also acc_head_k, correct_head_k / count_head_k and tau_hat_head."""
+    per_step, ttt_length = counts.tolist(), counts.shape[0]
     metrics: dict[str, float] = {}
     for k, (loss_k, correct, count, *head_counts) in enumerate(per_step):
         metrics.update(
