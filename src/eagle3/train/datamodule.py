@@ -171,30 +171,25 @@ class DrafterData(L.LightningDataModule):
         self.pending_resume: tuple[int, int] | None = None
 
     def setup(self, stage: str) -> None:
+        self.train_sampler = self.bucket_sampler(self.train_set, shuffle=True)
+        self.val_sampler = self.bucket_sampler(self.val_set, shuffle=False)
+        if self.pending_resume:
+            self.train_sampler.resume(*self.pending_resume)
+
+    def bucket_sampler(self, dataset: Dataset, shuffle: bool) -> BucketBatchSampler:
+        """This rank's length-bucketed batches of `dataset` (train.batch_size, train.bucket_batches)."""
         rank, world = (
             (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         )
-        tcfg = self.tcfg
-        self.train_sampler = BucketBatchSampler(
-            item_lengths(self.train_set),
-            tcfg.batch_size,
-            tcfg.bucket_batches,
+        return BucketBatchSampler(
+            item_lengths(dataset),
+            self.tcfg.batch_size,
+            self.tcfg.bucket_batches,
             self.seed,
-            shuffle=True,
+            shuffle=shuffle,
             rank=rank,
             world=world,
         )
-        self.val_sampler = BucketBatchSampler(
-            item_lengths(self.val_set),
-            tcfg.batch_size,
-            tcfg.bucket_batches,
-            self.seed,
-            shuffle=False,
-            rank=rank,
-            world=world,
-        )
-        if self.pending_resume:
-            self.train_sampler.resume(*self.pending_resume)
 
     def loader(self, dataset, sampler) -> DataLoader:
         return DataLoader(
