@@ -83,6 +83,54 @@ def synthetic_fit(cfg, folder: Path, callbacks=(), target=None, n_train: int = 2
     return fit(cfg, target, data, folder, d2t, t2d, callbacks=callbacks)
 
 
+# ---------------------------------------------------------------- training as separate processes
+
+# The train stage that tests run as real processes (nodes on loopback, srun tasks): tiny-llama on
+# the fixture conversations, hidden states captured online, DDP over gloo on the CPU.
+DDP_STAGE = [
+    "target=tiny-llama",
+    "data=file",
+    f"data.source={FIXTURES / 'conversations.jsonl'}",
+    "data.val_fraction=0.2",
+    "drafter.draft_vocab_size=256",
+    "train.hidden_states=online",
+    "train.ttt_length=2",
+    "train.max_length=64",
+    "train.eval_prompts=0",
+    "trainer.accelerator=cpu",
+    "trainer.strategy=ddp",
+    "trainer.progress_bar=false",
+]
+
+
+def ddp_stage(test_root: Path, artifacts: Path, *overrides: str) -> list[str]:
+    """DDP_STAGE with `overrides`, writing into `artifacts` (a folder of its own: the train output
+    of one config is one folder) beside the shared converted targets."""
+    artifacts.mkdir(parents=True, exist_ok=True)
+    targets = artifacts / "targets"
+    if not targets.exists():
+        (test_root / "artifacts" / "targets").mkdir(parents=True, exist_ok=True)
+        targets.symlink_to(test_root / "artifacts" / "targets")
+    return [f"paths.artifacts={artifacts}", *DDP_STAGE, *overrides]
+
+
+def finish(processes: list, logs: list[Path], timeout_s: float = 600) -> list[tuple[int, str]]:
+    """[(returncode, output)] per process, each writing to its log file (a file, so that a process
+    never blocks on a full pipe); a process still running at the deadline is killed."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for proc in processes:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return [
+        (proc.returncode, log.read_text(errors="replace")) for proc, log in zip(processes, logs)
+    ]
+
+
 # ---------------------------------------------------------------- drafters for export and engines
 
 

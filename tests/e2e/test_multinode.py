@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,30 +15,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import FIXTURES
+from support import ddp_stage, finish
 
 from eagle3.core.common import compose
 from eagle3.core.outputs import train_output
 from eagle3.data import app as data
+from eagle3.serve.launch import free_port
 
 OVERRIDES = [
-    "target=tiny-llama",
-    "data=file",
-    f"data.source={FIXTURES / 'conversations.jsonl'}",
-    "data.val_fraction=0.2",
-    "drafter.draft_vocab_size=256",
-    "train.hidden_states=online",
-    "train.ttt_length=2",
-    "train.max_length=64",
     "train.batch_size=1",  # the 8 training conversations: 4 steps on each of 2 ranks
-    "train.eval_prompts=0",
     "train.lr=3e-3",
     "train.warmup_ratio=0.1",
     "train.epochs=1",
     "train.checkpoint_every_n_steps=2",
-    "trainer.accelerator=cpu",
-    "trainer.strategy=ddp",
-    "trainer.progress_bar=false",
     "tracking.enabled=false",
 ]
 
@@ -62,12 +50,6 @@ app.main()  # the Hydra app: its overrides are this script's arguments
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start(tmp_path: Path, folder: Path, overrides: list[str], env: dict, log: Path, kill_at=-1):
     """One train app process (a node of one rank, or a node of trainer.devices ranks) recording
     losses into `folder`; its output goes to `log` (a file, so a process never blocks on a full
@@ -84,24 +66,10 @@ def start(tmp_path: Path, folder: Path, overrides: list[str], env: dict, log: Pa
     )
 
 
-def finish(processes: list, logs: list[Path], timeout_s: float = 600) -> list:
-    """[(returncode, output)] per process; a process still running at the deadline is killed."""
-    deadline = time.monotonic() + timeout_s
-    for proc in processes:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return [
-        (proc.returncode, log.read_text(errors="replace")) for proc, log in zip(processes, logs)
-    ]
-
-
 def two_nodes(tmp_path: Path, folder: Path, overrides: list[str], kill_at: int = -1) -> list:
     """Both nodes started at once on loopback; [(returncode, output)] per node rank."""
     folder.mkdir(parents=True, exist_ok=True)
-    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1"))}
     logs = [folder / f"node{rank}-{time.monotonic_ns()}.log" for rank in (0, 1)]
     nodes = [
         start(tmp_path, folder, overrides, {**common, "NODE_RANK": str(rank)}, logs[rank], kill_at)
@@ -120,21 +88,16 @@ def losses(folder: Path, rank: int) -> dict[int, float]:
     return found
 
 
-def artifacts_with_data(test_root: Path, tmp_path: Path, name: str) -> tuple[Path, list[str]]:
-    """An artifacts folder of its own (the train output of one config is one folder: each run
-    needs its own) holding the data stage's output; the overrides that point at it."""
-    artifacts = tmp_path / name
-    artifacts.mkdir()
-    (artifacts / "targets").symlink_to(test_root / "artifacts" / "targets")
-    overrides = [f"paths.root={test_root}", f"paths.artifacts={artifacts}", *OVERRIDES]
+def artifacts_with_data(test_root: Path, tmp_path: Path, name: str) -> list[str]:
+    """The overrides of a training in an artifacts folder of its own holding the data stage's output."""
+    overrides = [f"paths.root={test_root}", *ddp_stage(test_root, tmp_path / name, *OVERRIDES)]
     data.run(compose(overrides))
-    return artifacts, overrides
+    return overrides
 
 
 @pytest.mark.slow
 def test_two_nodes_equal_one_node_and_resume_after_a_node_is_killed(test_root, tmp_path):
-    (test_root / "artifacts" / "targets").mkdir(parents=True, exist_ok=True)
-    _, one_node = artifacts_with_data(test_root, tmp_path, "one-node-artifacts")
+    one_node = artifacts_with_data(test_root, tmp_path, "one-node-artifacts")
     one = tmp_path / "one-node"
     one.mkdir()
     log = tmp_path / "one-node.log"
@@ -145,7 +108,7 @@ def test_two_nodes_equal_one_node_and_resume_after_a_node_is_killed(test_root, t
     steps = sorted(expected[0])
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 4, steps
 
-    _, base = artifacts_with_data(test_root, tmp_path, "two-node-artifacts")
+    base = artifacts_with_data(test_root, tmp_path, "two-node-artifacts")
     nodes = tmp_path / "two-nodes"
     overrides = [*base, "trainer.devices=1", "trainer.num_nodes=2"]
     folder = train_output(compose(overrides)).path

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,35 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from support import FIXTURES
+from support import ddp_stage, finish
 
 from eagle3.core.cluster import submission
 from eagle3.core.outputs import train_output
 from eagle3.data import app as data
+from eagle3.serve.launch import free_port
 
-STAGE = [
-    "target=tiny-llama",
-    "data=file",
-    f"data.source={FIXTURES / 'conversations.jsonl'}",
-    "data.val_fraction=0.2",
-    "drafter.draft_vocab_size=256",
-    "train.hidden_states=online",
-    "train.ttt_length=2",
-    "train.max_length=64",
-    "train.batch_size=2",
-    "train.eval_prompts=0",
-    "trainer.accelerator=cpu",
-    "trainer.devices=2",
-    "trainer.strategy=ddp",
-    "trainer.progress_bar=false",
-    "trainer.log_every_n_steps=1",
-]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+STAGE = ["train.batch_size=2", "trainer.devices=2", "trainer.log_every_n_steps=1"]
 
 
 def srun_tasks(argv: list[str], folder: Path, job_id: str) -> tuple[list, list[Path]]:
@@ -61,7 +39,7 @@ def srun_tasks(argv: list[str], folder: Path, job_id: str) -> tuple[list, list[P
         "SLURM_NNODES": "1",
         "SLURM_NODEID": "0",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_PORT": str(free_port("127.0.0.1")),
         "OMP_NUM_THREADS": "1",  # two ranks on two shared cores
         "PYTHONUNBUFFERED": "1",
     }
@@ -78,37 +56,28 @@ def srun_tasks(argv: list[str], folder: Path, job_id: str) -> tuple[list, list[P
     return tasks, logs
 
 
-def wait_all(tasks: list, logs: list[Path], timeout_s: float = 600) -> list[str]:
-    deadline = time.monotonic() + timeout_s
-    for task in tasks:
-        try:
-            task.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            for other in tasks:
-                other.kill()
-            raise
-    outputs = [log.read_text(errors="replace") for log in logs]
-    for task, out in zip(tasks, outputs):
-        assert task.returncode == 0, out[-3000:]
-    return outputs
+def wait_all(tasks: list, logs: list[Path]) -> list[str]:
+    results = finish(tasks, logs)
+    for returncode, out in results:
+        assert returncode == 0, out[-3000:]
+    return [out for _, out in results]
 
 
 def app_argv(cfg_overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "eagle3.train", *cfg_overrides]
 
 
-def prepared(make_cfg, own_artifacts, tmp_path, *overrides: str) -> tuple:
+def prepared(make_cfg, test_root, own_artifacts, tmp_path, *overrides: str) -> tuple:
     """The data stage run here; the overrides the tasks get (the same config)."""
     store = tmp_path / "mlruns" / "mlflow.db"
-    cfg = make_cfg(*STAGE, f"paths.artifacts={own_artifacts}", *overrides)
+    stage = ddp_stage(test_root, own_artifacts, *STAGE, *overrides)
+    cfg = make_cfg(*stage)
     data.run(cfg)
     argv_overrides = [
         f"paths.root={cfg.paths.root}",
         f"tracking.uri=sqlite:///{store}",
         f"tracking.artifact_location={tmp_path}/mlruns/artifacts",
-        *STAGE,
-        f"paths.artifacts={own_artifacts}",
-        *overrides,
+        *stage,
     ]
     return cfg, argv_overrides
 
@@ -133,11 +102,11 @@ def signal_at_step(tasks: list, logs: list[Path], step: int, sig: signal.Signals
 
 @pytest.mark.slow
 def test_srun_tasks_write_once_and_checkpoint_on_the_sbatch_signal(
-    make_cfg, own_artifacts, tmp_path
+    make_cfg, test_root, own_artifacts, tmp_path
 ):
     """Two tasks, 3 epochs of 2 steps; the batch script's signal after step 2."""
     overrides = ["train.epochs=3", "train.checkpoint_every_n_steps=1000"]
-    cfg, argv_overrides = prepared(make_cfg, own_artifacts, tmp_path, *overrides)
+    cfg, argv_overrides = prepared(make_cfg, test_root, own_artifacts, tmp_path, *overrides)
     tasks, logs = srun_tasks(app_argv(argv_overrides), tmp_path, "4242")
     signal_at_step(tasks, logs, 2, sbatch_signal(overrides, tmp_path / "sweep"))
     rank0, rank1 = wait_all(tasks, logs)
