@@ -306,6 +306,7 @@ class ExportConfig:
     speculative_tokens: int = MISSING
     register: bool = MISSING
     registry_name: Optional[str] = None
+    checkpoint: Optional[str] = None
 
 
 # ------------------------------------------------------------------ spec, engine, bench, study
@@ -415,6 +416,13 @@ class PlanConfig:
 
 
 @dataclass
+class MemoryConfig:
+    measure: List[int] = field(default_factory=list)
+    device: str = MISSING
+    json: Optional[str] = None
+
+
+@dataclass
 class PipelineConfig:
     stages: List[str] = MISSING
     bench_sweep: List[str] = MISSING
@@ -424,6 +432,7 @@ class PipelineConfig:
     process_memory_gb: int = MISSING
     launcher: Optional[str] = None
     plan: PlanConfig = field(default_factory=PlanConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 @dataclass

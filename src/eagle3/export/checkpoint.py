@@ -47,7 +47,7 @@ def newest_checkpoint(source: Path) -> Path:
 
 def checkpoint_source(cfg: DictConfig) -> Path:
     """export.checkpoint, else the train folder of the composed config."""
-    chosen = cfg.export.get("checkpoint")
+    chosen = cfg.export.checkpoint
     return Path(str(chosen)).expanduser() if chosen else train_output(cfg).path
 
 
