@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from omegaconf import DictConfig
 
 from eagle3.bench import sweep
 from eagle3.bench.verdict import (
@@ -30,6 +29,7 @@ from eagle3.bench.verdict import (
 )
 from eagle3.core.artifacts import stage_output, to_plain
 from eagle3.core.common import Eagle3Error, app, log
+from eagle3.core.config import BenchConfig, Config
 from eagle3.core.spec import OFF, Spec, resolve_spec
 from eagle3.core.target import (
     folder_text_config,
@@ -94,7 +94,7 @@ def sse_events(response: httpx.Response) -> Iterator[dict]:
                 yield json.loads(data)
 
 
-def generate_payload(ids, bcfg, stream: bool) -> dict:
+def generate_payload(ids, bcfg: BenchConfig, stream: bool) -> dict:
     """SGLang-native /generate (our local server speaks it too)."""
     return {
         "input_ids": ids,
@@ -108,7 +108,7 @@ def generate_payload(ids, bcfg, stream: bool) -> dict:
     }
 
 
-def openai_payload(ids, bcfg, stream: bool, model: str) -> dict:
+def openai_payload(ids, bcfg: BenchConfig, stream: bool, model: str) -> dict:
     payload = {
         "model": model,
         "prompt": ids,
@@ -123,7 +123,7 @@ def openai_payload(ids, bcfg, stream: bool, model: str) -> dict:
     return payload
 
 
-def send(client: httpx.Client, api: str, ids: list[int], bcfg, model: str) -> dict:
+def send(client: httpx.Client, api: str, ids: list[int], bcfg: BenchConfig, model: str) -> dict:
     """One request; returns its timings, output token count and (generate API) verify steps."""
     stream = bool(bcfg.stream)
     url, payload = (
@@ -177,7 +177,12 @@ def _counts(body: dict) -> dict:
 
 
 def run_requests(
-    engine: EngineProcess, requests: list[list[int]], bcfg, timeout_s: float, model: str, desc: str
+    engine: EngineProcess,
+    requests: list[list[int]],
+    bcfg: BenchConfig,
+    timeout_s: float,
+    model: str,
+    desc: str,
 ) -> tuple[list[dict], float]:
     """All requests with bench.batch_size in flight (inprocess.in_flight); (records in prompt
     order, wall seconds). A failed request raises EngineFailed with the engine's log."""
@@ -264,10 +269,10 @@ class Served:
     """An engine process measured through its HTTP API (the in-process engines of
     eagle3.serve.inprocess answer the same calls)."""
 
-    def __init__(self, process: EngineProcess, cfg: DictConfig, target_path):
+    def __init__(self, process: EngineProcess, cfg: Config, target_path):
         self.process, self.scfg, self.model = process, cfg.serve, str(target_path)
 
-    def run(self, requests, bcfg, desc: str) -> tuple[list[dict], float]:
+    def run(self, requests, bcfg: BenchConfig, desc: str) -> tuple[list[dict], float]:
         timeout_s = self.scfg.request_timeout_s
         return run_requests(self.process, requests, bcfg, timeout_s, self.model, desc)
 
@@ -289,14 +294,14 @@ class Served:
         self.process.stop(self.scfg.stop_timeout_s)
 
 
-def open_engine(cfg: DictConfig, spec: Spec, drafter_path, target_path, folder: Path):
+def open_engine(cfg: Config, spec: Spec, drafter_path, target_path, folder: Path):
     """The engine a job measures: a started server, or with serve.inprocess one in this process."""
     if cfg.serve.inprocess:
         return inprocess.engine_for(cfg, spec, drafter_path)
     return Served(start_engine(cfg, spec, drafter_path, target_path, folder), cfg, target_path)
 
 
-def measure_pass(engine, cfg: DictConfig, spec: Spec, requests, desc: str) -> dict:
+def measure_pass(engine, cfg: Config, spec: Spec, requests, desc: str) -> dict:
     """One pass of the suite on a warm engine: its metrics and request records."""
     before = engine.counters()
     records, wall_s = engine.run(requests, cfg.bench, desc)
@@ -307,7 +312,7 @@ def measure_pass(engine, cfg: DictConfig, spec: Spec, requests, desc: str) -> di
 
 
 def measure(
-    cfg: DictConfig,
+    cfg: Config,
     spec: Spec,
     drafter_path,
     target_path,
@@ -347,7 +352,7 @@ def measure(
     return metrics
 
 
-def engine_cfg(cfg: DictConfig, spec: Spec) -> DictConfig:
+def engine_cfg(cfg: Config, spec: Spec) -> Config:
     """The config a job's engine is built from: the job's spec at every step (engine.schedule=auto
     counts as off here, so a shape sweep measures each shape; spec=off never runs a schedule); a
     schedule file given by path applies to the job's engine."""
@@ -367,7 +372,7 @@ def settled(passes: list[dict], against: Spread | None, min_repeats: int) -> boo
 # ---------------------------------------------------------------- the baseline, cached
 
 
-def baseline_output(cfg: DictConfig, scope: str | None = None):
+def baseline_output(cfg: Config, scope: str | None = None):
     """Where the spec=off measurement for this (engine, target, suite, batch size, max tokens)
     lives; `scope` (a sweep folder) keeps each sweep's own measurement apart."""
     serve = {k: v for k, v in to_plain(cfg.serve).items() if k not in BASELINE_IGNORES}
@@ -393,7 +398,7 @@ def baseline_output(cfg: DictConfig, scope: str | None = None):
     return stage_output(cfg.paths.artifacts, "bench_baseline", sections)
 
 
-def earlier_baseline(cfg: DictConfig):
+def earlier_baseline(cfg: Config):
     """The newest complete spec=off measurement of this configuration from any sweep, or None."""
     wanted = json.loads(json.dumps(baseline_output(cfg).config, default=str))
     found = []
@@ -405,7 +410,7 @@ def earlier_baseline(cfg: DictConfig):
     return max(found, key=lambda item: item[0], default=None)
 
 
-def baseline(cfg: DictConfig, target_path, requests, folder: Path, scope: str) -> dict:
+def baseline(cfg: Config, target_path, requests, folder: Path, scope: str) -> dict:
     """spec=off for this job: measured once per sweep (`scope`), or with bench.reuse_baseline the
     newest earlier measurement, whose run id and age the result then carries."""
     if cfg.bench.reuse_baseline:
@@ -449,7 +454,7 @@ def active_run_id() -> str | None:
 # ---------------------------------------------------------------- one job
 
 
-def job_identity(cfg: DictConfig) -> dict:
+def job_identity(cfg: Config) -> dict:
     """What a job varied: shown in the summary even when the job failed before measuring."""
     ident = {
         "engine": cfg.serve.engine,
@@ -471,7 +476,7 @@ def job_identity(cfg: DictConfig) -> dict:
     return ident
 
 
-def check_engine_supports(cfg: DictConfig, target_path: Path | str) -> None:
+def check_engine_supports(cfg: Config, target_path: Path | str) -> None:
     """The embedded engine (serve=local) caches keys and values per head at one width (Llama-style
     attention, engine/kv.py); a target with latent attention is served by SGLang or vLLM."""
     config = folder_text_config(target_path)
@@ -483,7 +488,7 @@ def check_engine_supports(cfg: DictConfig, target_path: Path | str) -> None:
         )
 
 
-def bench_requests(cfg: DictConfig) -> tuple[Path | str, list[list[int]]]:
+def bench_requests(cfg: Config) -> tuple[Path | str, list[list[int]]]:
     """Check the bench settings and prompts before anything heavy: settings, then the prompts
     (before the target is converted), then that each prompt and its completion fit the engine's
     context (before an engine is built) -> (the target's folder, the prompts' token ids)."""
@@ -495,7 +500,7 @@ def bench_requests(cfg: DictConfig) -> tuple[Path | str, list[list[int]]]:
     return target_path, requests
 
 
-def engine_context(cfg: DictConfig, target_path) -> tuple[int | None, str]:
+def engine_context(cfg: Config, target_path) -> tuple[int | None, str]:
     """(tokens one request may hold, prompt + completion; the setting that sets it)."""
     config = Path(str(target_path)) / "config.json"
     positions = (
@@ -509,7 +514,7 @@ def engine_context(cfg: DictConfig, target_path) -> tuple[int | None, str]:
     return positions, "the target's max_position_embeddings"
 
 
-def check_context(cfg: DictConfig, prompts, requests: list[list[int]], target_path) -> None:
+def check_context(cfg: Config, prompts, requests: list[list[int]], target_path) -> None:
     """Every prompt with bench.max_new_tokens after it fits the engine's context (an engine
     would refuse it, or cut its answer short, after it was built and other prompts ran)."""
     context, setting = engine_context(cfg, target_path)
@@ -531,7 +536,7 @@ def check_context(cfg: DictConfig, prompts, requests: list[list[int]], target_pa
         )
 
 
-def job_spec(cfg: DictConfig) -> Spec:
+def job_spec(cfg: Config) -> Spec:
     """The job's spec, refused when impossible or when its engine cannot run it."""
     spec = resolve_spec(cfg.spec)
     check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.max_depth)
@@ -543,7 +548,7 @@ def job_spec(cfg: DictConfig) -> Spec:
     return spec
 
 
-def measure_job(cfg: DictConfig, folder: Path, scope: str | None = None) -> dict:
+def measure_job(cfg: Config, folder: Path, scope: str | None = None) -> dict:
     """Validate, find drafter and prompts, measure (baseline first), compute speedup. The
     baseline is shared by the jobs of one `scope` (a sweep folder; a lone job's own folder)."""
     check_output_settings(cfg)
@@ -582,7 +587,7 @@ def off_spread(base: dict) -> Spread | None:
 # ---------------------------------------------------------------- outputs against spec=off
 
 
-def check_output_settings(cfg: DictConfig) -> None:
+def check_output_settings(cfg: Config) -> None:
     """bench.check_outputs compares greedy outputs, which only /generate answers carry."""
     if not cfg.bench.check_outputs:
         return
@@ -607,7 +612,7 @@ def first_divergence(expected: list[int], got: list[int]) -> int | None:
 
 
 def compare_outputs(
-    prompts: list[list[int]], off: list[list[int]], outputs: list[list[int]], cfg: DictConfig
+    prompts: list[list[int]], off: list[list[int]], outputs: list[list[int]], cfg: Config
 ) -> dict:
     """How many outputs equal spec=off's and, per one that differs, where it first does and the
     target's logit margin there (spec=off's token minus this output's; None past either's end)."""
@@ -639,7 +644,7 @@ def compare_outputs(
     }
 
 
-def target_logits(cfg: DictConfig):
+def target_logits(cfg: Config):
     """ids -> the target's next-token logits (float32) after them: the target loaded here once."""
     import torch
 
@@ -667,7 +672,7 @@ def output_check_line(label: str, check: dict) -> str:
 
 
 def run_job(
-    cfg: DictConfig, folder: Path, parent_run_id: str | None = None, sweep_dir: Path | None = None
+    cfg: Config, folder: Path, parent_run_id: str | None = None, sweep_dir: Path | None = None
 ) -> dict:
     """One job, never raising for an engine or spec failure: the result says ok or failed."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -702,7 +707,7 @@ JOB_PARAMS = ("engine", "spec", "depth", "steps", "topk", "batch_size", "max_new
 NOT_METRICS = frozenset((*JOB_PARAMS, "repeats", "spec_enabled", "baseline_reused", "temperature"))
 
 
-def job_params(cfg: DictConfig, result: dict) -> dict:
+def job_params(cfg: Config, result: dict) -> dict:
     """What a job ran: its shape, load and suite, the target, drafter, hardware, engine version."""
     params = {k: result.get(k) for k in JOB_PARAMS}
     params.update(
@@ -729,7 +734,7 @@ def job_metrics(result: dict) -> dict:
 PROVENANCE = ("hardware", "engine_version", "torch_version", "dtype", "temperature", "git_commit")
 
 
-def provenance(cfg: DictConfig) -> dict:
+def provenance(cfg: Config) -> dict:
     """The machine, engine and its version, torch, dtype, sampling temperature and git commit of a
     measured job. dtype: the target's as configured for the local engine (auto = bfloat16 on a GPU,
     float32 on a CPU), serve.dtype for vLLM and SGLang."""
@@ -778,7 +783,7 @@ def drafter_hash(path) -> str | None:
     return Path(path).name
 
 
-def engine_version(cfg: DictConfig) -> str:
+def engine_version(cfg: Config) -> str:
     """The serving engine's package version (read from its own interpreter for vLLM / SGLang)."""
     import subprocess
 
@@ -810,7 +815,7 @@ def job_value(result: dict) -> float:
     return float(result["tokens_per_s"]) if result.get("status") == "ok" else 0.0
 
 
-def log_job(cfg: DictConfig, result: dict) -> None:
+def log_job(cfg: Config, result: dict) -> None:
     """Settings as params, measurements as metrics (tok/s per pass as steps of tokens_per_s_pass),
     or the failure, on the active child run."""
     import mlflow
@@ -848,7 +853,7 @@ def baseline_of(result: dict) -> dict:
 
 
 @app
-def main(cfg: DictConfig) -> float | None:
+def main(cfg: Config) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 from eagle3.bench.concurrency import write_load_summary
 from eagle3.bench.costmodel import fit_step_cost, predict
 from eagle3.core import tracking
+from eagle3.core.config import Config
 from eagle3.core.lifecycle import process_identity, watch_runs
 from eagle3.core.redact import mask_argv
 
@@ -197,9 +198,7 @@ def _job_number(name: str) -> int:
 # ---------------------------------------------------------------- the summary
 
 
-def summarize(
-    cfg: DictConfig, results: list[dict], out_dir: Path, run_id: str | None = None
-) -> dict:
+def summarize(cfg: Config, results: list[dict], out_dir: Path, run_id: str | None = None) -> dict:
     """Write summary.md / summary.csv / plots / cost_model.md / verdict.txt into out_dir, log them
     to the parent run, print the table and the verdict; returns {"best": the winning job, or None
     when no shape beat spec=off beyond noise, "verdict": [lines], "files": [...]}."""
@@ -389,7 +388,7 @@ def cost_model_rows(results: list[dict], depths: list[int]) -> list[dict]:
 
 
 def log_to_parent(
-    cfg: DictConfig,
+    cfg: Config,
     run_id: str,
     files: list[Path],
     best: dict | None,

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from eagle3.core import config as schema  # registers the typed schemas before any composition
+from eagle3.core.config import ServeConfig
 from eagle3.core.lifecycle import Stopped, raise_on_signals
 
 CONF_DIR = str(Path(__file__).resolve().parents[3] / "conf")
@@ -157,7 +158,7 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> schema.Config:
         return schema.typed(hydra_compose("config", overrides=list(overrides)))
 
 
-def api_key(scfg) -> str | None:
+def api_key(scfg: ServeConfig) -> str | None:
     """The API key the engine server requires and clients send: the value of the environment
     variable named by serve.api_key_env (never stored in a config); None when unset or empty."""
     name = getattr(scfg, "api_key_env", None)

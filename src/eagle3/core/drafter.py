@@ -27,10 +27,12 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from eagle3.core.config import DrafterConfig
+
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def drafter_config(target_config, dcfg, aux_layer_ids: list[int]) -> LlamaConfig:
+def drafter_config(target_config, dcfg: DrafterConfig, aux_layer_ids: list[int]) -> LlamaConfig:
     """A Llama config for the drafter: the target's shapes unless `drafter.*` overrides them."""
 
     def pick(name, target_value):
@@ -180,7 +182,7 @@ class Eagle3Drafter(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
 
-def build_drafter(target, dcfg) -> Eagle3Drafter:
+def build_drafter(target, dcfg: DrafterConfig) -> Eagle3Drafter:
     """A fresh drafter shaped for `target` (a Target or TargetParts), its embedding copied from the
     target."""
     drafter = Eagle3Drafter(drafter_config(target.config, dcfg, target.aux_layer_ids))

@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from eagle3.core.common import CONF_DIR, Eagle3Error
+from eagle3.core.config import Config
 from eagle3.core.drafter_io import RECIPE_KEY
 
 EXPERIMENTS = Path(CONF_DIR) / "experiment"
@@ -58,7 +59,7 @@ def lineage_of(path: str | Path) -> list[dict]:
     return recorded or chain_to(str(manifest.get("hash", "")))
 
 
-def training_link(cfg: DictConfig, train_manifest: dict, export_hash: str) -> dict:
+def training_link(cfg: Config, train_manifest: dict, export_hash: str) -> dict:
     """This training as a link: its data, answers, epochs, starting weights and best val tau_hat."""
     regen = cfg.data.regen
     answers = (
@@ -79,7 +80,7 @@ def training_link(cfg: DictConfig, train_manifest: dict, export_hash: str) -> di
     }
 
 
-def lineage_for_export(cfg: DictConfig, train_manifest: dict, export_hash: str) -> list[dict]:
+def lineage_for_export(cfg: Config, train_manifest: dict, export_hash: str) -> list[dict]:
     """The chain an export records: its starting drafter's chain, then this training."""
     start = cfg.train.init_from
     earlier = lineage_of(start) if start and Path(str(start)).exists() else []

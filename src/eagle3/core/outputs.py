@@ -7,8 +7,6 @@ import hashlib
 import json
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from eagle3.core.artifacts import (
     StageOutput,
     check_listed_files,
@@ -17,6 +15,7 @@ from eagle3.core.artifacts import (
     to_plain,
 )
 from eagle3.core.common import Eagle3Error, resolve_device, resolve_dtype
+from eagle3.core.config import Config
 from eagle3.core.drafter_io import (
     ENGINES,
     MODELS_URI,
@@ -41,7 +40,7 @@ REGEN_EXECUTION_ONLY = (
 )
 
 
-def data_output(cfg: DictConfig) -> StageOutput:
+def data_output(cfg: Config) -> StageOutput:
     """The data stage's folder for this config (located, not run)."""
     sections = {**answer_sections(cfg), "draft_vocab_size": cfg.drafter.draft_vocab_size}
     fingerprint = source_fingerprint(str(cfg.data.source))
@@ -72,7 +71,7 @@ def source_fingerprint(source: str) -> dict | None:
 _FINGERPRINTS: dict[tuple, dict] = {}
 
 
-def answer_sections(cfg: DictConfig) -> dict:
+def answer_sections(cfg: Config) -> dict:
     """What the conversations and their regenerated answers depend on: the target and the data config
     (not the draft vocab's source)."""
     data = to_plain(cfg.data)
@@ -108,7 +107,7 @@ EXECUTION_ONLY = (
 )
 
 
-def extract_output(cfg: DictConfig) -> StageOutput:
+def extract_output(cfg: Config) -> StageOutput:
     """The extract stage's folder for this config (located, not run)."""
     section = {k: v for k, v in to_plain(cfg.extract).items() if k not in EXECUTION_ONLY}
     if section.get("backend") == "hf":  # the hash of an HF extraction predates the backends
@@ -142,14 +141,14 @@ HASH_EXCLUDED = (
 )
 
 
-def upstream_hashes(cfg: DictConfig) -> dict:
+def upstream_hashes(cfg: Config) -> dict:
     upstream = {"data": data_output(cfg).hash}
     if cfg.train.hidden_states == "offline":
         upstream["extract"] = shards_output(cfg).hash
     return upstream
 
 
-def shards_output(cfg: DictConfig) -> StageOutput:
+def shards_output(cfg: Config) -> StageOutput:
     """The extract stage output training reads: train.shards if set, else this config's."""
     expected = extract_output(cfg)
     if not cfg.train.shards:
@@ -168,7 +167,7 @@ def shards_output(cfg: DictConfig) -> StageOutput:
     )
 
 
-def train_output(cfg: DictConfig) -> StageOutput:
+def train_output(cfg: Config) -> StageOutput:
     """The train stage's folder for this config (located, not run)."""
     train = {k: v for k, v in to_plain(cfg.train).items() if k not in HASH_EXCLUDED}
     for key in ("init_from", "limit"):  # null: the hashes of runs from before these keys
@@ -189,7 +188,7 @@ def train_output(cfg: DictConfig) -> StageOutput:
 HASH_EXCLUDED_EXPORT = ("register", "registry_name", "checkpoint")
 
 
-def export_output(cfg: DictConfig) -> StageOutput:
+def export_output(cfg: Config) -> StageOutput:
     """Where the current config's export lives (upstream: the training stage's hash)."""
     sections = {
         "export": {k: v for k, v in to_plain(cfg.export).items() if k not in HASH_EXCLUDED_EXPORT}
@@ -197,7 +196,7 @@ def export_output(cfg: DictConfig) -> StageOutput:
     return stage_output(cfg.paths.artifacts, "export", sections, {"train": train_output(cfg).hash})
 
 
-def resolve_drafter_path(cfg: DictConfig, engine: str = "sglang") -> Path:
+def resolve_drafter_path(cfg: Config, engine: str = "sglang") -> Path:
     """The drafter folder `engine` (sglang | vllm | local) serves: drafter.path (a folder or
     models:/NAME/VERSION), else the export of the current config. A whole export gives the
     engine's own subfolder, never another engine's (their aux-layer ids differ); a half-written

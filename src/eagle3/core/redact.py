@@ -20,7 +20,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from eagle3.core.config import plain
+from eagle3.core.config import Config, plain
 
 MASK = "***"
 SECRET_NAME = re.compile(r"token|key|secret|passw", re.IGNORECASE)
@@ -90,7 +90,7 @@ def mask_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def masked_config(cfg: DictConfig) -> dict:
+def masked_config(cfg: Config) -> dict:
     """The resolved config as plain data, secrets masked."""
     return mask(plain(cfg))
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
-
 from eagle3.core.common import Eagle3Error
+from eagle3.core.config import SpecConfig
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ def max_tree_nodes(steps: int, topk: int) -> int:
     return topk + (steps - 1) * topk * topk
 
 
-def resolve_spec(scfg: DictConfig) -> Spec:
+def resolve_spec(scfg: SpecConfig) -> Spec:
     """Validate `spec.*` and fill in derived fields; errors name the violated rule."""
     if not scfg.enabled:
         return OFF

@@ -29,7 +29,7 @@ from transformers import (
 
 from eagle3.core.artifacts import config_hash
 from eagle3.core.common import Eagle3Error, installed_file, log, resolve_device, resolve_dtype
-from eagle3.core.config import plain
+from eagle3.core.config import Config, TargetConfig, plain
 
 READY_MARKER = ".eagle3-ready"  # written last: a folder without it is half-written and redone
 
@@ -174,7 +174,7 @@ class CompiledCapture:
 # ---------------------------------------------------------------- resolving a target folder
 
 
-def target_key(tcfg: DictConfig) -> dict:
+def target_key(tcfg: TargetConfig) -> dict:
     """The target fields that decide its weights and tokenizer (what artifact hashes depend on):
     everything but where and in which precision it runs, whether its folder's own code may run
     (the same code gives the same outputs), and the size hints used for planning."""
@@ -185,7 +185,7 @@ def target_key(tcfg: DictConfig) -> dict:
     }
 
 
-def resolve_target_path(tcfg: DictConfig, artifacts: Path) -> Path | str:
+def resolve_target_path(tcfg: TargetConfig, artifacts: Path) -> Path | str:
     """The HF folder (or hub id) for this target, converting/building it once if needed."""
     if tcfg.kind == "gguf_package":
         return convert_gguf(
@@ -223,7 +223,7 @@ def resolve_target_path(tcfg: DictConfig, artifacts: Path) -> Path | str:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def target_path_for(cfg: DictConfig) -> Path | str:
+def target_path_for(cfg: Config) -> Path | str:
     """The target this config serves and trains on, under cfg.paths.artifacts."""
     return resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
 
@@ -233,7 +233,7 @@ def find_packaged_gguf(package: str, filename: str) -> Path:
     return installed_file(package, filename)
 
 
-def convert_gguf(gguf: Path, out: Path, tcfg: DictConfig) -> Path:
+def convert_gguf(gguf: Path, out: Path, tcfg: TargetConfig) -> Path:
     """Dequantize a GGUF once into a float32 HF safetensors folder (no-op when done)."""
     if (out / READY_MARKER).exists():
         return out
@@ -276,7 +276,7 @@ def smollm2_tokenizer(artifacts: Path):
     return AutoTokenizer.from_pretrained(smollm2)
 
 
-def build_tiny_llama(tcfg: DictConfig, artifacts: Path) -> Path:
+def build_tiny_llama(tcfg: TargetConfig, artifacts: Path) -> Path:
     """A seeded random Llama with SmolLM2's tokenizer, saved like any HF folder."""
     out = artifacts / "targets" / f"{tcfg.name}-{config_hash(tcfg)}"
     if (out / READY_MARKER).exists():
@@ -302,7 +302,7 @@ def build_tiny_llama(tcfg: DictConfig, artifacts: Path) -> Path:
     return out
 
 
-def build_random_moe(tcfg: DictConfig, artifacts: Path) -> Path:
+def build_random_moe(tcfg: TargetConfig, artifacts: Path) -> Path:
     """A seeded random DeepSeek-V3-family model (transformers' DeepseekV3 classes) with SmolLM2's
     tokenizer, built from conf/target's shapes and saved in target.dtype as safetensors shards
     of at most target.shard_size with an index (model.safetensors.index.json)."""
@@ -341,7 +341,7 @@ def _write_hf_folder(
     model,
     tokenizer,
     out: Path,
-    tcfg: DictConfig,
+    tcfg: TargetConfig,
     extra_config: dict | None = None,
     max_shard_size: str | None = None,
 ) -> None:
@@ -392,7 +392,7 @@ def latent_attention(config: dict) -> bool:
 # ---------------------------------------------------------------- loading
 
 
-def load_target(cfg: DictConfig, device: str | None = None) -> Target:
+def load_target(cfg: Config, device: str | None = None) -> Target:
     """Load the configured target (model in eval mode, frozen) and its tokenizer."""
     tcfg = cfg.target
     path = resolve_target_path(tcfg, Path(cfg.paths.artifacts))
@@ -416,12 +416,12 @@ def load_target(cfg: DictConfig, device: str | None = None) -> Target:
     return Target(model, tokenizer, Path(path) if not isinstance(path, str) else Path(path), aux)
 
 
-def trust_remote_code(tcfg: DictConfig) -> bool:
+def trust_remote_code(tcfg: TargetConfig) -> bool:
     """target.trust_remote_code: run the Python code a model folder ships (config.json auto_map)."""
     return bool(tcfg.trust_remote_code)
 
 
-def target_tokenizer(path, tcfg: DictConfig):
+def target_tokenizer(path, tcfg: TargetConfig):
     """The tokenizer of the target folder (or hub id) `path`."""
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code(tcfg))

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 from safetensors import safe_open
 from transformers import AutoTokenizer, PretrainedConfig
 
 from eagle3.core.common import Eagle3Error, resolve_dtype
+from eagle3.core.config import Config
 from eagle3.core.target import (
     TargetShape,
     default_aux_layer_ids,
@@ -91,7 +91,7 @@ def read_tensors(folder: Path, wanted: dict[str, str], files: dict[str, str], dt
     return tensors
 
 
-def load_target_parts(cfg: DictConfig) -> TargetParts:
+def load_target_parts(cfg: Config) -> TargetParts:
     """The configured target's tokenizer, config, embedding, head and final norm, on the CPU in the
     dtype load_target would use there."""
     tcfg = cfg.target

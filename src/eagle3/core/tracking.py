@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from eagle3.core.artifacts import git_commit
+from eagle3.core.config import Config
 from eagle3.core.lifecycle import Stopped, process_alive, process_identity, watch_runs
 from eagle3.core.redact import masked_config
 
@@ -38,13 +39,13 @@ def store_lock(uri: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def setup(cfg: DictConfig) -> str:
+def setup(cfg: Config) -> str:
     """Point MLflow at the configured store and experiment; return the experiment id."""
     with store_lock(cfg.tracking.uri):
         return _setup(cfg)
 
 
-def _setup(cfg: DictConfig) -> str:
+def _setup(cfg: Config) -> str:
     import mlflow
 
     uri = cfg.tracking.uri
@@ -83,7 +84,7 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def log_config(cfg: DictConfig) -> None:
+def log_config(cfg: Config) -> None:
     """The resolved config as params and config.yaml, secrets masked (eagle3.core.redact)."""
     import mlflow
 
@@ -93,7 +94,7 @@ def log_config(cfg: DictConfig) -> None:
     mlflow.log_text(OmegaConf.to_yaml(OmegaConf.create(plain)), "config.yaml")
 
 
-def end_dead_runs(cfg: DictConfig, experiment_id: str) -> list[str]:
+def end_dead_runs(cfg: Config, experiment_id: str) -> list[str]:
     """Runs left RUNNING by an eagle3 process of this host that no longer runs (killed outright)
     are marked KILLED; returns their ids."""
     from mlflow.tracking import MlflowClient
@@ -110,7 +111,7 @@ def end_dead_runs(cfg: DictConfig, experiment_id: str) -> list[str]:
 
 @contextlib.contextmanager
 def stage_run(
-    cfg: DictConfig,
+    cfg: Config,
     stage: str,
     artifact_hash: str | None = None,
     run_name: str | None = None,
@@ -145,7 +146,7 @@ def stage_run(
             raise
 
 
-def client(cfg: DictConfig):
+def client(cfg: Config):
     from mlflow.tracking import MlflowClient
 
     setup(cfg)

@@ -15,9 +15,8 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from eagle3.core.common import Eagle3Error, installed_file, log
+from eagle3.core.config import Config, ExtraSourceConfig, SelfPromptsConfig, SuiteConfig
 from eagle3.data.suites import read_rows
 
 SELF_PROMPT_LOG = "self_prompts.jsonl"
@@ -46,7 +45,7 @@ def first_turn(messages: list[dict]) -> list[dict]:
     return system + [next(m for m in messages if m["role"] == "user")]
 
 
-def check_not_a_suite(source: DictConfig, suites: DictConfig) -> None:
+def check_not_a_suite(source: ExtraSourceConfig, suites: dict[str, SuiteConfig]) -> None:
     """Refuse a packaged source that reads a bench suite's file (the suites measure the drafter)."""
     for name, suite in suites.items():
         if suite.package != source.package or Path(suite.file).name != Path(source.file).name:
@@ -65,7 +64,7 @@ def check_not_a_suite(source: DictConfig, suites: DictConfig) -> None:
             )
 
 
-def packaged_prompts(sources, suites: DictConfig, counts: dict) -> list[dict]:
+def packaged_prompts(sources, suites: dict[str, SuiteConfig], counts: dict) -> list[dict]:
     """Single-turn prompts from files shipped in installed packages (data.extra_sources): rows whose
     `where` fields match, their `field` text as the user turn; ids <package>:<file stem>:<row index>."""
     conversations = []
@@ -95,7 +94,7 @@ def packaged_prompts(sources, suites: DictConfig, counts: dict) -> list[dict]:
     return conversations
 
 
-def self_prompt_requests(scfg: DictConfig) -> list[tuple[str, int, list[dict]]]:
+def self_prompt_requests(scfg: SelfPromptsConfig) -> list[tuple[str, int, list[dict]]]:
     """(id, turn, messages) asking the target to write scfg.count prompts, topics in rotation."""
     topics = list(scfg.topics)
     if not topics:
@@ -115,7 +114,7 @@ def self_prompt_requests(scfg: DictConfig) -> list[tuple[str, int, list[dict]]]:
     ]
 
 
-def generator_cfg(cfg: DictConfig) -> DictConfig:
+def generator_cfg(cfg: Config) -> Config:
     """The config a generator writes self-prompts under: data.self_prompts's sampling settings."""
     scfg = cfg.data.self_prompts
     regen = dataclasses.replace(
@@ -129,7 +128,7 @@ def generator_cfg(cfg: DictConfig) -> DictConfig:
 
 
 def self_written_prompts(
-    cfg: DictConfig, folder: Path, make_generator: Callable, make_log
+    cfg: Config, folder: Path, make_generator: Callable, make_log
 ) -> list[dict]:
     """The target's own prompts (data.self_prompts), logged in `folder` as they arrive (resumable):
     each written prompt becomes a single-turn row, ids self:<index>; empty ones are dropped."""
@@ -147,7 +146,7 @@ def self_written_prompts(
 
 
 def more_prompts(
-    cfg: DictConfig,
+    cfg: Config,
     splits: dict[str, list[dict]],
     counts: dict,
     folder: Path,

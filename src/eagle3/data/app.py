@@ -18,11 +18,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
 from safetensors.torch import save_file
 
 from eagle3.core.artifacts import StageOutput
 from eagle3.core.common import Eagle3Error, app, log
+from eagle3.core.config import Config
 from eagle3.core.outputs import data_output
 from eagle3.core.target import tokenizer_hash
 from eagle3.core.tracking import stage_run
@@ -83,7 +83,7 @@ def length_histogram(lengths: list[int], path: Path) -> Path:
     return path
 
 
-def run(cfg: DictConfig) -> StageOutput:
+def run(cfg: Config) -> StageOutput:
     """Build the data stage's output (a no-op when it is complete)."""
     local_source(str(cfg.data.source))  # a missing file: refused before a run or a folder exists
     out = data_output(cfg)
@@ -152,7 +152,7 @@ def log_to_mlflow(counts: dict, train_ids: list[list[int]], out_dir: Path) -> No
 
 
 @app
-def main(cfg: DictConfig) -> None:
+def main(cfg: Config) -> None:
     out = run(cfg)
     counts = out.manifest().get("counts", {})
     print(f"data: {out.path}")

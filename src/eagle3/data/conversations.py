@@ -8,10 +8,10 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagle3.core.common import Eagle3Error
+from eagle3.core.config import DataConfig, FiltersConfig, NormaliseConfig
 from eagle3.data.sources import read_rows
 
 ROLE_NAMES = {
@@ -31,7 +31,7 @@ class BadRow(Exception):
     """A row that cannot become a conversation; the message is the reason counted."""
 
 
-def normalise_row(row: Any, index: int, ncfg: DictConfig, regenerate: bool) -> dict:
+def normalise_row(row: Any, index: int, ncfg: NormaliseConfig, regenerate: bool) -> dict:
     """One source row -> {"id", "messages": [{"role", "content"}]} or BadRow(reason)."""
     if not isinstance(row, dict):
         raise BadRow("not_an_object")
@@ -84,7 +84,7 @@ def message_of(item: Any, role_key: str, content_key: str) -> dict:
     return {"role": ROLE_NAMES[role.lower()], "content": content}
 
 
-def apply_system_policy(messages: list[dict], ncfg: DictConfig) -> list[dict]:
+def apply_system_policy(messages: list[dict], ncfg: NormaliseConfig) -> list[dict]:
     if ncfg.system_policy not in ("keep", "drop", "replace"):
         raise Eagle3Error(
             f"data.normalise.system_policy={ncfg.system_policy}: use keep, drop or replace"
@@ -117,7 +117,7 @@ def check_order(messages: list[dict]) -> None:
             raise BadRow("roles_out_of_order")
 
 
-def normalise(rows: Iterable[Any], dcfg: DictConfig, counts: Counter) -> list[dict]:
+def normalise(rows: Iterable[Any], dcfg: DataConfig, counts: Counter) -> list[dict]:
     conversations, seen_ids = [], set()
     for index, row in enumerate(rows):
         counts["rows"] += 1
@@ -138,7 +138,7 @@ def user_turns(conversation: dict) -> int:
     return sum(m["role"] == "user" for m in conversation["messages"])
 
 
-def apply_filters(conversations: list[dict], fcfg: DictConfig, counts: dict) -> list[dict]:
+def apply_filters(conversations: list[dict], fcfg: FiltersConfig, counts: dict) -> list[dict]:
     """Each filter in order; counts[f'after_{name}'] records what survives it."""
 
     def first_prompt(c):
@@ -169,7 +169,7 @@ def apply_filters(conversations: list[dict], fcfg: DictConfig, counts: dict) -> 
 
 
 def split_conversations(
-    conversations: list[dict], dcfg: DictConfig, counts: dict
+    conversations: list[dict], dcfg: DataConfig, counts: dict
 ) -> dict[str, list[dict]]:
     """Seeded shuffle, limit, then a held-out validation slice."""
     order = list(range(len(conversations)))
@@ -184,7 +184,7 @@ def split_conversations(
     return {"train": chosen[n_val:], "val": chosen[:n_val]}
 
 
-def conversations_for(dcfg: DictConfig, counts: dict) -> dict[str, list[dict]]:
+def conversations_for(dcfg: DataConfig, counts: dict) -> dict[str, list[dict]]:
     """Read, normalise, filter and split the configured source."""
     raw_counts: Counter = Counter()
     conversations = normalise(

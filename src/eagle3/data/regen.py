@@ -17,11 +17,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagle3.core.artifacts import config_hash
 from eagle3.core.common import Eagle3Error, log
+from eagle3.core.config import Config, DataConfig, RegenConfig
 from eagle3.core.outputs import answer_sections
 from eagle3.core.spec import OFF
 from eagle3.core.target import load_target, target_path_for
@@ -30,14 +30,14 @@ from eagle3.data.tokens import end_of_turn, render
 from eagle3.serve.launch import start_engine
 
 
-def regen_log_path(cfg: DictConfig) -> Path:
+def regen_log_path(cfg: Config) -> Path:
     """<artifacts>/regen/<hash>/turns.jsonl, keyed by answer_sections: every data output with the same
     answers shares it, so another drafter.draft_vocab_size re-tokenizes instead of regenerating (hours
     on a large target). The data output keeps its own copy in regen/turns.jsonl."""
     return Path(cfg.paths.artifacts) / "regen" / config_hash(answer_sections(cfg)) / "turns.jsonl"
 
 
-def seed_regen_log(cfg: DictConfig, shared: Path) -> None:
+def seed_regen_log(cfg: Config, shared: Path) -> None:
     """A data output written before the shared log existed (this run's own, cut short, or one
     copied from another machine) keeps its answers in its regen/turns.jsonl: the first one with the
     same answer_sections starts the shared log."""
@@ -166,9 +166,7 @@ def pending_turn(conversation: dict, answers: dict[int, str | None], turn: int) 
     )
 
 
-def regenerate(
-    cfg: DictConfig, out_dir: Path, splits: dict[str, list[dict]], tokenizer, counts: dict
-):
+def regenerate(cfg: Config, out_dir: Path, splits: dict[str, list[dict]], tokenizer, counts: dict):
     """Let the target answer every user turn (into the shared log), then take the answers."""
     shared, own = regen_log_path(cfg), out_dir / "regen" / "turns.jsonl"
     with regen_lock(shared.parent):
@@ -234,9 +232,7 @@ def regen_lock(folder: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def answer_turns(
-    cfg: DictConfig, shared: Path, splits: dict[str, list[dict]], tokenizer, counts: dict
-):
+def answer_turns(cfg: Config, shared: Path, splits: dict[str, list[dict]], tokenizer, counts: dict):
     """Turn-major, so each batch mixes conversations: -> (the shared TurnLog, {conversation id: error})."""
     rcfg = cfg.data.regen
     if not shared.exists():
@@ -273,7 +269,7 @@ def answer_turns(
 BACKENDS = ("local", "openai", "engine")
 
 
-def generator_for(cfg: DictConfig):
+def generator_for(cfg: Config):
     """The configured answer generator (data.regen.backend)."""
     backend = cfg.data.regen.backend
     if backend not in BACKENDS:
@@ -340,7 +336,7 @@ def report_loops(splits: dict[str, list[dict]], ngram: int, counts: dict) -> Non
 
 
 def skip_long_prompts(
-    items: list[tuple], tokenizer, dcfg: DictConfig, turn_log: TurnLog
+    items: list[tuple], tokenizer, dcfg: DataConfig, turn_log: TurnLog
 ) -> list[tuple]:
     """Prompts that leave no room for an answer within max_length end their conversation there."""
     keep, stop = [], []
@@ -354,7 +350,7 @@ def skip_long_prompts(
     return keep
 
 
-def report_failures(out_dir: Path, failed: dict[str, str], rcfg: DictConfig, counts: dict) -> None:
+def report_failures(out_dir: Path, failed: dict[str, str], rcfg: RegenConfig, counts: dict) -> None:
     failed_file = out_dir / "regen" / "failed.json"
     counts["regen_failed"] = len(failed)
     if not failed:
@@ -372,7 +368,7 @@ def report_failures(out_dir: Path, failed: dict[str, str], rcfg: DictConfig, cou
 class LocalGenerator:
     """Batched HF generate with left padding, prompts grouped by length."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: Config):
         self.target = load_target(cfg)
         self.rcfg = cfg.data.regen
         tokenizer = self.target.tokenizer
@@ -430,7 +426,7 @@ class OpenAIGenerator:
     """Any OpenAI-compatible chat endpoint: bounded concurrency, retries with backoff, timeouts.
     The API key comes from the environment variable data.regen.api_key_env and is never logged."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: Config):
         self.rcfg = cfg.data.regen
         self.url = str(self.rcfg.base_url).rstrip("/")
         key = os.environ.get(str(self.rcfg.api_key_env))
@@ -507,7 +503,7 @@ class EngineGenerator:
     like the openai backend (same concurrency, retries and turn log), stopped by close() and on
     error, Ctrl-C or a kill of this process (the engine's own process group and watchdog)."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
         self.folder = regen_log_path(cfg).parent / "engine"
         self.engine = None
@@ -528,7 +524,7 @@ class EngineGenerator:
             self.engine = None
 
 
-def sampling_params(dcfg: DictConfig) -> dict | None:
+def sampling_params(dcfg: DataConfig) -> dict | None:
     if not dcfg.regenerate:
         return None
     r = dcfg.regen

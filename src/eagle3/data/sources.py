@@ -11,12 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from eagle3.core.common import Eagle3Error, log
+from eagle3.core.config import DataConfig
 
 
-def read_rows(dcfg: DictConfig, counts: Counter) -> Iterator[Any]:
+def read_rows(dcfg: DataConfig, counts: Counter) -> Iterator[Any]:
     """Raw rows of the configured source (anything; normalisation judges them)."""
     source = str(dcfg.source)
     if source == "sharegpt":

@@ -8,9 +8,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import ListConfig
 
 from eagle3.core.common import Eagle3Error, installed_file
+from eagle3.core.config import BenchConfig
 
 
 @dataclass(frozen=True)
@@ -75,13 +76,13 @@ def to_prompt(row: dict, index: int, field: str, source: str) -> Prompt:
     return Prompt(row_id, [{"role": "user", "content": row[field]}])
 
 
-def suite_names(bcfg: DictConfig) -> list[str]:
+def suite_names(bcfg: BenchConfig) -> list[str]:
     """bench.suite as a list: one name, or several (`bench.suite=[vicuna,humaneval,gsm8k]`)."""
     suite = bcfg.suite
     return [str(name) for name in suite] if isinstance(suite, (list, ListConfig)) else [str(suite)]
 
 
-def named_suite_rows(bcfg: DictConfig, name: str) -> tuple[list[dict], str, str]:
+def named_suite_rows(bcfg: BenchConfig, name: str) -> tuple[list[dict], str, str]:
     """(rows, text field, source description) of one configured suite."""
     if name not in bcfg.suites:
         raise Eagle3Error(
@@ -101,7 +102,7 @@ def prompts_of(rows: list[dict], field: str, source: str, limit: int | None) -> 
     return prompts[:limit] if limit is not None else prompts
 
 
-def load_suite(bcfg: DictConfig) -> list[Prompt]:
+def load_suite(bcfg: BenchConfig) -> list[Prompt]:
     """The prompts of bench.prompts, or of each bench.suite in order: the first bench.limit of
     each (a job over several suites sums them: tok/s is all tokens over all wall time)."""
     if bcfg.prompts:
@@ -118,7 +119,7 @@ def load_suite(bcfg: DictConfig) -> list[Prompt]:
     ]
 
 
-def check_bench_settings(bcfg: DictConfig) -> None:
+def check_bench_settings(bcfg: BenchConfig) -> None:
     """bench.* values that cannot be measured, refused before anything is launched."""
     for key, least in (("batch_size", 1), ("max_new_tokens", 1), ("warmup", 0), ("repeats", 1)):
         value = getattr(bcfg, key)
@@ -131,5 +132,5 @@ def check_bench_settings(bcfg: DictConfig) -> None:
         )
 
 
-def suite_name(bcfg: DictConfig) -> str:
+def suite_name(bcfg: BenchConfig) -> str:
     return Path(str(bcfg.prompts)).stem if bcfg.prompts else "+".join(suite_names(bcfg))

@@ -7,10 +7,10 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagle3.core.common import Eagle3Error
+from eagle3.core.config import Config, DataConfig
 from eagle3.core.target import (
     remote_code_error,
     resolve_target_path,
@@ -25,7 +25,7 @@ def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> 
     )
 
 
-def end_of_turn(tokenizer, dcfg: DictConfig) -> str:
+def end_of_turn(tokenizer, dcfg: DataConfig) -> str:
     return str(dcfg.end_of_turn) if dcfg.end_of_turn else tokenizer.eos_token
 
 
@@ -57,7 +57,7 @@ def assistant_spans(tokenizer, messages: list[dict], eot: str) -> tuple[str, lis
 
 
 def tokenize_conversations(
-    tokenizer, conversations: list[dict], dcfg: DictConfig, counts: Counter
+    tokenizer, conversations: list[dict], dcfg: DataConfig, counts: Counter
 ) -> dict:
     """Columns id / input_ids / loss_mask (1 on assistant contents and their end-of-turn token)."""
     eot = end_of_turn(tokenizer, dcfg)
@@ -106,7 +106,7 @@ def loss_mask_of(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -
     return mask.tolist()
 
 
-def load_tokenizer(cfg: DictConfig):
+def load_tokenizer(cfg: Config):
     """The target's tokenizer and vocabulary size (no weights loaded)."""
     from transformers import AutoConfig
 

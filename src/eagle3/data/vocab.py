@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 from safetensors.torch import load_file
 
 from eagle3.core.common import Eagle3Error
+from eagle3.core.config import Config
 from eagle3.core.drafter_io import load_drafter
 
 
@@ -21,7 +21,7 @@ def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def vocab_map_for(
-    cfg: DictConfig, train: dict, target_vocab: int
+    cfg: Config, train: dict, target_vocab: int
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(d2t, t2d, coverage of the training answers): counted from them, or data.vocab_map_from's: a data
     output folder, its vocab_map.safetensors, or any drafter export.load_drafter reads."""

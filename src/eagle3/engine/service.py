@@ -12,9 +12,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from omegaconf import DictConfig
 
 from eagle3.core.common import Eagle3Error, log
+from eagle3.core.config import Config, ServeConfig
 from eagle3.core.drafter import build_drafter
 from eagle3.core.drafter_io import attach_target_embedding, check_drafter_for_target, load_drafter
 from eagle3.core.outputs import resolve_drafter_path
@@ -95,7 +95,7 @@ class EngineService:
         self,
         decoder: SpecDecoder,
         tokenizer,
-        scfg: DictConfig,
+        scfg: ServeConfig,
         drafter_source: str,
         model_name: str,
     ):
@@ -276,7 +276,7 @@ def streamable(text: str, stops: list[str]) -> tuple[str, bool]:
     return settled[: len(settled) - held], False
 
 
-def load_engine_drafter(cfg: DictConfig, target, spec):
+def load_engine_drafter(cfg: Config, target, spec):
     """(drafter or None, where it came from). An exported drafter when one is configured or was
     trained for this config; without one, serve.drafter_fallback=untrained builds a fresh one."""
     if not spec.enabled:
@@ -306,7 +306,7 @@ def load_engine_drafter(cfg: DictConfig, target, spec):
     return drafter.to(device=target.device, dtype=dtype).eval(), str(path)
 
 
-def build_service(cfg: DictConfig) -> EngineService:
+def build_service(cfg: Config) -> EngineService:
     if cfg.engine.cpu_threads:
         torch.set_num_threads(int(cfg.engine.cpu_threads))
     spec = resolve_spec(cfg.spec)
@@ -332,12 +332,12 @@ def build_service(cfg: DictConfig) -> EngineService:
     return EngineService(decoder, target.tokenizer, cfg.serve, source, cfg.target.name)
 
 
-def uses_graphs(cfg: DictConfig, target) -> bool:
+def uses_graphs(cfg: Config, target) -> bool:
     graphs = cfg.engine.cuda_graphs
     return target.device.type == "cuda" if graphs == "auto" else bool(graphs)
 
 
-def single_decoder(cfg: DictConfig, target, drafter, spec) -> SpecDecoder:
+def single_decoder(cfg: Config, target, drafter, spec) -> SpecDecoder:
     """The fused batch-1 decoder: one request at a time."""
     use_graphs = uses_graphs(cfg, target)
     compile_layers, compile_draft = (
@@ -363,7 +363,7 @@ def single_decoder(cfg: DictConfig, target, drafter, spec) -> SpecDecoder:
     )
 
 
-def max_batch_size(cfg: DictConfig, target, drafter) -> int:
+def max_batch_size(cfg: Config, target, drafter) -> int:
     """engine.max_batch_size, `auto` resolved: the device's default (engine.auto_batch_size), at
     least the bench's concurrency; 1 where the batched forwards do not support the target or the
     drafter (the fused batch-1 decoder serves any HF target)."""
@@ -390,7 +390,7 @@ def max_batch_size(cfg: DictConfig, target, drafter) -> int:
     return max(int(per_device[device]), concurrency)
 
 
-def engine_schedule(cfg: DictConfig, spec, drafter_source: str):
+def engine_schedule(cfg: Config, spec, drafter_source: str):
     """engine.schedule read (None: off). `auto` finds a file only beside an exported drafter, so
     spec=off (no drafter) serves without one."""
     from eagle3.engine.schedule import read_schedule, resolve_schedule_path
@@ -401,9 +401,7 @@ def engine_schedule(cfg: DictConfig, spec, drafter_source: str):
     return read_schedule(path) if path is not None else None
 
 
-def batched_service(
-    cfg: DictConfig, target, drafter, spec, source: str, max_batch: int, schedule=None
-):
+def batched_service(cfg: Config, target, drafter, spec, source: str, max_batch: int, schedule=None):
     """The service over a BatchScheduler: up to max_batch requests share each step, each step
     runs the schedule's shape for its rows (`spec` throughout without one), and a request that
     finds the engine idle runs on the fused batch-1 decoder (not with engine.deterministic, whose

@@ -9,10 +9,9 @@ import hashlib
 import re
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from eagle3.core.artifacts import StageOutput, to_plain
 from eagle3.core.common import Eagle3Error, app, log
+from eagle3.core.config import Config
 from eagle3.core.drafter import Eagle3Drafter
 from eagle3.core.drafter_io import (
     ENGINES,
@@ -31,7 +30,7 @@ from eagle3.core.tracking import client, flatten, stage_run
 # ---------------------------------------------------------------- MLflow model registry
 
 
-def registry_name(cfg: DictConfig) -> str:
+def registry_name(cfg: Config) -> str:
     """eagle3-<target>: the target's config name, or its folder / hub id for target=hf."""
     if cfg.export.registry_name:
         return cfg.export.registry_name
@@ -39,7 +38,7 @@ def registry_name(cfg: DictConfig) -> str:
     return "eagle3-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
 
 
-def register_export(cfg: DictConfig, folder: Path, recipe: dict, run) -> str:
+def register_export(cfg: Config, folder: Path, recipe: dict, run) -> str:
     """Log the export's engine folders to the stage's MLflow run and register them; returns the version."""
     import mlflow
 
@@ -70,7 +69,7 @@ def vocab_map_hash(drafter: Eagle3Drafter) -> str:
     return digest.hexdigest()[:12]
 
 
-def build_recipe(cfg: DictConfig, drafter: Eagle3Drafter, train_manifest: dict) -> dict:
+def build_recipe(cfg: Config, drafter: Eagle3Drafter, train_manifest: dict) -> dict:
     """What made this drafter: TTT settings, vocab map and data hashes, τ̂, target identity, and its
     lineage (the trainings from its first weights to these)."""
     counts = train_manifest.get("counts", {})
@@ -89,7 +88,7 @@ def build_recipe(cfg: DictConfig, drafter: Eagle3Drafter, train_manifest: dict) 
 
 
 def export_drafter(
-    cfg: DictConfig, drafter: Eagle3Drafter, recipe: dict, out_dir: Path
+    cfg: Config, drafter: Eagle3Drafter, recipe: dict, out_dir: Path
 ) -> dict[str, Path]:
     """All configured folders for one drafter: sglang/, vllm/ and (on request) speculators/."""
     ecfg = cfg.export
@@ -112,7 +111,7 @@ def export_drafter(
     return folders
 
 
-def run(cfg: DictConfig) -> StageOutput:
+def run(cfg: Config) -> StageOutput:
     """Export the drafter the current config trained (no-op when already exported)."""
     out = export_output(cfg)
     if out.complete:
@@ -148,7 +147,7 @@ def run(cfg: DictConfig) -> StageOutput:
 
 
 @app
-def main(cfg: DictConfig) -> None:
+def main(cfg: Config) -> None:
     out = run(cfg)
     manifest = out.manifest()
     print(f"exported drafter: {out.path}")

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from eagle3.core.artifacts import StageOutput, file_sha256, stage_output, to_plain
 from eagle3.core.common import Eagle3Error, app, log
+from eagle3.core.config import Config
 from eagle3.core.drafter import Eagle3Drafter, build_drafter
 from eagle3.core.drafter_io import check_drafter_for_target, drafter_weights
 from eagle3.core.outputs import HASH_EXCLUDED_EXPORT, train_output
@@ -45,13 +44,13 @@ def newest_checkpoint(source: Path) -> Path:
     return max(found, key=lambda path: path.stat().st_mtime_ns)
 
 
-def checkpoint_source(cfg: DictConfig) -> Path:
+def checkpoint_source(cfg: Config) -> Path:
     """export.checkpoint, else the train folder of the composed config."""
     chosen = cfg.export.checkpoint
     return Path(str(chosen)).expanduser() if chosen else train_output(cfg).path
 
 
-def checkpoint_output(cfg: DictConfig, checksum: str) -> StageOutput:
+def checkpoint_output(cfg: Config, checksum: str) -> StageOutput:
     """The export's folder: named by the checkpoint's contents, the target and the export settings."""
     settings = {k: v for k, v in to_plain(cfg.export).items() if k not in HASH_EXCLUDED_EXPORT}
     sections = {
@@ -62,7 +61,7 @@ def checkpoint_output(cfg: DictConfig, checksum: str) -> StageOutput:
     return stage_output(cfg.paths.artifacts, STAGE, sections)
 
 
-def checkpoint_drafter(cfg: DictConfig, checkpoint: Path, target) -> Eagle3Drafter:
+def checkpoint_drafter(cfg: Config, checkpoint: Path, target) -> Eagle3Drafter:
     """A drafter shaped by the config with the checkpoint's weights (the embedding: the target's)."""
     drafter = build_drafter(target, cfg.drafter).float()
     missing, unexpected = drafter.load_state_dict(drafter_weights(checkpoint), strict=False)
@@ -76,7 +75,7 @@ def checkpoint_drafter(cfg: DictConfig, checkpoint: Path, target) -> Eagle3Draft
     return drafter
 
 
-def export_checkpoint(cfg: DictConfig) -> StageOutput:
+def export_checkpoint(cfg: Config) -> StageOutput:
     """Export the newest checkpoint (no-op when that checkpoint was exported with these settings)."""
     checkpoint = newest_checkpoint(checkpoint_source(cfg))
     checksum = file_sha256(checkpoint)
@@ -102,7 +101,7 @@ def export_checkpoint(cfg: DictConfig) -> StageOutput:
 
 
 @app
-def main(cfg: DictConfig) -> None:
+def main(cfg: Config) -> None:
     out = export_checkpoint(cfg)
     print(f"exported {out.manifest()['recipe']['checkpoint']}: {out.path}")
     for name in out.manifest().get("counts", {}).get("folders", []):

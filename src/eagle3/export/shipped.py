@@ -26,12 +26,12 @@ import tarfile
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 from safetensors.torch import load, save
 
 from eagle3.core import tracking
 from eagle3.core.artifacts import StageOutput
 from eagle3.core.common import CONF_DIR, Eagle3Error, log
+from eagle3.core.config import Config
 from eagle3.core.drafter_io import MODELS_URI
 from eagle3.core.outputs import export_output
 from eagle3.core.target import target_key
@@ -124,7 +124,7 @@ def write_engine_folder(files: dict[str, bytes], folder: Path) -> None:
 # ---------------------------------------------------------------- the shipped drafter
 
 
-def asset_path(cfg: DictConfig) -> Path:
+def asset_path(cfg: Config) -> Path:
     """shipped.asset; a relative path is taken from the eagle3 checkout."""
     path = Path(str(cfg.shipped.asset)).expanduser()
     path = path if path.is_absolute() else Path(CONF_DIR).parent / path
@@ -138,11 +138,11 @@ def asset_manifest(asset: Path) -> dict:
         return json.loads(archive.extractfile("manifest.json").read())
 
 
-def fits_target(cfg: DictConfig, manifest: dict) -> bool:
+def fits_target(cfg: Config, manifest: dict) -> bool:
     return manifest.get("recipe", {}).get("target") == target_key(cfg.target)
 
 
-def wanted(cfg: DictConfig) -> bool:
+def wanted(cfg: Config) -> bool:
     """Whether this config's drafter is the shipped one: asked for by name, or (shipped.use=auto)
     nothing else named or trained and the target is the shipped drafter's."""
     path = cfg.drafter.path
@@ -155,7 +155,7 @@ def wanted(cfg: DictConfig) -> bool:
     return fits_target(cfg, asset_manifest(asset_path(cfg)))
 
 
-def shipped_output(cfg: DictConfig, manifest: dict, asset: Path) -> StageOutput:
+def shipped_output(cfg: Config, manifest: dict, asset: Path) -> StageOutput:
     """<artifacts>/shipped/<export hash>: named by the export it was packed from, its lineage
     (that export and its train stage) as upstream."""
     digest = hashlib.sha256(asset.read_bytes()).hexdigest()[:12]
@@ -169,7 +169,7 @@ def shipped_output(cfg: DictConfig, manifest: dict, asset: Path) -> StageOutput:
     )
 
 
-def unpacked(cfg: DictConfig) -> StageOutput:
+def unpacked(cfg: Config) -> StageOutput:
     """The shipped drafter as a stage folder, unpacked on first use."""
     asset = asset_path(cfg)
     manifest = asset_manifest(asset)
@@ -194,7 +194,7 @@ def unpacked(cfg: DictConfig) -> StageOutput:
     return out
 
 
-def registered(cfg: DictConfig, out: StageOutput) -> str | None:
+def registered(cfg: Config, out: StageOutput) -> str | None:
     """models:/<name>/<version> of the shipped drafter in the configured store (registered once)."""
     if not cfg.tracking.enabled:
         return None
@@ -223,7 +223,7 @@ def registered(cfg: DictConfig, out: StageOutput) -> str | None:
     return f"{MODELS_URI}{name}/{version.version}"
 
 
-def shipped_drafter(cfg: DictConfig) -> Path:
+def shipped_drafter(cfg: Config) -> Path:
     """The shipped drafter's export folder (unpacked, registered), announced once per process."""
     out = unpacked(cfg)
     uri = registered(cfg, out)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils.data import Dataset
@@ -29,6 +28,7 @@ from tqdm import tqdm
 
 from eagle3.core.artifacts import StageOutput
 from eagle3.core.common import Eagle3Error, app, log
+from eagle3.core.config import Config
 from eagle3.core.outputs import extract_output
 from eagle3.core.target import load_target, resolve_target_path
 from eagle3.core.tracking import stage_run
@@ -354,7 +354,7 @@ def check_disk(
         )
 
 
-def run(cfg: DictConfig) -> StageOutput:
+def run(cfg: Config) -> StageOutput:
     """Extract every configured split (a no-op when complete; resumes at shard granularity)."""
     check_backend(cfg)
     data_out = data.run(cfg)
@@ -383,7 +383,7 @@ def run(cfg: DictConfig) -> StageOutput:
     return out
 
 
-def check_backend(cfg: DictConfig) -> None:
+def check_backend(cfg: Config) -> None:
     if cfg.extract.backend not in BACKENDS:
         raise Eagle3Error(
             f"extract.backend={cfg.extract.backend}: use one of {', '.join(BACKENDS)} "
@@ -392,7 +392,7 @@ def check_backend(cfg: DictConfig) -> None:
 
 
 @contextlib.contextmanager
-def capture_source(cfg: DictConfig, root: Path, plans: list[ShardPlan]) -> Iterator[Any]:
+def capture_source(cfg: Config, root: Path, plans: list[ShardPlan]) -> Iterator[Any]:
     """The HF target loaded here, or (extract.backend=vllm) a started vLLM capture server, stopped
     on exit; both give hidden_size, aux_layer_ids, tokenizer and device."""
     if cfg.extract.backend == "hf":
@@ -416,7 +416,7 @@ def check_tokenizer(tokenizer, data_out: StageOutput) -> None:
         )
 
 
-def extract_all(cfg: DictConfig, target, plans: list[ShardPlan], root: Path) -> dict[str, float]:
+def extract_all(cfg: Config, target, plans: list[ShardPlan], root: Path) -> dict[str, float]:
     ecfg = cfg.extract
     dtype = STORAGE_DTYPES.get(ecfg.dtype)
     if dtype is None:
@@ -474,7 +474,7 @@ def shard_in_place(root: Path, plan: ShardPlan, hidden: int) -> bool:
         return False
 
 
-def write_index(root: Path, cfg: DictConfig, target, plans: list[ShardPlan]) -> None:
+def write_index(root: Path, cfg: Config, target, plans: list[ShardPlan]) -> None:
     splits: dict[str, list[dict]] = {name: [] for name in cfg.extract.splits}
     for p in plans:
         splits[p.split].append(
@@ -499,7 +499,7 @@ def write_index(root: Path, cfg: DictConfig, target, plans: list[ShardPlan]) -> 
 
 
 @app
-def main(cfg: DictConfig) -> None:
+def main(cfg: Config) -> None:
     out = run(cfg)
     print(f"extract: {out.path}")
     print(json.dumps(out.manifest().get("counts", {}), indent=1))

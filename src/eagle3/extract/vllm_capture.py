@@ -27,11 +27,11 @@ from pathlib import Path
 
 import httpx
 import torch
-from omegaconf import DictConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle3.core.common import Eagle3Error
+from eagle3.core.config import Config, TargetConfig
 from eagle3.core.spec import OFF
 from eagle3.core.target import default_aux_layer_ids
 from eagle3.serve.launch import EngineProcess, compose_launch
@@ -75,7 +75,7 @@ def text_config(path: Path | str) -> dict:
     return config.get("text_config") or config
 
 
-def target_shape(tcfg: DictConfig, path: Path | str) -> TargetShape:
+def target_shape(tcfg: TargetConfig, path: Path | str) -> TargetShape:
     hints = tcfg.plan or {}
     if not isinstance(path, Path) and hints.get("num_layers") and hints.get("hidden_size"):
         # a hub id planned without downloading it (the dry run)
@@ -123,7 +123,7 @@ def rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 # ---------------------------------------------------------------- the server command
 
 
-def engine_config(cfg: DictConfig, max_model_len: int) -> DictConfig:
+def engine_config(cfg: Config, max_model_len: int) -> Config:
     """The primary config with `serve` replaced by `extract.engine` (the vLLM settings of
     serve=vllm), so launch.vllm_launch composes the base command."""
     return dataclasses.replace(
@@ -131,7 +131,7 @@ def engine_config(cfg: DictConfig, max_model_len: int) -> DictConfig:
     )
 
 
-def capture_launch(cfg: DictConfig, shape: TargetShape, states_dir: Path, port: int | None = None):
+def capture_launch(cfg: Config, shape: TargetShape, states_dir: Path, port: int | None = None):
     """The vLLM command (launch.Launch) that captures `shape.capture_ids` into `states_dir`."""
     ecfg = cfg.extract
     engine = engine_config(cfg, int(cfg.data.max_length) + 1)  # the prompt + the one token sampled
@@ -179,7 +179,7 @@ class VllmCapture:
 
     device = torch.device("cpu")
 
-    def __init__(self, cfg: DictConfig, shape: TargetShape, folder: Path):
+    def __init__(self, cfg: Config, shape: TargetShape, folder: Path):
         self.cfg, self.shape = cfg, shape
         self.folder = Path(folder)
         self.states_dir = self.folder / "states"

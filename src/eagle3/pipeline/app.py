@@ -19,11 +19,11 @@ from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig
 
 from eagle3.core.artifacts import StageOutput
 from eagle3.core.cluster import submission
 from eagle3.core.common import Eagle3Error, app, compose, unique_suffix
+from eagle3.core.config import Config
 from eagle3.core.lifecycle import run_child
 from eagle3.core.outputs import STAGE_OUTPUTS
 from eagle3.core.spec import resolve_spec
@@ -39,12 +39,12 @@ from eagle3.train import app as train
 STAGE_RUNS = {"data": data.run, "extract": extract.run, "train": train.run, "export": export.run}
 
 
-def planned_stages(cfg: DictConfig) -> list[str]:
+def planned_stages(cfg: Config) -> list[str]:
     online = cfg.train.hidden_states == "online"
     return [s for s in cfg.pipeline.stages if not (s == "extract" and online)]
 
 
-def stage_output(cfg: DictConfig, stage: str) -> StageOutput:
+def stage_output(cfg: Config, stage: str) -> StageOutput:
     return STAGE_OUTPUTS[stage](cfg)
 
 
@@ -53,7 +53,7 @@ def user_overrides() -> list[str]:
     return [o for o in HydraConfig.get().overrides.task if not o.startswith("pipeline.")]
 
 
-def bench_jobs(cfg: DictConfig) -> list[list[str]]:
+def bench_jobs(cfg: Config) -> list[list[str]]:
     """The bench sweep expanded exactly as Hydra's basic sweeper will: one override list per job,
     the cartesian product of the sweep values in the order they were given."""
     parsed = OverridesParser.create().parse_overrides(list(cfg.pipeline.bench_sweep))
@@ -69,11 +69,11 @@ def bench_jobs(cfg: DictConfig) -> list[list[str]]:
     return [list(job) for job in itertools.product(*choices)]
 
 
-def launcher_overrides(cfg: DictConfig) -> list[str]:
+def launcher_overrides(cfg: Config) -> list[str]:
     return [f"hydra/launcher={cfg.pipeline.launcher}"] if cfg.pipeline.launcher else []
 
 
-def bench_command(cfg: DictConfig, sweep_dir: Path) -> list[str]:
+def bench_command(cfg: Config, sweep_dir: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -91,7 +91,7 @@ def bench_command(cfg: DictConfig, sweep_dir: Path) -> list[str]:
 SUBMITTED = ("data", "extract", "train", "export")
 
 
-def stage_command(cfg: DictConfig, stage: str, sweep_dir: Path) -> list[str]:
+def stage_command(cfg: Config, stage: str, sweep_dir: Path) -> list[str]:
     """A stage as a one-job multirun through pipeline.launcher (training: a SLURM job of
     trainer.num_nodes x trainer.devices tasks; regeneration and capture: one task on the GPUs of
     the engine it starts)."""
@@ -106,11 +106,11 @@ def stage_command(cfg: DictConfig, stage: str, sweep_dir: Path) -> list[str]:
     ]
 
 
-def submitted(cfg: DictConfig, stage: str) -> bool:
+def submitted(cfg: Config, stage: str) -> bool:
     return bool(cfg.pipeline.launcher) and stage in SUBMITTED
 
 
-def print_submission(cfg: DictConfig, app_name: str, overrides: list[str], sweep_dir: Path) -> None:
+def print_submission(cfg: Config, app_name: str, overrides: list[str], sweep_dir: Path) -> None:
     """The batch script pipeline.launcher would submit for one job (SLURM launchers only)."""
     if not str(cfg.pipeline.launcher).startswith("submitit_slurm"):
         return
@@ -125,7 +125,7 @@ def print_stage_plan(plans: dict, stage: str, limits: tuple[float, float]) -> No
         print("      resources: unknown (a hub id: give target.plan.config, or a local folder)")
 
 
-def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
+def print_plan(cfg: Config, sweep_dir: Path) -> None:
     """Every stage's command, output folder and status; every bench job's engine command, validated."""
     overrides = " ".join(user_overrides())
     weights = check_process_fit(cfg)
@@ -191,7 +191,7 @@ def print_plan(cfg: DictConfig, sweep_dir: Path) -> None:
     )
 
 
-def capture_command(cfg: DictConfig, extract_dir: Path) -> list[str]:
+def capture_command(cfg: Config, extract_dir: Path) -> list[str]:
     """The vLLM capture server's command as the extract stage will start it (the plan's port)."""
     path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
     shape = target_shape(cfg.target, path)
@@ -199,7 +199,7 @@ def capture_command(cfg: DictConfig, extract_dir: Path) -> list[str]:
     return [f"{k}={v}" for k, v in launch.env.items()] + launch.argv
 
 
-def run_stage(cfg: DictConfig, stage: str, sweep_dir: Path) -> str:
+def run_stage(cfg: Config, stage: str, sweep_dir: Path) -> str:
     out = stage_output(cfg, stage)
     if out.complete:
         return f"skipped (done) -> {out.path}"
@@ -209,7 +209,7 @@ def run_stage(cfg: DictConfig, stage: str, sweep_dir: Path) -> str:
     return f"done -> {out.path}"
 
 
-def run_command(cfg: DictConfig, command: list[str], what: str, folder: Path) -> str:
+def run_command(cfg: Config, command: list[str], what: str, folder: Path) -> str:
     """A child process that dies with this one (a watchdog covers SIGKILL)."""
     grace_s, poll_s = cfg.pipeline.stop_timeout_s, cfg.serve.watchdog_poll_s
     returncode = run_child(command, grace_s, poll_s)
@@ -218,12 +218,12 @@ def run_command(cfg: DictConfig, command: list[str], what: str, folder: Path) ->
     return f"done -> {folder}"
 
 
-def run_bench(cfg: DictConfig, sweep_dir: Path) -> str:
+def run_bench(cfg: Config, sweep_dir: Path) -> str:
     """The bench sweep as a child process."""
     return run_command(cfg, bench_command(cfg, sweep_dir), "the bench sweep", sweep_dir)
 
 
-def print_summary(cfg: DictConfig, sweep_dir: Path) -> None:
+def print_summary(cfg: Config, sweep_dir: Path) -> None:
     counts = stage_output(cfg, "train").manifest().get("counts", {})
     print(f"\nsummary: simulated acceptance tau_hat = {counts.get('tau_hat')}")
     for path in sorted(sweep_dir.glob("*/bench_result.json")):
@@ -250,7 +250,7 @@ def _fmt(value) -> str:
 
 
 @app
-def main(cfg: DictConfig) -> None:
+def main(cfg: Config) -> None:
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{unique_suffix()}"
     sweep_dir = Path(cfg.paths.root) / "multirun" / f"pipeline-{stamp}"
     if cfg.pipeline.dry_run:

@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 
 from eagle3.core.common import app
+from eagle3.core.config import Config
 from eagle3.core.drafter import Eagle3Drafter, drafter_config
 from eagle3.core.target import default_aux_layer_ids
 from eagle3.pipeline.plan import drafter_params, target_config, train_gpu, train_world
@@ -25,7 +25,7 @@ from eagle3.pipeline.plan import drafter_params, target_config, train_gpu, train
 STRATEGIES = ("ddp", "fsdp")
 
 
-def training_as(cfg: DictConfig, strategy: str, max_length: int | None = None) -> DictConfig:
+def training_as(cfg: Config, strategy: str, max_length: int | None = None) -> Config:
     """The composed config with another trainer.strategy (and train.max_length)."""
     variant = copy.deepcopy(cfg)
     variant.trainer.strategy = strategy
@@ -34,7 +34,7 @@ def training_as(cfg: DictConfig, strategy: str, max_length: int | None = None) -
     return variant
 
 
-def memory_table(cfg: DictConfig) -> dict:
+def memory_table(cfg: Config) -> dict:
     """{parameters, world, tokens, ddp: {part: GB per GPU}, fsdp: {...}} for the composed config."""
     config = target_config(cfg)
     params, world = drafter_params(cfg, config), train_world(cfg)
@@ -57,7 +57,7 @@ def table_lines(table: dict) -> list[str]:
     return lines
 
 
-def step_batch(cfg: DictConfig, config: dict, length: int, device: torch.device) -> dict:
+def step_batch(cfg: Config, config: dict, length: int, device: torch.device) -> dict:
     """Random inputs of one training batch (train.batch_size rows of `length` tokens)."""
     rows, hidden = int(cfg.train.batch_size), int(config["hidden_size"])
     states = {"device": device, "dtype": torch.bfloat16}
@@ -69,7 +69,7 @@ def step_batch(cfg: DictConfig, config: dict, length: int, device: torch.device)
     }
 
 
-def measure(cfg: DictConfig, lengths: list[int]) -> list[dict]:
+def measure(cfg: Config, lengths: list[int]) -> list[dict]:
     """One process, random weights and inputs: per length the peak allocation of the second of two
         steps (ttt_loss, backward, AdamW; the second holds Adam's states from its start) against the
         model's one-process total at that length (no DDP buckets). Peaks are read on CUDA only (None
@@ -107,7 +107,7 @@ def measure(cfg: DictConfig, lengths: list[int]) -> list[dict]:
 
 
 @app
-def main(cfg: DictConfig) -> None:
+def main(cfg: Config) -> None:
     table = memory_table(cfg)
     print("\n".join(table_lines(table)))
     settings = cfg.pipeline.memory

@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 
 from eagle3.core.common import Eagle3Error, resolve_dtype
-from eagle3.core.config import plain
+from eagle3.core.config import Config, plain
 from eagle3.core.drafter import Eagle3Drafter, drafter_config
 from eagle3.core.outputs import data_output
 from eagle3.core.target import default_aux_layer_ids, folder_text_config, resolve_target_path
@@ -22,7 +21,7 @@ from eagle3.extract.vllm_capture import text_config
 from eagle3.pipeline.plan_shapes import active_params, checkpoint_bytes, kv_bytes_per_token
 
 
-def target_weights_gb(cfg: DictConfig) -> float | None:
+def target_weights_gb(cfg: Config) -> float | None:
     """target.plan.weights_gb; else, for a target planned from target.plan.config, its weights at
     the dtypes target.plan.storage says they are stored in; else the size of the target folder's
     weight files (None: unknown, a hub id with no plan)."""
@@ -38,7 +37,7 @@ def target_weights_gb(cfg: DictConfig) -> float | None:
     return sum(f.stat().st_size for f in files) / 1e9
 
 
-def in_process_loads(cfg: DictConfig) -> list[tuple[str, str]]:
+def in_process_loads(cfg: Config) -> list[tuple[str, str]]:
     """(setting, what it does) for every planned stage that loads the whole target in one process."""
     stages = list(cfg.pipeline.stages)
     loads = []
@@ -52,7 +51,7 @@ def in_process_loads(cfg: DictConfig) -> list[tuple[str, str]]:
     return loads
 
 
-def check_process_fit(cfg: DictConfig) -> float | None:
+def check_process_fit(cfg: Config) -> float | None:
     """Refuse a plan that loads a target larger than pipeline.process_memory_gb into one process."""
     weights = target_weights_gb(cfg)
     limit = float(cfg.pipeline.process_memory_gb)
@@ -72,7 +71,7 @@ def shard_bytes_per_token(hidden: int, itemsize: int) -> int:
     return 4 * hidden * itemsize + 4 + 1
 
 
-def planned_tokens(cfg: DictConfig) -> tuple[int, bool]:
+def planned_tokens(cfg: Config) -> tuple[int, bool]:
     """(tokens of the extracted splits, exact): the data output's counts when it exists, else the
     upper bound data.limit x data.max_length."""
     out = data_output(cfg)
@@ -84,7 +83,7 @@ def planned_tokens(cfg: DictConfig) -> tuple[int, bool]:
     return int(cfg.data.limit) * int(cfg.data.max_length), False
 
 
-def target_hidden_size(cfg: DictConfig) -> int:
+def target_hidden_size(cfg: Config) -> int:
     hint = (cfg.target.plan or {}).get("hidden_size")
     if hint is not None:
         return int(hint)
@@ -93,7 +92,7 @@ def target_hidden_size(cfg: DictConfig) -> int:
     )
 
 
-def disk_lines(cfg: DictConfig) -> list[str]:
+def disk_lines(cfg: Config) -> list[str]:
     itemsize = STORAGE_DTYPES[cfg.extract.dtype].itemsize
     hidden = target_hidden_size(cfg)
     per_token = shard_bytes_per_token(hidden, itemsize)
@@ -162,11 +161,11 @@ class StagePlan:
         return None
 
 
-def plan_settings(cfg: DictConfig) -> DictConfig:
+def plan_settings(cfg: Config) -> Config:
     return cfg.pipeline.plan
 
 
-def target_config(cfg: DictConfig) -> dict:
+def target_config(cfg: Config) -> dict:
     """The target's text config: target.plan.config (planned without downloading it), else the
     folder's config.json."""
     hint = (cfg.target.plan or {}).get("config")
@@ -175,7 +174,7 @@ def target_config(cfg: DictConfig) -> dict:
     return folder_text_config(resolve_target_path(cfg.target, Path(cfg.paths.artifacts)))
 
 
-def cpu_itemsize(cfg: DictConfig) -> int:
+def cpu_itemsize(cfg: Config) -> int:
     """Bytes per element of the target tensors a host process reads (target.dtype on the CPU)."""
     return resolve_dtype(cfg.target.dtype, torch.device("cpu")).itemsize
 
@@ -190,7 +189,7 @@ def flag_value(args, flag: str) -> float | None:
     return float(args[args.index(flag) + 1]) if flag in args[:-1] else None
 
 
-def where(cfg: DictConfig, stage: str, gpus: int) -> str:
+def where(cfg: Config, stage: str, gpus: int) -> str:
     """Which machine runs the stage: a job of pipeline.launcher with conf/cluster's resources for its
     app, or the host that runs the pipeline."""
     if cfg.pipeline.launcher:
@@ -204,7 +203,7 @@ def where(cfg: DictConfig, stage: str, gpus: int) -> str:
 
 
 def engine_gpu(
-    cfg: DictConfig, config: dict, weights: float, gpus: int, fraction: float, dtype, tokens: int
+    cfg: Config, config: dict, weights: float, gpus: int, fraction: float, dtype, tokens: int
 ) -> tuple[dict[str, float], str]:
     """GPU memory per GPU of a serving engine over `gpus` GPUs: the weights' share, the KV cache the
     engine keeps for `tokens` in flight (what fits in `fraction` of the GPU after the weights, at
@@ -227,7 +226,7 @@ def engine_gpu(
     return parts, note
 
 
-def engine_hours(cfg: DictConfig, rate_key: str, config: dict, gpus: int, tokens: int | None):
+def engine_hours(cfg: Config, rate_key: str, config: dict, gpus: int, tokens: int | None):
     """Time at the measured rate scaled by the rule in conf/pipeline (GPUs x measured active
     parameters / the target's)."""
     rates = plan_settings(cfg).rates
@@ -240,7 +239,7 @@ def engine_hours(cfg: DictConfig, rate_key: str, config: dict, gpus: int, tokens
     )
 
 
-def data_plan(cfg: DictConfig, config: dict, weights: float) -> StagePlan:
+def data_plan(cfg: Config, config: dict, weights: float) -> StagePlan:
     regen = cfg.data.regen
     answers = int(cfg.data.limit) * int(regen.max_new_tokens) if cfg.data.limit else None
     tokens_disk = (
@@ -272,7 +271,7 @@ def data_plan(cfg: DictConfig, config: dict, weights: float) -> StagePlan:
     return plan
 
 
-def extract_plan(cfg: DictConfig, config: dict, weights: float) -> StagePlan:
+def extract_plan(cfg: Config, config: dict, weights: float) -> StagePlan:
     itemsize = STORAGE_DTYPES[cfg.extract.dtype].itemsize
     tokens, _ = planned_tokens(cfg)
     disk = tokens * shard_bytes_per_token(int(config["hidden_size"]), itemsize) / 1e9
@@ -299,7 +298,7 @@ def extract_plan(cfg: DictConfig, config: dict, weights: float) -> StagePlan:
     return plan
 
 
-def drafter_params(cfg: DictConfig, config: dict) -> int:
+def drafter_params(cfg: Config, config: dict) -> int:
     """Trainable parameters of the drafter this config trains (built on the meta device)."""
     layers = int(config["num_hidden_layers"])
     aux = list(cfg.target.aux_layer_ids or default_aux_layer_ids(layers))
@@ -310,13 +309,13 @@ def drafter_params(cfg: DictConfig, config: dict) -> int:
     )
 
 
-def train_world(cfg: DictConfig) -> int:
+def train_world(cfg: Config) -> int:
     """Training ranks: trainer.devices (1 when not a count) x trainer.num_nodes."""
     devices = int(cfg.trainer.devices) if str(cfg.trainer.devices).isdigit() else 1
     return devices * int(cfg.trainer.num_nodes)
 
 
-def train_gpu(cfg: DictConfig, config: dict, params: int, world: int) -> dict[str, float]:
+def train_gpu(cfg: Config, config: dict, params: int, world: int) -> dict[str, float]:
     """Per GPU: fp32 params, grads and Adam m, v (16 B a parameter; sharded over the ranks under
     FSDP), DDP's gradient buckets (4 B), the frozen fp32 embedding, under FSDP the unit it gathers
     to compute (the whole drafter, Lightning's default wrapping: bf16 params with the embedding and
@@ -345,14 +344,14 @@ def train_gpu(cfg: DictConfig, config: dict, params: int, world: int) -> dict[st
     return parts
 
 
-def parts_gb(cfg: DictConfig, config: dict) -> float:
+def parts_gb(cfg: Config, config: dict) -> float:
     """Embedding, head and final norm as eagle3.core.target_parts reads them."""
     vocab, hidden = int(config["vocab_size"]), int(config["hidden_size"])
     rows = 1 if config.get("tie_word_embeddings") else 2
     return (rows * vocab + 1) * hidden * cpu_itemsize(cfg) / 1e9
 
 
-def train_plan(cfg: DictConfig, config: dict, weights: float) -> StagePlan:
+def train_plan(cfg: Config, config: dict, weights: float) -> StagePlan:
     from eagle3.train.app import needs_whole_target
 
     world = train_world(cfg)
@@ -388,7 +387,7 @@ def train_plan(cfg: DictConfig, config: dict, weights: float) -> StagePlan:
     return plan
 
 
-def export_plan(cfg: DictConfig, config: dict) -> StagePlan:
+def export_plan(cfg: Config, config: dict) -> StagePlan:
     params = drafter_params(cfg, config)
     itemsize = 4 if cfg.export.dtype in (None, "float32") else 2
     plan = StagePlan(
@@ -403,7 +402,7 @@ def export_plan(cfg: DictConfig, config: dict) -> StagePlan:
     return plan
 
 
-def bench_plan(cfg: DictConfig, config: dict, weights: float) -> StagePlan:
+def bench_plan(cfg: Config, config: dict, weights: float) -> StagePlan:
     scfg = cfg.serve
     if scfg.engine in ("local", "hf"):
         return StagePlan(
@@ -429,7 +428,7 @@ def bench_plan(cfg: DictConfig, config: dict, weights: float) -> StagePlan:
     )
 
 
-def stage_plans(cfg: DictConfig, stages: list[str]) -> dict[str, StagePlan]:
+def stage_plans(cfg: Config, stages: list[str]) -> dict[str, StagePlan]:
     """Every stage's plan; none for a hub id given without target.plan.config (nothing to size)."""
     config = target_config(cfg)
     if config is None:
@@ -445,7 +444,7 @@ def stage_plans(cfg: DictConfig, stages: list[str]) -> dict[str, StagePlan]:
     return {stage: build[stage]() for stage in stages}
 
 
-def check_plans(cfg: DictConfig, plans: dict[str, StagePlan]) -> None:
+def check_plans(cfg: Config, plans: dict[str, StagePlan]) -> None:
     """Refuse the first stage that does not fit its GPUs or one host process, with its numbers."""
     gpu, host = float(plan_settings(cfg).gpu_memory_gb), float(cfg.pipeline.process_memory_gb)
     for plan in plans.values():

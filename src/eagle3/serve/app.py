@@ -6,9 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from eagle3.core.common import Eagle3Error, app
+from eagle3.core.config import Config
 from eagle3.core.outputs import check_drafter_files, resolve_drafter_path, serving_folder
 from eagle3.core.spec import Spec, resolve_spec
 from eagle3.core.target import target_path_for
@@ -16,7 +15,7 @@ from eagle3.export.shipped import shipped_drafter, wanted
 from eagle3.serve.launch import check_spec_for_engine, start_engine, untrained_fallback
 
 
-def drafter_for(cfg: DictConfig, spec: Spec) -> Path | None:
+def drafter_for(cfg: Config, spec: Spec) -> Path | None:
     """The exported drafter folder the engine loads (None: spec=off, or the local server's own
     untrained fallback)."""
     if not spec.enabled:
@@ -36,7 +35,7 @@ def drafter_for(cfg: DictConfig, spec: Spec) -> Path | None:
 
 
 @app
-def main(cfg: DictConfig) -> None:
+def main(cfg: Config) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     spec = resolve_spec(cfg.spec)

@@ -21,11 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagle3.core.common import log
-from eagle3.core.config import from_plain, plain
+from eagle3.core.config import BenchConfig, Config, from_plain, plain
 from eagle3.core.spec import Spec
 from eagle3.core.target import load_target
 from eagle3.engine.service import Generation, build_service
@@ -55,7 +54,7 @@ class LocalEngine(InProcess):
     def counters(self) -> dict:
         return self.service.stats()
 
-    def request(self, ids: list[int], bcfg) -> dict:
+    def request(self, ids: list[int], bcfg: BenchConfig) -> dict:
         started = time.perf_counter()
         first: list[float] = []
 
@@ -79,7 +78,9 @@ class LocalEngine(InProcess):
             **({"output_ids": list(reply.tokens)} if bcfg.check_outputs else {}),
         }
 
-    def run(self, requests: list[list[int]], bcfg, desc: str) -> tuple[list[dict], float]:
+    def run(
+        self, requests: list[list[int]], bcfg: BenchConfig, desc: str
+    ) -> tuple[list[dict], float]:
         return in_flight(requests, bcfg.batch_size, lambda ids: self.request(ids, bcfg), desc)
 
 
@@ -87,7 +88,7 @@ class HFGenerate(InProcess):
     """HF `generate` on the target: static batches of bench.batch_size left-padded prompts, each
     batch's wall time every one of its requests' latency."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: Config):
         self.target = load_target(cfg)
         tokenizer = self.target.tokenizer
         self.eos = tokenizer.eos_token_id
@@ -96,7 +97,7 @@ class HFGenerate(InProcess):
     def counters(self) -> dict:
         return {}
 
-    def generate(self, batch: list[list[int]], bcfg) -> list[int]:
+    def generate(self, batch: list[list[int]], bcfg: BenchConfig) -> list[int]:
         """Completion token counts of one batch (up to and including the first EOS)."""
         model = self.target.model
         width = max(map(len, batch))
@@ -117,7 +118,9 @@ class HFGenerate(InProcess):
         )
         return [completion_length(row, self.eos) for row in out[:, width:].tolist()]
 
-    def run(self, requests: list[list[int]], bcfg, desc: str) -> tuple[list[dict], float]:
+    def run(
+        self, requests: list[list[int]], bcfg: BenchConfig, desc: str
+    ) -> tuple[list[dict], float]:
         records = []
         with tqdm(total=len(requests), desc=desc, leave=False) as bar:
             started = time.perf_counter()
@@ -168,7 +171,7 @@ def completion_length(row: list[int], eos: int | None) -> int:
     return row.index(eos) + 1 if eos is not None and eos in row else len(row)
 
 
-def engine_for(cfg: DictConfig, spec: Spec, drafter_path: Path | None):
+def engine_for(cfg: Config, spec: Spec, drafter_path: Path | None):
     """The in-process engine for this job: the one kept from the previous job when its config is
     the same, else a fresh one (the kept one is freed first: one engine in memory at a time)."""
     if cfg.serve.engine == "hf":

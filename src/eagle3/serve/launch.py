@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from eagle3.core.common import CONF_DIR, Eagle3Error, api_key, log
+from eagle3.core.config import Config, ServeConfig
 from eagle3.core.lifecycle import LAUNCH_TOKEN_ENV, spawn
 from eagle3.core.redact import mask, mask_argv, mask_text, masked_config
 from eagle3.core.spec import Spec
@@ -104,7 +105,7 @@ class Launch:
         return f"http://{self.host}:{self.port}"
 
 
-def engine_python(scfg) -> str:
+def engine_python(scfg: ServeConfig) -> str:
     """serve.python; a relative path is taken from the eagle3 checkout (where `make setup` puts the
     venvs), a bare name (python3) from PATH (a machine whose own Python holds the engine)."""
     if "/" not in str(scfg.python):
@@ -119,7 +120,7 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def untrained_fallback(cfg: DictConfig) -> bool:
+def untrained_fallback(cfg: Config) -> bool:
     """serve=local with serve.drafter_fallback=untrained and no drafter.path: the local server
     builds an untrained drafter itself when none was exported for this config."""
     return (
@@ -130,7 +131,7 @@ def untrained_fallback(cfg: DictConfig) -> bool:
 
 
 def compose_launch(
-    cfg: DictConfig,
+    cfg: Config,
     spec: Spec,
     drafter_path: Path | None,
     target_path: Path | str,
@@ -156,7 +157,7 @@ def compose_launch(
     return launch
 
 
-def local_job_config(cfg, spec, drafter_path, port: int | None = None) -> dict:
+def local_job_config(cfg: Config, spec, drafter_path, port: int | None = None) -> dict:
     """The config the embedded engine is built from: the job's resolved config (secrets masked: the
     server reads its API key from the environment) with the resolved spec and drafter folder."""
     job = masked_config(cfg)
@@ -173,7 +174,7 @@ def local_job_config(cfg, spec, drafter_path, port: int | None = None) -> dict:
     return job
 
 
-def local_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
+def local_launch(cfg: Config, spec, drafter_path, target_path, port) -> Launch:
     """Our server gets local_job_config as its primary config file."""
     job = local_job_config(cfg, spec, drafter_path, port)
     argv = [
@@ -199,7 +200,7 @@ def local_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
     )
 
 
-def vllm_cli(scfg) -> list[str]:
+def vllm_cli(scfg: ServeConfig) -> list[str]:
     """vLLM's own command-line entry point (`vllm serve`): the `vllm` command installed beside
     serve.python, or for a bare serve.python (a machine's own Python with vLLM installed from a
     bundle, no command beside it) the module behind that command."""
@@ -208,7 +209,7 @@ def vllm_cli(scfg) -> list[str]:
     return [str(Path(engine_python(scfg)).with_name("vllm"))]
 
 
-def vllm_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
+def vllm_launch(cfg: Config, spec, drafter_path, target_path, port) -> Launch:
     v = cfg.serve
     argv = [
         *vllm_cli(v),
@@ -251,7 +252,7 @@ def sglang_cuda_graph_flag(version: str) -> str:
     return "--cuda-graph-max-bs-decode" if parts >= (0, 5, 20) else "--cuda-graph-max-bs"
 
 
-def sglang_version(scfg) -> str:
+def sglang_version(scfg: ServeConfig) -> str:
     """serve.version, or (auto) the version installed for serve.python."""
     if scfg.version != "auto":
         return str(scfg.version)
@@ -272,7 +273,7 @@ def sglang_version(scfg) -> str:
     return out.stdout.strip()
 
 
-def sglang_argv(cfg, spec: Spec, drafter_path, target_path, port) -> list[str]:
+def sglang_argv(cfg: Config, spec: Spec, drafter_path, target_path, port) -> list[str]:
     """Arguments of `python -m sglang.launch_server` (also fed to SGLang's own parser in tests)."""
     s = cfg.serve
     argv = [
@@ -360,7 +361,7 @@ def sglang_parse(python: str, argv: list[str]) -> dict:
     return result["parsed"]
 
 
-def sglang_launch(cfg, spec, drafter_path, target_path, port) -> Launch:
+def sglang_launch(cfg: Config, spec, drafter_path, target_path, port) -> Launch:
     args = sglang_argv(cfg, spec, drafter_path, target_path, port)
     if cfg.serve.validate_args:
         sglang_parse(engine_python(cfg.serve), args)
@@ -548,7 +549,7 @@ def _stop_all() -> None:
 
 
 def start_engine(
-    cfg: DictConfig,
+    cfg: Config,
     spec: Spec,
     drafter_path: Path | None,
     target_path,

@@ -28,10 +28,10 @@ from typing import Annotated
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from omegaconf import DictConfig
 from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3.core.common import Eagle3Error, api_key, app, log
+from eagle3.core.config import Config
 from eagle3.core.lifecycle import LAUNCH_TOKEN_ENV
 from eagle3.engine.service import EngineService, Generation, Reply, build_service
 
@@ -450,7 +450,7 @@ def graceful_server(config, service: EngineService, grace_s: float):
 
 
 @app
-def main(cfg: DictConfig) -> None:
+def main(cfg: Config) -> None:
     import uvicorn
 
     service = build_service(cfg)

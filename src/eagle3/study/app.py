@@ -21,11 +21,10 @@ import json
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from eagle3.core import tracking
 from eagle3.core.artifacts import StageOutput, config_hash, stage_output, to_plain
 from eagle3.core.common import Eagle3Error, app, log
+from eagle3.core.config import Config
 from eagle3.core.drafter_io import load_trained_drafter
 from eagle3.core.spec import resolve_spec
 from eagle3.core.target import load_target
@@ -87,7 +86,7 @@ def distinct(counts: set[int], sizes) -> list[int]:
     return sorted(counts)
 
 
-def size_rows(cfg: DictConfig, data_path: Path) -> tuple[list[int], int]:
+def size_rows(cfg: Config, data_path: Path) -> tuple[list[int], int]:
     """(train rows per drafter, rows in the train split) for study.sizes in study.size_unit."""
     split = load_splits(data_path)["train"]
     if cfg.study.size_unit == "rows":
@@ -98,13 +97,13 @@ def size_rows(cfg: DictConfig, data_path: Path) -> tuple[list[int], int]:
     return rows_for_tokens(cfg.study.sizes, lengths), len(split)
 
 
-def size_cfg(cfg: DictConfig, rows: int, n_train: int) -> DictConfig:
+def size_cfg(cfg: Config, rows: int, n_train: int) -> Config:
     """The recipe with train.limit set (null for the whole split: the plain recipe's drafter)."""
     limit = None if rows == n_train else rows
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, limit=limit))
 
 
-def study_output(cfg: DictConfig, data_hash: str) -> StageOutput:
+def study_output(cfg: Config, data_hash: str) -> StageOutput:
     study = {
         k: v
         for k, v in to_plain(cfg.study).items()
@@ -133,7 +132,7 @@ def prefix_tokens(data_path: Path, rows: int, max_length: int) -> tuple[int, int
     return tokens, trained
 
 
-def flops_per_token(cfg: DictConfig, target_params: int, drafter_params: int) -> float:
+def flops_per_token(cfg: Config, target_params: int, drafter_params: int) -> float:
     """Training FLOPs per token and epoch: the target's forward (2 N) when hidden states are made
     online, and the drafter's forward and backward (6 N) once per TTT step."""
     target = 2 * target_params if cfg.train.hidden_states == "online" else 0
@@ -156,7 +155,7 @@ def suite_name(suite: str) -> str:
     return Path(suite).stem.removeprefix("suite_") if suite.endswith(".jsonl") else suite
 
 
-def suite_prompt_ids(cfg: DictConfig, tokenizer) -> dict[str, list[list[int]]]:
+def suite_prompt_ids(cfg: Config, tokenizer) -> dict[str, list[list[int]]]:
     """The token ids of the first study.prompts prompts of each study.suites entry: a bench suite's
     name, or a JSONL file of its prompts (`python -m eagle3.data.prompt_files --suites`, for a machine
     without the suites' packages)."""
@@ -176,7 +175,7 @@ def suite_prompt_ids(cfg: DictConfig, tokenizer) -> dict[str, list[list[int]]]:
     return prompts
 
 
-def decoder_for(cfg: DictConfig, target, drafter, spec):
+def decoder_for(cfg: Config, target, drafter, spec):
     ecfg = cfg.engine
     graphs = target.device.type == "cuda" if ecfg.cuda_graphs == "auto" else bool(ecfg.cuda_graphs)
     compiled = bool(cfg.study.compile) and graphs
@@ -196,7 +195,7 @@ def decoder_for(cfg: DictConfig, target, drafter, spec):
     )
 
 
-def engine_tau(cfg: DictConfig, target, train_dir: Path, prompts: dict) -> dict:
+def engine_tau(cfg: Config, target, train_dir: Path, prompts: dict) -> dict:
     """{suite: tau, ..., "all": tau over every prompt} for the drafter trained in train_dir."""
     spec = resolve_spec(cfg.spec)
     dtype = next(target.model.parameters()).dtype
@@ -218,7 +217,7 @@ def engine_tau(cfg: DictConfig, target, train_dir: Path, prompts: dict) -> dict:
 # ---------------------------------------------------------------- MLflow
 
 
-def log_mlflow(cfg: DictConfig, result: dict, files: list[Path]) -> str | None:
+def log_mlflow(cfg: Config, result: dict, files: list[Path]) -> str | None:
     """One parent run (the fits, the plot, study.json) and a child run per size."""
     if not cfg.tracking.enabled:
         return None
@@ -255,7 +254,7 @@ def log_mlflow(cfg: DictConfig, result: dict, files: list[Path]) -> str | None:
 # ---------------------------------------------------------------- the app
 
 
-def train_sizes(cfg: DictConfig, data) -> list[dict]:
+def train_sizes(cfg: Config, data) -> list[dict]:
     """Train (or find) one drafter per size; a point per size without its engine tau yet."""
     if cfg.train.init_from:
         raise Eagle3Error(
@@ -287,7 +286,7 @@ def train_sizes(cfg: DictConfig, data) -> list[dict]:
     return points
 
 
-def measure(cfg: DictConfig, points: list[dict]) -> None:
+def measure(cfg: Config, points: list[dict]) -> None:
     """Each point's engine tau (per suite and overall) and its training FLOPs."""
     target = load_target(cfg)
     prompts = suite_prompt_ids(cfg, target.tokenizer)
@@ -306,14 +305,14 @@ def measure(cfg: DictConfig, points: list[dict]) -> None:
         )
 
 
-def study_title(cfg: DictConfig, spec_label: str) -> str:
+def study_title(cfg: Config, spec_label: str) -> str:
     return (
         f"{cfg.target.name}: drafters from scratch, {cfg.train.epochs} epoch(s) each; engine τ at "
         f"{spec_label} over {len(cfg.study.suites)} suites x {cfg.study.prompts} prompts"
     )
 
 
-def write_outputs(cfg: DictConfig, result: dict, folder: Path) -> list[Path]:
+def write_outputs(cfg: Config, result: dict, folder: Path) -> list[Path]:
     title, suites = result["title"], result["suites"]
     references = reference_points(cfg.study.references, result["points"])
     png = plot(
@@ -332,7 +331,7 @@ def write_outputs(cfg: DictConfig, result: dict, folder: Path) -> list[Path]:
     return [folder / "study.json", png, md]
 
 
-def run(cfg: DictConfig) -> StageOutput:
+def run(cfg: Config) -> StageOutput:
     data = data_stage.run(cfg)
     out = study_output(cfg, data.hash)
     if out.complete:
@@ -393,7 +392,7 @@ def pooled(paths: list[Path]) -> dict:
     return {**first, "hash": hash_, "title": title, "epochs": epochs, "points": points}
 
 
-def log_from(cfg: DictConfig, paths: list[Path]) -> Path:
+def log_from(cfg: Config, paths: list[Path]) -> Path:
     """Log study.json files written elsewhere (pooled when several) and redraw their outputs: beside
     a single file, in <artifacts>/study/pooled-<hash> for several."""
     result = pooled(paths)
@@ -423,7 +422,7 @@ def job_overrides() -> list[str]:
         return []
 
 
-def compare(cfg: DictConfig, paths: list[Path]) -> Path:
+def compare(cfg: Config, paths: list[Path]) -> Path:
     """Studies of the same recipe on other data (a multirun over data options) side by side: one
     plot and table in <artifacts>/study/compare-<hash>, logged as one MLflow run."""
     results = labelled(paths)
@@ -450,7 +449,7 @@ def compare(cfg: DictConfig, paths: list[Path]) -> Path:
 
 
 @app
-def main(cfg: DictConfig) -> None:
+def main(cfg: Config) -> None:
     if cfg.study.compare:
         compare(cfg, [Path(str(p)) for p in cfg.study.compare])
         return

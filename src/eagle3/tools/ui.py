@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from omegaconf import DictConfig
 
 from eagle3.core import tracking
 from eagle3.core.common import Eagle3Error, app
+from eagle3.core.config import Config
 from eagle3.core.lifecycle import run_child
 from eagle3.serve.launch import EngineProcess, Launch, free_port
 
@@ -199,7 +199,7 @@ def newest_sweep(url: str, experiment_id: str) -> list[str]:
 
 
 @app
-def main(cfg: DictConfig) -> None:
+def main(cfg: Config) -> None:
     """Serve the configured MLflow store in the foreground until Ctrl-C; with
     tracking.ui_screenshot=<png>, screenshot the newest sweep's comparison instead and exit."""
 

@@ -25,12 +25,12 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
 from eagle3.core.artifacts import StageOutput
 from eagle3.core.common import Eagle3Error, app, log, resolve_device
+from eagle3.core.config import Config, TrainerConfig
 from eagle3.core.drafter import Eagle3Drafter, build_drafter
 from eagle3.core.drafter_io import (
     BEST_WEIGHTS,
@@ -68,7 +68,7 @@ from eagle3.train.drafter_module import DrafterModule
 
 
 def check_inputs(
-    cfg: DictConfig,
+    cfg: Config,
     target: Target,
     data_manifest: dict,
     d2t: torch.Tensor,
@@ -114,7 +114,7 @@ def check_inputs(
         )
 
 
-def check_shards(cfg: DictConfig, shards: StageOutput, data_hash: str) -> None:
+def check_shards(cfg: Config, shards: StageOutput, data_hash: str) -> None:
     if not shards.complete:
         raise Eagle3Error(
             f"no complete hidden-state shards at {shards.path}: run `python -m eagle3.extract` "
@@ -140,7 +140,7 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def choose_strategy(trainer_cfg: DictConfig, multirun: bool) -> str:
+def choose_strategy(trainer_cfg: TrainerConfig, multirun: bool) -> str:
     """Lightning's ddp re-launches the script per rank; under a Hydra multirun that re-runs the
     whole sweep in every rank, so there ddp becomes ddp_spawn (processes forked from this job)."""
     strategy = trainer_cfg.strategy
@@ -156,19 +156,19 @@ def choose_strategy(trainer_cfg: DictConfig, multirun: bool) -> str:
     return strategy
 
 
-def trains_on_gpu(trainer_cfg: DictConfig) -> bool:
+def trains_on_gpu(trainer_cfg: TrainerConfig) -> bool:
     return trainer_cfg.accelerator in ("gpu", "cuda") or (
         trainer_cfg.accelerator == "auto" and torch.cuda.is_available()
     )
 
 
-def precision_for(trainer_cfg: DictConfig) -> str:
+def precision_for(trainer_cfg: TrainerConfig) -> str:
     if trainer_cfg.precision != "auto":
         return trainer_cfg.precision
     return "bf16-mixed" if trains_on_gpu(trainer_cfg) else "32-true"
 
 
-def build_trainer(cfg: DictConfig, folder: Path, logger, callbacks=()) -> L.Trainer:
+def build_trainer(cfg: Config, folder: Path, logger, callbacks=()) -> L.Trainer:
     trainer_cfg = cfg.trainer
     return L.Trainer(
         accelerator=trainer_cfg.accelerator,
@@ -203,7 +203,7 @@ def resume_checkpoint(folder: Path) -> Path | None:
 
 
 def fit(
-    cfg: DictConfig,
+    cfg: Config,
     target: Target,
     datamodule: DrafterData,
     folder: Path,
@@ -312,7 +312,7 @@ def write_weights(folder: Path, drafter: Eagle3Drafter) -> None:
 # ---------------------------------------------------------------- the app
 
 
-def evaluation_for(cfg: DictConfig, val_set: Dataset) -> dict:
+def evaluation_for(cfg: Config, val_set: Dataset) -> dict:
     """Held-out prompts (token ids before the first trained token) for measured acceptance."""
     if not cfg.train.eval_prompts:
         return {}
@@ -330,7 +330,7 @@ def evaluation_for(cfg: DictConfig, val_set: Dataset) -> dict:
     }
 
 
-def target_device(cfg: DictConfig) -> str:
+def target_device(cfg: Config) -> str:
     """Offline the target only lends its embedding and lm_head: CPU. Online it runs in every step:
     this rank's GPU (and so the GPU dtype), when there is one."""
     if cfg.train.hidden_states != "online" or cfg.trainer.accelerator == "cpu":
@@ -339,19 +339,19 @@ def target_device(cfg: DictConfig) -> str:
     return f"cuda:{local_rank()}" if device.type == "cuda" else str(device)
 
 
-def needs_whole_target(cfg: DictConfig) -> bool:
+def needs_whole_target(cfg: Config) -> bool:
     """Online states and measured acceptance run the target; offline training reads only its
     embedding and head (eagle3.core.target_parts)."""
     return cfg.train.hidden_states == "online" or bool(cfg.train.eval_prompts)
 
 
-def target_for(cfg: DictConfig) -> Target | TargetParts:
+def target_for(cfg: Config) -> Target | TargetParts:
     if needs_whole_target(cfg):
         return load_target(cfg, device=target_device(cfg))
     return load_target_parts(cfg)
 
 
-def run(cfg: DictConfig, callbacks=()) -> StageOutput:
+def run(cfg: Config, callbacks=()) -> StageOutput:
     """Train the drafter this config describes (a no-op when its output is complete)."""
     out = train_output(cfg)
     if out.complete:
@@ -449,7 +449,7 @@ def best_tau_hat(folder: Path, metrics: dict) -> float | None:
 
 
 @app
-def main(cfg: DictConfig) -> None:
+def main(cfg: Config) -> None:
     out = run(cfg)
     print(f"trained drafter: {out.path}")
 

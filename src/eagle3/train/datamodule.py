@@ -9,10 +9,10 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from eagle3.core.common import Eagle3Error
+from eagle3.core.config import Config, TrainConfig
 from eagle3.core.outputs import shards_output
 from eagle3.data.app import load_splits
 from eagle3.extract.app import ShardDataset
@@ -156,7 +156,7 @@ class DrafterData(L.LightningDataModule):
         self,
         train_set: Dataset,
         val_set: Dataset,
-        tcfg: DictConfig,
+        tcfg: TrainConfig,
         seed: int,
         pad_id: int,
         num_workers: int = 0,
@@ -224,7 +224,7 @@ class DrafterData(L.LightningDataModule):
             self.train_sampler.resume(*self.pending_resume)
 
 
-def datasets_for(cfg: DictConfig, data_dir: Path) -> tuple[Dataset, Dataset]:
+def datasets_for(cfg: Config, data_dir: Path) -> tuple[Dataset, Dataset]:
     train_set, val_set = split_datasets(cfg, data_dir)
     return first_rows(train_set, cfg.train.limit), val_set
 
@@ -242,7 +242,7 @@ def first_rows(dataset: Dataset, limit: int | None) -> Dataset:
     return subset
 
 
-def split_datasets(cfg: DictConfig, data_dir: Path) -> tuple[Dataset, Dataset]:
+def split_datasets(cfg: Config, data_dir: Path) -> tuple[Dataset, Dataset]:
     if cfg.train.hidden_states == "online":
         splits = load_splits(data_dir)
         return TokenDataset(splits["train"]), TokenDataset(splits["val"])

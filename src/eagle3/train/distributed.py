@@ -12,9 +12,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from eagle3.core.common import Eagle3Error
+from eagle3.core.config import ClusterConfig, TrainerConfig
 
 # what gloo and NCCL say when the process on the other end of a collective is gone
 PEER_LOST = (
@@ -66,7 +65,7 @@ def local_rank() -> int:
     return environment.local_rank() if environment else int(os.environ.get("LOCAL_RANK", 0))
 
 
-def requeue_signal(cluster_cfg: DictConfig) -> signal.Signals:
+def requeue_signal(cluster_cfg: ClusterConfig) -> signal.Signals:
     """cluster.requeue_signal (USR1) as a signal number."""
     name = str(cluster_cfg.requeue_signal).upper().removeprefix("SIG")
     try:
@@ -77,7 +76,7 @@ def requeue_signal(cluster_cfg: DictConfig) -> signal.Signals:
         ) from None
 
 
-def cluster_plugins(cluster_cfg: DictConfig) -> list:
+def cluster_plugins(cluster_cfg: ClusterConfig) -> list:
     """Under srun: Lightning's SLURM environment listening for the signal sbatch is told to send
     (cluster.requeue_signal): on it every rank saves hpc_ckpt_<n>.ckpt and rank 0 requeues the job."""
     if not under_slurm():
@@ -88,7 +87,7 @@ def cluster_plugins(cluster_cfg: DictConfig) -> list:
 
 
 @contextlib.contextmanager
-def requeue_signal_free(cluster_cfg: DictConfig):
+def requeue_signal_free(cluster_cfg: ClusterConfig):
     """Lightning installs its requeue handler only on a signal nobody handles yet; a submitit job
     has its own handler (resubmit without a checkpoint) on its signal. For the fit, the signal is
     left to Lightning; the previous handler comes back after."""
@@ -119,7 +118,7 @@ def wait_for_rank_zero(
         time.sleep(poll_s)
 
 
-def strategy_for(trainer_cfg: DictConfig, name: str):
+def strategy_for(trainer_cfg: TrainerConfig, name: str):
     """Lightning's strategy for `name` with the configured collective timeout (a dead peer fails
     the run after it instead of torch's 30 minutes); other names pass through."""
     timeout = timedelta(seconds=trainer_cfg.dist_timeout_s)

@@ -8,9 +8,9 @@ import math
 
 import lightning as L
 import torch
-from omegaconf import DictConfig
 
 from eagle3.core.common import Eagle3Error, log
+from eagle3.core.config import TrainConfig
 from eagle3.core.drafter import Eagle3Drafter
 from eagle3.core.drafter_io import CHECKPOINTS
 from eagle3.core.target import CompiledCapture, Target
@@ -64,7 +64,7 @@ class DrafterModule(L.LightningModule):
         self,
         drafter: Eagle3Drafter,
         lm_head_weight: torch.Tensor,
-        tcfg: DictConfig,
+        tcfg: TrainConfig,
         target: Target | None = None,
         evaluation: dict | None = None,
     ):
