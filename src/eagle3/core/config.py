@@ -28,7 +28,7 @@ from omegaconf.errors import MissingMandatoryValue
 class TargetConfig:
     name: str = MISSING
     kind: str = MISSING
-    path: Optional[str] = None
+    path: Optional[str] = MISSING  # no default: a `???` in an option's yaml must stay missing
     aux_layer_ids: Optional[List[int]] = None
     dtype: str = MISSING
     device: str = MISSING
