@@ -118,7 +118,7 @@ H200_LIST = REPO / "conf/bundle/machines/h200.txt"
 
 def sglang_resolution(make_cfg, index, tmp_path, machine):
     cfg = make_cfg(f"bundle.engine_index_args=[--no-index,--find-links,{index}]")
-    eset = cfg.bundle.engine_sets.sglang
+    eset = cfg.bundle.engine_sets["sglang"]
     cache = tmp_path / "downloads"
     cache.mkdir(exist_ok=True)
     return resolve(
@@ -194,7 +194,7 @@ def test_trimming_drops_the_configured_files_and_pip_installs_the_rest(make_cfg,
     are there, each with its right hash."""
     cfg = make_cfg()
     wheel = write_wheel(tmp_path / "w", "sglang-kernel", "0.4.4", files=KERNEL_FILES)
-    rule = list(cfg.bundle.engine_sets.sglang.trim["sglang-kernel"])
+    rule = list(cfg.bundle.engine_sets["sglang"].trim["sglang-kernel"])
     dropped = trim_wheel(wheel, rule, "trim")
     assert sorted(dropped) == [
         "sgl_kernel/flash_ops.abi3.so",

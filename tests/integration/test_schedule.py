@@ -112,7 +112,7 @@ def test_serve_batches_four_requests_by_default(test_root, tiny_target):
     cfg = server_cfg(test_root)
     service = build_service(cfg)
     scheduler = service.decoder
-    assert scheduler.decoder.max_batch_size == cfg.engine.auto_batch_size.cpu
+    assert scheduler.decoder.max_batch_size == cfg.engine.auto_batch_size["cpu"]
     prompts = [service.encode_text(text) for text in PROMPTS]
     replies: dict[int, list[int]] = {}
     others_queued = threading.Event()

@@ -66,7 +66,7 @@ def test_engine_settings_reach_the_decoder(test_root):
     try:
         service = build_service(server_cfg(test_root, "spec=d6s3k2", "engine.tree_temperature=0.5"))
         assert service.decoder.tree_temperature == 0.5 and service.decoder.spec.topk == 2
-        with pytest.raises(Eagle3Error, match="engine.tree_temperature=0: must be > 0"):
+        with pytest.raises(Eagle3Error, match="engine.tree_temperature=0.0: must be > 0"):
             build_service(server_cfg(test_root, "engine.tree_temperature=0"))
     finally:
         torch.set_num_threads(before)

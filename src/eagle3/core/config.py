@@ -257,9 +257,9 @@ class TrainConfig:
     ttt_length: int = MISSING
     step_decay: float = MISSING
     attention: str = MISSING
-    compile_loss: str = MISSING
-    compile_unroll: bool = MISSING
-    compile_target: bool = MISSING
+    compile_loss: Any = MISSING  # auto | true | false
+    compile_unroll: Any = MISSING  # auto | true | false
+    compile_target: Any = MISSING  # auto | true | false
     max_length: int = MISSING
     batch_size: int = MISSING
     bucket_batches: int = MISSING
@@ -323,11 +323,11 @@ class SpecConfig:
 @dataclass
 class EngineConfig:
     max_context: int = MISSING
-    cuda_graphs: str = MISSING
+    cuda_graphs: Any = MISSING  # auto | true | false
     lean_forward: bool = MISSING
     eager_cudnn_attention: bool = MISSING
-    compile_layers: str = MISSING
-    compile_draft: str = MISSING
+    compile_layers: Any = MISSING  # auto | true | false
+    compile_draft: Any = MISSING  # auto | true | false
     overlap_steps: bool = MISSING
     draft_attention: str = MISSING
     tree_temperature: float = MISSING
@@ -429,7 +429,7 @@ class PipelineConfig:
     dry_run: bool = MISSING
     plan_port: int = MISSING
     stop_timeout_s: int = MISSING
-    process_memory_gb: int = MISSING
+    process_memory_gb: float = MISSING
     launcher: Optional[str] = None
     plan: PlanConfig = field(default_factory=PlanConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -446,7 +446,7 @@ class EngineSetConfig:
 @dataclass
 class BundleConfig:
     out: str = MISSING
-    part_mib: int = MISSING
+    part_mib: float = MISSING
     python_version: str = MISSING
     platforms: List[str] = MISSING
     packages: List[str] = MISSING

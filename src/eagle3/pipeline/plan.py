@@ -230,12 +230,12 @@ def engine_hours(cfg: Config, rate_key: str, config: dict, gpus: int, tokens: in
     """Time at the measured rate scaled by the rule in conf/pipeline (GPUs x measured active
     parameters / the target's)."""
     rates = plan_settings(cfg).rates
-    rate = rates[rate_key] * gpus * rates.active_params / active_params(config)
+    rate = getattr(rates, rate_key) * gpus * rates.active_params / active_params(config)
     if not tokens:
         return None, f"{rate:,.0f} tok/s; token count unknown (set data.limit)"
     return (
         tokens / rate / 3600,
-        f"{tokens:,} tokens at {rate:,.0f} tok/s (scaled from {rates[rate_key]:,} tok/s)",
+        f"{tokens:,} tokens at {rate:,.0f} tok/s (scaled from {getattr(rates, rate_key):,} tok/s)",
     )
 
 
