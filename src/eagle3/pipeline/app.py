@@ -131,7 +131,7 @@ def print_plan(cfg: Config, sweep_dir: Path) -> None:
     weights = check_process_fit(cfg)
     size = "unknown size" if weights is None else f"{weights:,.1f} GB of weights"
     print(
-        f"target {cfg.target.name} ({size}; one process holds {cfg.pipeline.process_memory_gb} GB)"
+        f"target {cfg.target.name} ({size}; one process holds {cfg.pipeline.process_memory_gb:g} GB)"
     )
     plans = stage_plans(cfg, planned_stages(cfg))
     limits = (float(cfg.pipeline.plan.gpu_memory_gb), float(cfg.pipeline.process_memory_gb))
