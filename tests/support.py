@@ -5,6 +5,7 @@ Heavy imports stay inside the functions: scripts run in a subprocess put this fo
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -215,8 +216,16 @@ def http_server_launch(port: int, prefix: str = ""):
 QUICK = ("bench.limit=3", "bench.max_new_tokens=24", "bench.warmup=1")
 
 
-def run_sweep(test_root, tmp_path, *overrides) -> tuple[subprocess.CompletedProcess, Path]:
+def run_sweep(
+    test_root, tmp_path, *overrides, empty_store: Path | None = None
+) -> tuple[subprocess.CompletedProcess, Path]:
+    """`python -m eagle3.bench -m ...` into tmp_path/sweep, logging to tmp_path/mlruns; empty_store
+    (conftest's): start from a copy of that new store instead of creating one (seconds of schema
+    migrations and disk syncs)."""
     sweep_dir = tmp_path / "sweep"
+    if empty_store is not None:
+        (tmp_path / "mlruns").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(empty_store, tmp_path / "mlruns" / "mlflow.db")
     argv = [
         sys.executable,
         "-m",

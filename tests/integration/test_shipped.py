@@ -179,16 +179,19 @@ def shipped_registered_copy(cfg, artifacts) -> Path:
 
 
 @pytest.mark.slow
-def test_a_sweep_on_the_shipped_drafter(test_root, own_artifacts, tmp_path):
+def test_a_sweep_on_the_shipped_drafter(test_root, own_artifacts, tmp_path, empty_store):
     """`python -m eagle3.bench -m spec.depth=3,2` with nothing trained: the shipped drafter is
     announced, registered and used; each child run has its settings as params and its measurements
     (medians of the repeats, their ranges) as metrics; the experiment opens as a model-development
     experiment; the last lines compare each depth with spec=off."""
+    import shutil
     import subprocess
     import sys
 
     from mlflow.tracking import MlflowClient
 
+    (tmp_path / "mlruns").mkdir()
+    shutil.copyfile(empty_store, tmp_path / "mlruns" / "mlflow.db")  # a new store, made once
     uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
     argv = [
         *(sys.executable, "-m", "eagle3.bench", "-m", "spec.depth=3,2"),

@@ -81,7 +81,7 @@ def test_schedule_flags_parse_in_sglang():
 
 
 @pytest.mark.slow
-def test_local_sweep_over_batch_sizes_batches(test_root, tmp_path, tiny_drafter):
+def test_local_sweep_over_batch_sizes_batches(test_root, tmp_path, tiny_drafter, empty_store):
     """`python -m eagle3.bench -m spec=off,d4 bench.batch_size=1,4 serve=local`: the engine batches
     bench.batch_size requests (spec=off's total tok/s at batch 4 above batch 1's), and the
     sweep writes load.md and the schedule for both batch sizes."""
@@ -96,6 +96,7 @@ def test_local_sweep_over_batch_sizes_batches(test_root, tmp_path, tiny_drafter)
         *QUICK,
         "bench.limit=8",
         f"drafter.path={tiny_drafter}",
+        empty_store=empty_store,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     jobs = [json.loads(p.read_text()) for p in sweep_dir.glob("*/bench_result.json")]
