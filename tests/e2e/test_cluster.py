@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -94,17 +95,27 @@ def sweep_shape(tracking_uri: str, sweep_dir: Path) -> dict:
     }
 
 
+def sqlite_store(folder: Path, empty_store: Path) -> str:
+    """The URI of folder/mlruns/mlflow.db, a copy of conftest's new store (made once: creating one
+    costs seconds of schema migrations and disk syncs)."""
+    (folder / "mlruns").mkdir(parents=True)
+    shutil.copyfile(empty_store, folder / "mlruns" / "mlflow.db")
+    return f"sqlite:///{folder}/mlruns/mlflow.db"
+
+
 @pytest.mark.slow
 def test_four_submitit_jobs_at_once_log_to_the_sqlite_store_as_the_basic_launcher_does(
-    test_root, tmp_path, tiny_drafter
+    test_root, tmp_path, tiny_drafter, empty_store
 ):
     """The same four-job sweep, run by Hydra's basic launcher and as real submitit jobs started at
     once on one sqlite store: the same parent run, child runs (names, params, metric names),
-    summary and artifacts; every job's run arrives exactly once."""
-    shapes = ("spec.depth=2,3,4,5",)
-    basic_uri = f"sqlite:///{tmp_path}/basic/mlruns/mlflow.db"
+    summary and artifacts; every job's run arrives exactly once. The launchers and the store are
+    the subject: each job runs its engine in its own process (serve.inprocess), with no engine
+    server to start (test_four_jobs_at_once_log_to_a_tracking_server starts four at once)."""
+    shapes = ("spec.depth=2,3,4,5", "serve.inprocess=true")
+    basic_uri = sqlite_store(tmp_path / "basic", empty_store)
     basic = sweep(test_root, tmp_path / "basic", basic_uri, tiny_drafter, *shapes)
-    local_uri = f"sqlite:///{tmp_path}/local/mlruns/mlflow.db"
+    local_uri = sqlite_store(tmp_path / "local", empty_store)
     local = sweep(
         test_root,
         tmp_path / "local",
