@@ -12,13 +12,14 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 import yaml
-from engine_helpers import AGREE_PROMPTS, AGREE_TARGET, AGREE_TOKENS
+from engine_helpers import AGREE_PROMPTS, AGREE_TOKENS
 from mlflow.tracking import MlflowClient
 from support import QUICK, REPO, VLLM_PYTHON, export_untrained_drafter, run_sweep
 
@@ -254,7 +255,9 @@ def vllm_drafter(test_root):
 
 
 @pytest.mark.slow
-def test_vllm_sweep_reads_counters_and_refuses_trees(test_root, tmp_path, vllm_drafter, make_cfg):
+def test_vllm_sweep_reads_counters_and_refuses_trees(
+    test_root, tmp_path, vllm_drafter, make_cfg, empty_store
+):
     """`python -m eagle3.bench -m serve=vllm spec.depth=4,8` against a real vLLM (CPU), plus a
     tree job that vLLM cannot run: failed before launch, the sweep goes on, the summary lists it."""
     assert VLLM_PYTHON.exists(), "run `make vllm` (tools/setup_vllm.sh) to build .venv-vllm"
@@ -268,6 +271,7 @@ def test_vllm_sweep_reads_counters_and_refuses_trees(test_root, tmp_path, vllm_d
         *QUICK,
         f"drafter.path={vllm_drafter}",
         "bench.min_repeats=3",  # every pass runs: the passes are counted below
+        empty_store=empty_store,
     )
     assert out.returncode == 1 and "2 of 4 bench jobs failed" in out.stderr, out.stderr[-3000:]
     results = [json.loads((sweep_dir / str(i) / "bench_result.json").read_text()) for i in range(4)]
@@ -312,7 +316,7 @@ def test_vllm_sweep_reads_counters_and_refuses_trees(test_root, tmp_path, vllm_d
 LOCAL_TINY = ("target=tiny-llama", "serve=local")
 
 
-def test_local_sweep_one_job_refused(test_root, tmp_path, tiny_drafter):
+def test_local_sweep_one_job_refused(test_root, tmp_path, tiny_drafter, empty_store):
     """`python -m eagle3.bench -m serve=local,vllm spec=d10s5`: the local job runs the tree through
     our server; vLLM refuses the tree: failed, listed, the sweep finishes and exits 1 naming the
     failed job and its error."""
@@ -325,6 +329,7 @@ def test_local_sweep_one_job_refused(test_root, tmp_path, tiny_drafter):
         *QUICK,
         "bench.repeats=1",
         f"drafter.path={tiny_drafter}",
+        empty_store=empty_store,
     )
     assert out.returncode == 1, out.stderr[-3000:]
     report = out.stderr[out.stderr.index("eagle3 error: ") :].splitlines()
@@ -399,25 +404,20 @@ def test_killed_server_marks_the_job_failed(make_cfg, tmp_path, tiny_drafter):
 
 
 @pytest.mark.slow
-def test_local_and_vllm_measure_the_same_tau(make_cfg, tmp_path, smollm2_trained_drafter):
-    """Same target weights, same trained drafter, same prompt ids, greedy, a depth-4 chain: the local
-    engine's τ and vLLM's τ (from its /metrics counters) agree within TOLERANCE (see below)."""
+def test_local_and_vllm_measure_the_same_tau(make_cfg, tmp_path, shipped_vllm_sweep):
+    """Same target weights, same trained drafter (the shipped one), same prompt ids, greedy, a
+    depth-4 chain: the local engine's τ and vLLM's τ (from its /metrics counters, the intact job of
+    shipped_vllm_sweep) agree within TOLERANCE (see below)."""
     from eagle3.bench.app import run_job
 
-    drafter = smollm2_trained_drafter
-    common = [
-        *AGREE_TARGET,
-        "spec.depth=4",
-        f"bench.limit={AGREE_PROMPTS}",
-        f"bench.max_new_tokens={AGREE_TOKENS}",
-        "bench.ignore_eos=true",
-        "bench.repeats=1",  # greedy: every pass accepts the same tokens
-        f"drafter.path={drafter}",
-    ]
-    local = run_job(make_cfg(*common, "serve=local"), tmp_path / "local")
-    vllm = run_job(make_cfg(*common, "serve=vllm"), tmp_path / "vllm")
+    vllm = shipped_vllm_sweep.results[0]
+    local = run_job(
+        make_cfg(*SHIPPED_VLLM_JOB, f"drafter.path={shipped_vllm_sweep.intact}", "serve=local"),
+        tmp_path / "local",
+    )
     assert local["status"] == "ok", local.get("error")
     assert vllm["status"] == "ok", vllm.get("error")
+    assert vllm["engine"] == "vllm" and local["drafter_hash"] == vllm["drafter_hash"]
     assert local["output_tokens"] == vllm["output_tokens"] == AGREE_PROMPTS * AGREE_TOKENS
     assert local["accept_length"] > 1.5  # the trained drafter really is accepted
     # TOLERANCE: both engines verify the same chains greedily, so per step they accept the same
@@ -435,12 +435,17 @@ def test_local_and_vllm_measure_the_same_tau(make_cfg, tmp_path, smollm2_trained
     assert abs(local["accept_length"] - vllm["accept_length"]) <= tolerance
 
 
-def test_sweep_without_a_drafter_names_the_command(test_root, tmp_path):
+def test_sweep_without_a_drafter_names_the_command(test_root, tmp_path, empty_store):
     """No drafter trained for this config: every job fails before launching anything, the summary
     lists them, the sweep exits 1 naming the command that makes one."""
     out, sweep_dir = run_sweep(
-        test_root, tmp_path, "spec.depth=16,10", "target=tiny-llama", "drafter.draft_vocab_size=77"
-    )  # a config nothing trained
+        test_root,
+        tmp_path,
+        "spec.depth=16,10",
+        "target=tiny-llama",
+        "drafter.draft_vocab_size=77",  # a config nothing trained
+        empty_store=empty_store,
+    )
     assert out.returncode == 1
     assert "all 2 bench jobs failed" in out.stderr and "python -m eagle3.pipeline" in out.stderr
     rows = list(csv.DictReader(open(sweep_dir / "summary.csv")))
@@ -668,44 +673,77 @@ def ignored_layer_copy(drafter: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.slow
-def test_vllm_serving_a_drafter_whose_layer_it_ignores_is_caught(test_root, tmp_path):
-    """The shipped drafter and a copy of it whose decoder layer the engine ignores
-    (ignored_layer_copy), swept through real vLLM (CPU) on SmolLM2: the intact one is accepted, the
-    broken one gets tau ~1; the verdict says in words to check the export for it alone, and only its
-    MLflow run carries the tag."""
+# SmolLM2 in float32 (vLLM's and PyTorch's kernels then differ by float32 rounding only), depth-4
+# chains, greedy, a fixed length on AGREE_PROMPTS prompts, one pass and no warm-up request (greedy:
+# every pass accepts the same tokens, and acceptance is read as counter differences around the
+# pass): the settings of the one vLLM sweep below and of the local job it is compared with.
+SHIPPED_VLLM_JOB = (
+    "target=smollm2-135m",
+    "target.dtype=float32",
+    "spec.depth=4",
+    f"bench.limit={AGREE_PROMPTS}",
+    f"bench.max_new_tokens={AGREE_TOKENS}",
+    "bench.ignore_eos=true",
+    "bench.repeats=1",
+    "bench.warmup=0",
+)
+
+
+@dataclass
+class ShippedVllmSweep:
+    """`python -m eagle3.bench -m serve=vllm drafter.path=INTACT,BROKEN` (SHIPPED_VLLM_JOB) and what
+    it wrote: the shipped drafter's export and its ignored_layer_copy, swept through real vLLM (CPU)."""
+
+    folder: Path  # holds sweep/ and mlruns/
+    intact: Path
+    broken: Path
+    results: list[dict]  # bench_result.json of job 0 (intact) and job 1 (broken)
+
+
+@pytest.fixture(scope="module")
+def shipped_vllm_sweep(test_root, tmp_path_factory, empty_store) -> ShippedVllmSweep:
+    """One vLLM sweep read by the τ agreement test and the broken-export test (each vLLM server
+    start costs ~40 s on CPU)."""
     from eagle3.export.shipped import unpack
 
     assert VLLM_PYTHON.exists(), "run `make vllm` (tools/setup_vllm.sh) to build .venv-vllm"
-    intact = unpack(REPO / "assets" / "drafter-4f658d4f4df1.tgz", tmp_path / "shipped") / "sglang"
-    broken = ignored_layer_copy(intact, tmp_path / "ignored")
+    folder = tmp_path_factory.mktemp("shipped-vllm")
+    intact = unpack(REPO / "assets" / "drafter-4f658d4f4df1.tgz", folder / "shipped") / "sglang"
+    broken = ignored_layer_copy(intact, folder / "ignored")
     out, sweep_dir = run_sweep(
         test_root,
-        tmp_path,
+        folder,
         "serve=vllm",
-        "target=smollm2-135m",
-        "target.dtype=float32",
-        "spec.depth=4",
+        *SHIPPED_VLLM_JOB,
         f"drafter.path={intact},{broken}",
-        "bench.limit=2",
-        "bench.max_new_tokens=32",
-        "bench.ignore_eos=true",
-        "bench.repeats=1",
+        empty_store=empty_store,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     results = [json.loads((sweep_dir / str(i) / "bench_result.json").read_text()) for i in range(2)]
+    return ShippedVllmSweep(folder, intact, broken, results)
+
+
+@pytest.mark.slow
+def test_vllm_serving_a_drafter_whose_layer_it_ignores_is_caught(shipped_vllm_sweep):
+    """The shipped drafter and a copy of it whose decoder layer the engine ignores
+    (ignored_layer_copy), swept through real vLLM (CPU) on SmolLM2 (shipped_vllm_sweep): the intact
+    one is accepted, the broken one gets tau ~1; the verdict says in words to check the export for
+    it alone, and only its MLflow run carries the tag."""
+    broken = shipped_vllm_sweep.broken
+    sweep_dir = shipped_vllm_sweep.folder / "sweep"
+    results = shipped_vllm_sweep.results
     assert [r["status"] for r in results] == ["ok", "ok"]
     good, bad = results
     print(
         f"vLLM tau: shipped {good['accept_length']:.3f}, layer ignored {bad['accept_length']:.3f}"
     )
-    assert good["output_tokens"] == bad["output_tokens"] == 2 * 32
+    assert good["output_tokens"] == bad["output_tokens"] == AGREE_PROMPTS * AGREE_TOKENS
     assert good["accept_length"] > 1.5 and bad["accept_length"] < 1.1
     verdict = (sweep_dir / "verdict.txt").read_text()
     assert verdict.count("the engine accepts almost nothing: check the export") == 1
     assert f"check the export (d4 tau {bad['accept_length']:.2f}, under 1.1)" in verdict
     assert verdict.index(f"drafter {Path(broken).name}") < verdict.index("accepts almost nothing")
-    _, _, children = sweep_runs(tmp_path)
+    _, _, children = sweep_runs(shipped_vllm_sweep.folder)
     tags = {c.info.run_id: c.data.tags.get("acceptance") for c in children}
     assert tags == {
         good["run_id"]: None,
@@ -840,7 +878,7 @@ def test_prompts_and_completions_beyond_the_engine_context_are_refused_before_it
 
 
 def test_a_sweep_whose_prompts_overflow_the_context_stops_at_once_with_one_line(
-    test_root, tmp_path
+    test_root, tmp_path, empty_store
 ):
     """The context check runs before the first job's run and engine: the sweep exits 1 with one
     error line, and no job measured anything or opened a child run."""
@@ -851,6 +889,7 @@ def test_a_sweep_whose_prompts_overflow_the_context_stops_at_once_with_one_line(
         "target=tiny-llama",
         "engine.max_context=40",
         *QUICK,
+        empty_store=empty_store,
     )
     assert out.returncode == 1
     errors = [line for line in out.stderr.splitlines() if line.startswith("eagle3 error:")]
