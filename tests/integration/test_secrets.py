@@ -92,7 +92,7 @@ def test_no_secret_reaches_any_file(test_root, tmp_path):
             f"+serve.env.AWS_SESSION_CREDENTIALS={ENV_SECRETS[2]}",
             f"data.regen.base_url=http://bob:{ENV_SECRETS[3]}@127.0.0.1:9/v1",
             f"+serve.env.DB_PASSWORD='{SECRETS[2]}'",
-            f"serve.extra_args=[--hf-token,{SECRETS[4]},--api-key={SECRETS[1]}]",
+            f"serve.extra_args=[--hf-token,{SECRETS[4]},--api-key,{SECRETS[1]}]",
         ],
         capture_output=True,
         text=True,
