@@ -164,10 +164,14 @@ def bench_argv(artifacts, root, *overrides, multirun: bool = False) -> list[str]
 def runs_by_status(root: Path) -> dict[str, list[str]]:
     from mlflow.tracking import MlflowClient
 
+    from eagle3.core.tracking import store_lock
+
+    uri = f"sqlite:///{root}/mlruns/mlflow.db"
     if not (root / "mlruns" / "mlflow.db").exists():
         return {}
-    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlruns/mlflow.db")
-    experiment = client.get_experiment_by_name("eagle3")
+    with store_lock(uri):  # a store being created is migrated by its creator alone
+        client = MlflowClient(tracking_uri=uri)
+        experiment = client.get_experiment_by_name("eagle3")
     out: dict[str, list[str]] = {}
     for run in client.search_runs([experiment.experiment_id] if experiment else []):
         out.setdefault(run.info.status, []).append(run.info.run_name)

@@ -41,7 +41,8 @@ def test_every_option_composes_into_its_schema_with_the_values_of_its_yaml():
     assert len(options()) >= 50
     for option in options():
         overrides = [option, *REQUIRED.get(option, []), "paths.root=/r"]
-        raw, cfg = untyped(overrides), compose(overrides)
+        raw = untyped(overrides)
+        cfg = schema.typed(raw)
         assert isinstance(cfg, schema.Config)
         assert type(cfg.target) is kinds["target"][cfg.target.kind], option
         assert type(cfg.serve) is kinds["serve"][cfg.serve.engine], option
