@@ -57,6 +57,7 @@ from eagle3.train.distributed import (
     local_rank,
     lost_peer_error,
     peer_lost,
+    requeue_callbacks,
     requeue_signal_free,
     strategy_for,
     under_slurm,
@@ -185,6 +186,7 @@ def build_trainer(cfg: Config, folder: Path, logger, callbacks=()) -> L.Trainer:
         logger=logger if logger is not None else False,
         callbacks=[
             *checkpoint_callbacks(folder / CHECKPOINTS, cfg.train.checkpoint_every_n_steps),
+            *requeue_callbacks(cfg.cluster),
             *callbacks,
         ],
         use_distributed_sampler=False,

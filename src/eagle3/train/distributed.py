@@ -12,6 +12,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from lightning.pytorch.callbacks import Callback
+
 from eagle3.core.common import Eagle3Error
 from eagle3.core.config import ClusterConfig, TrainerConfig
 
@@ -84,6 +86,46 @@ def cluster_plugins(cluster_cfg: ClusterConfig) -> list:
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     return [SLURMEnvironment(requeue_signal=requeue_signal(cluster_cfg))]
+
+
+def requeue_callbacks(cluster_cfg: ClusterConfig) -> list:
+    """Under srun: RequeueAtStepEnd for the requeue signal (none otherwise)."""
+    return [RequeueAtStepEnd(requeue_signal(cluster_cfg))] if under_slurm() else []
+
+
+class RequeueAtStepEnd(Callback):
+    """Lightning's requeue handler saves a checkpoint (a barrier across ranks) inside the signal
+    handler: a rank that takes the signal amid DDP's gradient all-reduce meets the other ranks'
+    barrier with it and every rank waits forever. Here the signal only marks the rank; after each
+    batch the ranks agree on the mark (one all-reduce, the same step on every rank) and all run
+    Lightning's handler there: the checkpoint of that step, then rank 0 requeues."""
+
+    def __init__(self, sig: signal.Signals):
+        self.sig, self.marked, self.lightning_handler = sig, False, None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        handler = signal.getsignal(self.sig)
+        if callable(handler):  # Lightning's, installed when the fit started
+            self.lightning_handler = handler
+            signal.signal(self.sig, self.mark)
+
+    def mark(self, signum, frame) -> None:
+        self.marked = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.lightning_handler is None:
+            return
+        import torch
+
+        marked = torch.tensor(float(self.marked), device=pl_module.device)
+        if trainer.strategy.reduce(marked, reduce_op="max").item():
+            self.marked = False
+            self.lightning_handler(self.sig, None)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.lightning_handler is not None:
+            signal.signal(self.sig, self.lightning_handler)
+            self.lightning_handler = None
 
 
 @contextlib.contextmanager
