@@ -27,9 +27,9 @@ from eagle3.bench.verdict import (
     combine_repeats,
     speedup_fields,
 )
-from eagle3.core.artifacts import stage_output, to_plain
+from eagle3.core.artifacts import stage_output
 from eagle3.core.common import Eagle3Error, app, log
-from eagle3.core.config import BenchConfig, Config
+from eagle3.core.config import BenchConfig, Config, plain
 from eagle3.core.spec import OFF, Spec, resolve_spec
 from eagle3.core.target import (
     folder_text_config,
@@ -375,20 +375,20 @@ def settled(passes: list[dict], against: Spread | None, min_repeats: int) -> boo
 def baseline_output(cfg: Config, scope: str | None = None):
     """Where the spec=off measurement for this (engine, target, suite, batch size, max tokens)
     lives; `scope` (a sweep folder) keeps each sweep's own measurement apart."""
-    serve = {k: v for k, v in to_plain(cfg.serve).items() if k not in BASELINE_IGNORES}
+    serve = {k: v for k, v in plain(cfg.serve).items() if k not in BASELINE_IGNORES}
     bench = {
         k: v
-        for k, v in to_plain(cfg.bench).items()
+        for k, v in plain(cfg.bench).items()
         if k not in ("suites", "reuse_baseline", "cost_model_depths", "min_repeats")
     }
     suite = (
-        [to_plain(cfg.bench.suites.get(name)) for name in suite_names(cfg.bench)]
+        [plain(cfg.bench.suites.get(name)) for name in suite_names(cfg.bench)]
         if not cfg.bench.prompts
         else None
     )
     sections = {
         "serve": serve,
-        "target": to_plain(cfg.target),
+        "target": plain(cfg.target),
         "bench": bench,
         "suite": suite,
         "machine": platform.node(),

@@ -35,14 +35,9 @@ TRACKED_PACKAGES = (
 )
 
 
-def to_plain(section: Any) -> Any:
-    """A resolved plain-python copy of a config section (or a value as it is)."""
-    return plain(section)
-
-
 def config_hash(*parts: Any) -> str:
     """Stable 12-hex-digit hash of config sections and upstream hashes."""
-    text = json.dumps([to_plain(p) for p in parts], sort_keys=True, default=str)
+    text = json.dumps([plain(p) for p in parts], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -163,7 +158,7 @@ def stage_output(
     """The output folder of `stage` for these config sections and upstream hashes (secrets are
     masked: they neither reach the manifest nor change the hash)."""
     upstream = dict(upstream or {})
-    config = mask({name: to_plain(section) for name, section in sections.items()})
+    config = mask({name: plain(section) for name, section in sections.items()})
     digest = config_hash(config, upstream)
     return StageOutput(stage, digest, Path(artifacts_dir) / stage / digest, config, upstream)
 

@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from eagle3.core.artifacts import to_plain
 from eagle3.core.common import Eagle3Error, log, resolve_device
+from eagle3.core.config import plain
 from eagle3.core.drafter import Eagle3Drafter
 from eagle3.core.target import Target, default_aux_layer_ids
 from eagle3.core.target import tokenizer_hash as hash_of
@@ -239,7 +239,7 @@ def recipe_block(drafter: Eagle3Drafter, recipe: dict, engine: str) -> dict:
         else None,
         "target_num_layers": getattr(config, "target_num_layers", None),
         "aux_convention": engine,
-        "recipe": to_plain(recipe),
+        "recipe": plain(recipe),
     }
 
 

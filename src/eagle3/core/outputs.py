@@ -12,10 +12,9 @@ from eagle3.core.artifacts import (
     check_listed_files,
     check_safetensors,
     stage_output,
-    to_plain,
 )
 from eagle3.core.common import Eagle3Error, resolve_device, resolve_dtype
-from eagle3.core.config import Config
+from eagle3.core.config import Config, plain
 from eagle3.core.drafter_io import (
     ENGINES,
     MODELS_URI,
@@ -74,7 +73,7 @@ _FINGERPRINTS: dict[tuple, dict] = {}
 def answer_sections(cfg: Config) -> dict:
     """What the conversations and their regenerated answers depend on: the target and the data config
     (not the draft vocab's source)."""
-    data = to_plain(cfg.data)
+    data = plain(cfg.data)
     data.pop("vocab_map_from", None)
     for key in MORE_PROMPTS:  # absent when off: the hashes of answers from before these keys
         if not data.get(key):
@@ -109,7 +108,7 @@ EXECUTION_ONLY = (
 
 def extract_output(cfg: Config) -> StageOutput:
     """The extract stage's folder for this config (located, not run)."""
-    section = {k: v for k, v in to_plain(cfg.extract).items() if k not in EXECUTION_ONLY}
+    section = {k: v for k, v in plain(cfg.extract).items() if k not in EXECUTION_ONLY}
     if section.get("backend") == "hf":  # the hash of an HF extraction predates the backends
         del section["backend"]
     # the precision the target runs in changes the states (target_key leaves it out)
@@ -169,11 +168,11 @@ def shards_output(cfg: Config) -> StageOutput:
 
 def train_output(cfg: Config) -> StageOutput:
     """The train stage's folder for this config (located, not run)."""
-    train = {k: v for k, v in to_plain(cfg.train).items() if k not in HASH_EXCLUDED}
+    train = {k: v for k, v in plain(cfg.train).items() if k not in HASH_EXCLUDED}
     for key in ("init_from", "limit"):  # null: the hashes of runs from before these keys
         if train.get(key) is None:
             train.pop(key, None)
-    drafter = {k: v for k, v in to_plain(cfg.drafter).items() if k != "path"}
+    drafter = {k: v for k, v in plain(cfg.drafter).items() if k != "path"}
     sections = {
         "drafter": drafter,
         "train": train,
@@ -191,7 +190,7 @@ HASH_EXCLUDED_EXPORT = ("register", "registry_name", "checkpoint")
 def export_output(cfg: Config) -> StageOutput:
     """Where the current config's export lives (upstream: the training stage's hash)."""
     sections = {
-        "export": {k: v for k, v in to_plain(cfg.export).items() if k not in HASH_EXCLUDED_EXPORT}
+        "export": {k: v for k, v in plain(cfg.export).items() if k not in HASH_EXCLUDED_EXPORT}
     }
     return stage_output(cfg.paths.artifacts, "export", sections, {"train": train_output(cfg).hash})
 

@@ -9,9 +9,9 @@ import hashlib
 import re
 from pathlib import Path
 
-from eagle3.core.artifacts import StageOutput, to_plain
+from eagle3.core.artifacts import StageOutput
 from eagle3.core.common import Eagle3Error, app, log
-from eagle3.core.config import Config
+from eagle3.core.config import Config, plain
 from eagle3.core.drafter import Eagle3Drafter
 from eagle3.core.drafter_io import (
     ENGINES,
@@ -50,7 +50,7 @@ def register_export(cfg: Config, folder: Path, recipe: dict, run) -> str:
         registry.create_registered_model(
             name, description=f"EAGLE-3 drafters for target {cfg.target.name}"
         )
-    tags = {f"recipe.{k}": str(v)[:5000] for k, v in flatten(to_plain(recipe)).items()}
+    tags = {f"recipe.{k}": str(v)[:5000] for k, v in flatten(plain(recipe)).items()}
     tags["tau_hat"] = str(recipe.get("tau_hat"))
     version = registry.create_model_version(
         name, source=mlflow.get_artifact_uri("drafter"), run_id=run.info.run_id, tags=tags

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3.core.artifacts import StageOutput, file_sha256, stage_output, to_plain
+from eagle3.core.artifacts import StageOutput, file_sha256, stage_output
 from eagle3.core.common import Eagle3Error, app, log
-from eagle3.core.config import Config
+from eagle3.core.config import Config, plain
 from eagle3.core.drafter import Eagle3Drafter, build_drafter
 from eagle3.core.drafter_io import check_drafter_for_target, drafter_weights
 from eagle3.core.outputs import HASH_EXCLUDED_EXPORT, train_output
@@ -52,7 +52,7 @@ def checkpoint_source(cfg: Config) -> Path:
 
 def checkpoint_output(cfg: Config, checksum: str) -> StageOutput:
     """The export's folder: named by the checkpoint's contents, the target and the export settings."""
-    settings = {k: v for k, v in to_plain(cfg.export).items() if k not in HASH_EXCLUDED_EXPORT}
+    settings = {k: v for k, v in plain(cfg.export).items() if k not in HASH_EXCLUDED_EXPORT}
     sections = {
         "export": settings,
         "checkpoint": {"sha256": checksum},

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from eagle3.core import tracking
-from eagle3.core.artifacts import StageOutput, config_hash, stage_output, to_plain
+from eagle3.core.artifacts import StageOutput, config_hash, stage_output
 from eagle3.core.common import Eagle3Error, app, log
-from eagle3.core.config import Config
+from eagle3.core.config import Config, plain
 from eagle3.core.drafter_io import load_trained_drafter
 from eagle3.core.spec import resolve_spec
 from eagle3.core.target import load_target
@@ -106,14 +106,14 @@ def size_cfg(cfg: Config, rows: int, n_train: int) -> Config:
 def study_output(cfg: Config, data_hash: str) -> StageOutput:
     study = {
         k: v
-        for k, v in to_plain(cfg.study).items()
+        for k, v in plain(cfg.study).items()
         if k not in ("log_from", "references", "compare", "label")
     }
     sections = {
         "study": study,
-        "train": to_plain(cfg.train),
-        "drafter": to_plain(cfg.drafter),
-        "spec": to_plain(cfg.spec),
+        "train": plain(cfg.train),
+        "drafter": plain(cfg.drafter),
+        "spec": plain(cfg.spec),
         "bench": {"max_new_tokens": cfg.study.max_new_tokens},
     }
     return stage_output(cfg.paths.artifacts, "study", sections, {"data": data_hash})

@@ -12,6 +12,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from eagle3.core.common import Eagle3Error
@@ -115,8 +116,6 @@ class RequeueAtStepEnd(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.lightning_handler is None:
             return
-        import torch
-
         marked = torch.tensor(float(self.marked), device=pl_module.device)
         if trainer.strategy.reduce(marked, reduce_op="max").item():
             self.marked = False
