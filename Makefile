@@ -35,8 +35,12 @@ quickstart: setup
 
 LINTED := src tests benchmarks
 
+# Two pytest-xdist workers (one per core); a test file runs whole in one worker, so its
+# module fixtures (a shared vLLM sweep, a started server) are made once.
+TEST_WORKERS ?= 2
+
 test: setup lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # ruff: formatting and lint rules from pyproject.toml; `make format` applies both.
 lint: $(VENV)/.eagle3-ready
@@ -49,4 +53,4 @@ format: $(VENV)/.eagle3-ready
 
 # Skip the slow end-to-end tests (SmolLM2, real servers) while developing.
 test-fast: $(VENV)/.eagle3-ready lint
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"

@@ -15,12 +15,30 @@ from eagle3.core.config import DrafterConfig
 
 # Converted targets are cached here across runs so local reruns skip the GGUF conversion.
 TEST_ROOT = Path(os.environ.get("EAGLE3_TEST_ROOT", "/tmp/eagle3-tests"))
+# What pytest-xdist workers share: each builds these under a folder lock, once per test root.
+SHARED = ("artifacts/targets", "drafters")
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)  # one thread per worker: two workers fill the two cores
 
 
 @pytest.fixture(scope="session")
 def test_root() -> Path:
-    TEST_ROOT.mkdir(parents=True, exist_ok=True)
-    return TEST_ROOT
+    """The artifacts root of this test process. A pytest-xdist worker gets its own (stage outputs
+    and run folders of one config are written by one process) linking the SHARED folders."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    root = TEST_ROOT / "workers" / worker if worker else TEST_ROOT
+    root.mkdir(parents=True, exist_ok=True)
+    if worker:
+        for shared in SHARED:
+            (TEST_ROOT / shared).mkdir(parents=True, exist_ok=True)
+            link = root / shared
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.is_symlink():
+                link.symlink_to(TEST_ROOT / shared)
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -123,15 +123,22 @@ def trained_smollm2_drafter(test_root: Path) -> Path:
     """A drafter trained with eagle3.train (Lightning, TTT, online hidden states) on the target's own
     greedy continuations of the first vicuna prompts (SmolLM2), exported by eagle3.export; made once
     per test root."""
+    from eagle3.core.artifacts import folder_lock
+
+    out = test_root / "drafters" / "smollm2-bench-trained"
+    with folder_lock(out):  # test workers started at once train it once
+        if not (out / "vllm" / "config.json").exists():
+            _train_smollm2_drafter(test_root, out)
+    return out
+
+
+def _train_smollm2_drafter(test_root: Path, out: Path) -> None:
     from eagle3.core.drafter_io import load_trained_drafter
     from eagle3.core.target import load_target
     from eagle3.export.app import export_drafter
     from eagle3.train.app import fit
     from eagle3.train.datamodule import DrafterData
 
-    out = test_root / "drafters" / "smollm2-bench-trained"
-    if (out / "vllm" / "config.json").exists():
-        return out
     train_dir = test_root / "drafters" / "smollm2-bench-train"
     cfg = agree_cfg(
         test_root,
@@ -177,7 +184,6 @@ def trained_smollm2_drafter(test_root: Path) -> Path:
     export_drafter(
         cfg, drafter, {"note": "trained on the bench prompts' greedy continuations"}, out
     )
-    return out
 
 
 def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:

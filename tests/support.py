@@ -166,14 +166,21 @@ def randomise(drafter, seed: int = 0):
 def export_untrained_drafter(cfg, out: Path) -> Path:
     """A seeded, untrained drafter exported by the real exporter (sglang/ and vllm/ folders):
     enough to exercise the engines' speculative paths and counters."""
+    from eagle3.core.artifacts import folder_lock
+
+    with folder_lock(out):  # test workers started at once export it once
+        if (out / "vllm" / "config.json").exists():
+            return out
+        return _export_untrained(cfg, out)
+
+
+def _export_untrained(cfg, out: Path) -> Path:
     import torch
 
     from eagle3.core.drafter import build_drafter
     from eagle3.core.target import load_target
     from eagle3.export.app import export_drafter
 
-    if (out / "vllm" / "config.json").exists():
-        return out
     target = load_target(cfg, device="cpu")
     torch.manual_seed(0)
     drafter = build_drafter(target, cfg.drafter)

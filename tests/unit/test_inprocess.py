@@ -11,9 +11,11 @@ import torch
 from engine_helpers import PROMPTS
 
 from eagle3.bench.app import run_job
-from eagle3.core.common import Eagle3Error
+from eagle3.core.artifacts import folder_lock
+from eagle3.core.common import Eagle3Error, compose
 from eagle3.core.spec import resolve_spec
 from eagle3.data.suites import load_suite, suite_name
+from eagle3.export.app import export_drafter
 from eagle3.serve import inprocess
 from eagle3.serve.counters import counter_delta
 
@@ -23,26 +25,26 @@ TINY = ("target=tiny-llama", "tracking.enabled=false", "bench.repeats=1", "bench
 @pytest.fixture(scope="module")
 def drafter(test_root, tiny_target, tiny_fitted_drafter):
     """The drafter fitted to tiny-llama's greedy rollouts, exported: it gets drafts accepted."""
-    from eagle3.core.common import compose
-    from eagle3.export.app import export_drafter
-
     out = test_root / "drafters" / "tiny-fitted"
-    if not (out / "vllm" / "config.json").exists():
-        cfg = compose([f"paths.root={test_root}", "target=tiny-llama"])
-        fitted = copy.deepcopy(tiny_fitted_drafter)
-        fitted.config.target_num_layers = tiny_target.num_layers
-        # the exporter wants every draft slot mapped: the fitted tokens first, then unused ones
-        seen = fitted.t2d.nonzero().flatten().tolist()
-        size = fitted.config.draft_vocab_size
-        rest = [t for t in range(tiny_target.vocab_size) if t not in set(seen)][: size - len(seen)]
-        vocab = torch.tensor(seen + rest)
-        t2d = torch.zeros(tiny_target.vocab_size, dtype=torch.bool)
-        t2d[vocab] = True
-        fitted.set_vocab_map(vocab - torch.arange(size), t2d)
-        export_drafter(
-            cfg, fitted, {"note": "fitted to tiny-llama's rollouts, for engine tests"}, out
-        )
+    with folder_lock(out):  # test workers started at once export it once
+        if not (out / "vllm" / "config.json").exists():
+            export_fitted(test_root, tiny_target, tiny_fitted_drafter, out)
     return out
+
+
+def export_fitted(test_root, tiny_target, tiny_fitted_drafter, out) -> None:
+    cfg = compose([f"paths.root={test_root}", "target=tiny-llama"])
+    fitted = copy.deepcopy(tiny_fitted_drafter)
+    fitted.config.target_num_layers = tiny_target.num_layers
+    # the exporter wants every draft slot mapped: the fitted tokens first, then unused ones
+    seen = fitted.t2d.nonzero().flatten().tolist()
+    size = fitted.config.draft_vocab_size
+    rest = [t for t in range(tiny_target.vocab_size) if t not in set(seen)][: size - len(seen)]
+    vocab = torch.tensor(seen + rest)
+    t2d = torch.zeros(tiny_target.vocab_size, dtype=torch.bool)
+    t2d[vocab] = True
+    fitted.set_vocab_map(vocab - torch.arange(size), t2d)
+    export_drafter(cfg, fitted, {"note": "fitted to tiny-llama's rollouts, for engine tests"}, out)
 
 
 def test_several_suites_are_the_first_prompts_of_each(make_cfg):

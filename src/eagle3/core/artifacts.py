@@ -15,6 +15,7 @@ import hashlib
 import json
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -83,6 +84,19 @@ def git_commit(cwd: Path | None = None) -> str | None:
     return f"{commit}-dirty" if changed else commit
 
 
+@contextlib.contextmanager
+def folder_lock(folder: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `<folder>.lock` (beside the folder) for the block. Processes
+    that build the same folder at once take turns; the kernel drops the lock of one that dies."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @dataclass
 class StageOutput:
     """One stage's output folder."""
@@ -117,13 +131,8 @@ class StageOutput:
     def lock(self):
         """Hold an exclusive lock on this output (a file beside its folder) for the block: jobs
         running at once (a parallel launcher) take turns, so one writes and the others read."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.parent / f"{self.path.name}.lock", "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield self
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        with folder_lock(self.path):
+            yield self
 
     def finish(self, counts: dict | None = None, **extra: Any) -> None:
         manifest = {**self.manifest(), **self._base(), **extra}

@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from eagle3.core.artifacts import config_hash
+from eagle3.core.artifacts import config_hash, folder_lock
 from eagle3.core.common import Eagle3Error, installed_file, log, resolve_device, resolve_dtype
 from eagle3.core.config import Config, TargetConfig, plain
 
@@ -233,10 +233,22 @@ def find_packaged_gguf(package: str, filename: str) -> Path:
     return installed_file(package, filename)
 
 
+def built_once(out: Path, build: Callable[[], None]) -> Path:
+    """`out`, built by `build` unless its ready marker is there. The check and the build hold the
+    folder's lock: processes started at once (a parallel launcher's jobs) build it once."""
+    if not (out / READY_MARKER).exists():
+        with folder_lock(out):
+            if not (out / READY_MARKER).exists():
+                build()
+    return out
+
+
 def convert_gguf(gguf: Path, out: Path, tcfg: TargetConfig) -> Path:
     """Dequantize a GGUF once into a float32 HF safetensors folder (no-op when done)."""
-    if (out / READY_MARKER).exists():
-        return out
+    return built_once(out, lambda: _convert_gguf(gguf, out, tcfg))
+
+
+def _convert_gguf(gguf: Path, out: Path, tcfg: TargetConfig) -> None:
     log.info("converting %s -> %s (once)", gguf.name, out)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -254,7 +266,6 @@ def convert_gguf(gguf: Path, out: Path, tcfg: TargetConfig) -> Path:
     model = LlamaForCausalLM(LlamaConfig(**config))
     model.load_state_dict(loaded.state_dict())
     _write_hf_folder(model, tokenizer, out, tcfg)
-    return out
 
 
 def set_special_tokens(tokenizer, config: dict) -> None:
@@ -279,8 +290,10 @@ def smollm2_tokenizer(artifacts: Path):
 def build_tiny_llama(tcfg: TargetConfig, artifacts: Path) -> Path:
     """A seeded random Llama with SmolLM2's tokenizer, saved like any HF folder."""
     out = artifacts / "targets" / f"{tcfg.name}-{config_hash(tcfg)}"
-    if (out / READY_MARKER).exists():
-        return out
+    return built_once(out, lambda: _build_tiny_llama(tcfg, artifacts, out))
+
+
+def _build_tiny_llama(tcfg: TargetConfig, artifacts: Path, out: Path) -> None:
     tokenizer = smollm2_tokenizer(artifacts)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -299,7 +312,6 @@ def build_tiny_llama(tcfg: TargetConfig, artifacts: Path) -> Path:
     torch.manual_seed(tcfg.seed)
     model = LlamaForCausalLM(config)
     _write_hf_folder(model, tokenizer, out, tcfg)
-    return out
 
 
 def build_random_moe(tcfg: TargetConfig, artifacts: Path) -> Path:
@@ -307,8 +319,10 @@ def build_random_moe(tcfg: TargetConfig, artifacts: Path) -> Path:
     tokenizer, built from conf/target's shapes and saved in target.dtype as safetensors shards
     of at most target.shard_size with an index (model.safetensors.index.json)."""
     out = artifacts / "targets" / f"{tcfg.name}-{config_hash(tcfg)}"
-    if (out / READY_MARKER).exists():
-        return out
+    return built_once(out, lambda: _build_random_moe(tcfg, artifacts, out))
+
+
+def _build_random_moe(tcfg: TargetConfig, artifacts: Path, out: Path) -> None:
     tokenizer = smollm2_tokenizer(artifacts)
     shapes = plain(tcfg.architecture)
     config = DeepseekV3Config(
@@ -334,7 +348,6 @@ def build_random_moe(tcfg: TargetConfig, artifacts: Path) -> Path:
     # read them (and would default to softmax scoring without e_score_correction_bias)
     routing = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
     _write_hf_folder(model, tokenizer, out, tcfg, routing, str(tcfg.shard_size))
-    return out
 
 
 def _write_hf_folder(
