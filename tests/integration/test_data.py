@@ -659,7 +659,7 @@ def test_regen_seed_draws_other_sampled_answers_and_stays_out_of_the_hash_when_n
     assert len({default_path, same_path, other_path}) == 3
     assert [key[:2] for key in other] == [key[:2] for key in default] and other != default
     shutil.rmtree(other_path.parent)
-    for output in own_artifacts.glob("data/*"):
+    for output in own_artifacts.glob("data/*/"):  # the folders, not their lock files
         shutil.rmtree(output)
     assert sampled(data_seed + 1)[1] == other  # regenerated from scratch: the same draws again
 
@@ -1137,3 +1137,31 @@ def test_a_missing_data_source_leaves_no_run_and_no_output_folder(
     client = MlflowClient(tracking_uri=cfg.tracking.uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
     assert client.search_runs(experiments) == []
+
+
+def test_two_data_stages_started_at_once_build_one_folder(test_root, own_artifacts):
+    overrides = [
+        f"paths.root={test_root}",
+        f"paths.artifacts={own_artifacts}",
+        "target=tiny-llama",
+        "tracking.enabled=false",
+        "data=file",
+        f"data.source={JSONL}",
+        "data.val_fraction=0.2",
+        "drafter.draft_vocab_size=256",
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "eagle3.data", *overrides],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    logs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], logs
+    # the second waits on the folder's lock, then finds the first one's output complete
+    assert sum("is complete, nothing to do" in log for log in logs) == 1, logs
+    folders = [p for p in (own_artifacts / "data").iterdir() if p.is_dir()]
+    assert len(folders) == 1 and json.loads((folders[0] / "manifest.json").read_text())["complete"]

@@ -1,6 +1,8 @@
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -10,7 +12,13 @@ from mlflow.tracking import MlflowClient
 from eagle3.core import tracking
 from eagle3.core.artifacts import config_hash, stage_output
 from eagle3.core.common import Eagle3Error
-from eagle3.core.target import CompiledCapture, capture_hidden_states, default_aux_layer_ids
+from eagle3.core.target import (
+    READY_MARKER,
+    CompiledCapture,
+    built_once,
+    capture_hidden_states,
+    default_aux_layer_ids,
+)
 
 APPS = ["info"]
 
@@ -178,6 +186,24 @@ def test_stage_output_hash_manifest_and_resume(tmp_path):
     assert manifest["config"] == {"data": {"limit": 5}} and manifest["upstream"] == {
         "target": "abc"
     }
+
+
+def test_a_target_folder_is_built_once_by_builders_started_at_once(tmp_path):
+    out, builds = tmp_path / "target", []
+
+    def build():
+        builds.append(threading.get_ident())
+        time.sleep(0.5)  # the others arrive while this one builds
+        out.mkdir()
+        (out / READY_MARKER).write_text("ok\n")
+
+    # flock: two open() of one lock file conflict, in one process as across processes
+    builders = [threading.Thread(target=built_once, args=(out, build)) for _ in range(3)]
+    for builder in builders:
+        builder.start()
+    for builder in builders:
+        builder.join()
+    assert len(builds) == 1 and (out / READY_MARKER).exists()
 
 
 def test_tracking_round_trip(make_cfg, tmp_path):

@@ -114,36 +114,37 @@ def export_drafter(
 def run(cfg: Config) -> StageOutput:
     """Export the drafter the current config trained (no-op when already exported)."""
     out = export_output(cfg)
-    if out.complete:
-        out.check_files(cfg.verify)
-        log.info("export %s already complete: %s", out.hash, out.path)
+    with out.lock():  # runs started at once (a parallel launcher): one builds, the others reuse
+        if out.complete:
+            out.check_files(cfg.verify)
+            log.info("export %s already complete: %s", out.hash, out.path)
+            return out
+        trained = train_output(cfg)
+        if not trained.complete:
+            raise Eagle3Error(
+                f"no trained drafter for this config at {trained.path}: run `python -m eagle3.train` "
+                "first (or `python -m eagle3.pipeline`)"
+            )
+        trained.check_files(cfg.verify)
+        target = load_target_parts(cfg)
+        drafter = load_trained_drafter(trained.path, target).cpu()
+        recipe = build_recipe(cfg, drafter, trained.manifest())
+        drafter.config.recipe = recipe
+        check_drafter_for_target(drafter, target)
+        out.start()
+        with stage_run(cfg, "export", artifact_hash=out.hash) as mlflow_run:
+            folders = export_drafter(cfg, drafter, recipe, out.path)
+            version = (
+                register_export(cfg, out.path, recipe, mlflow_run)
+                if cfg.export.register and mlflow_run
+                else None
+            )
+        out.finish(
+            {"folders": sorted(folders), "tau_hat": recipe["tau_hat"]},
+            recipe=recipe,
+            registered=f"{MODELS_URI}{registry_name(cfg)}/{version}" if version else None,
+        )
         return out
-    trained = train_output(cfg)
-    if not trained.complete:
-        raise Eagle3Error(
-            f"no trained drafter for this config at {trained.path}: run `python -m eagle3.train` "
-            "first (or `python -m eagle3.pipeline`)"
-        )
-    trained.check_files(cfg.verify)
-    target = load_target_parts(cfg)
-    drafter = load_trained_drafter(trained.path, target).cpu()
-    recipe = build_recipe(cfg, drafter, trained.manifest())
-    drafter.config.recipe = recipe
-    check_drafter_for_target(drafter, target)
-    out.start()
-    with stage_run(cfg, "export", artifact_hash=out.hash) as mlflow_run:
-        folders = export_drafter(cfg, drafter, recipe, out.path)
-        version = (
-            register_export(cfg, out.path, recipe, mlflow_run)
-            if cfg.export.register and mlflow_run
-            else None
-        )
-    out.finish(
-        {"folders": sorted(folders), "tau_hat": recipe["tau_hat"]},
-        recipe=recipe,
-        registered=f"{MODELS_URI}{registry_name(cfg)}/{version}" if version else None,
-    )
-    return out
 
 
 @app

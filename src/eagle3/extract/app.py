@@ -359,28 +359,29 @@ def run(cfg: Config) -> StageOutput:
     check_backend(cfg)
     data_out = data.run(cfg)
     out = extract_output(cfg)
-    if out.complete:
-        out.check_files(cfg.verify)
-        log.info("extract: %s is complete, nothing to do", out.path)
-        return out
-    with stage_run(cfg, "extract", artifact_hash=out.hash) as mlflow_run:
-        out.start()
-        splits = data.load_splits(data_out.path)
-        plans = [
-            p
-            for name in cfg.extract.splits
-            for p in plan_shards(name, splits[name][:], cfg.extract.shard_tokens)
-        ]
-        with capture_source(cfg, out.path, plans) as target:
-            check_tokenizer(target.tokenizer, data_out)
-            stats = extract_all(cfg, target, plans, out.path)
-        write_index(out.path, cfg, target, plans)
-        if mlflow_run is not None:
-            import mlflow
+    with out.lock():  # runs started at once (a parallel launcher): one builds, the others reuse
+        if out.complete:
+            out.check_files(cfg.verify)
+            log.info("extract: %s is complete, nothing to do", out.path)
+            return out
+        with stage_run(cfg, "extract", artifact_hash=out.hash) as mlflow_run:
+            out.start()
+            splits = data.load_splits(data_out.path)
+            plans = [
+                p
+                for name in cfg.extract.splits
+                for p in plan_shards(name, splits[name][:], cfg.extract.shard_tokens)
+            ]
+            with capture_source(cfg, out.path, plans) as target:
+                check_tokenizer(target.tokenizer, data_out)
+                stats = extract_all(cfg, target, plans, out.path)
+            write_index(out.path, cfg, target, plans)
+            if mlflow_run is not None:
+                import mlflow
 
-            mlflow.log_metrics({k: float(v) for k, v in stats.items()})
-        out.finish(stats)
-    return out
+                mlflow.log_metrics({k: float(v) for k, v in stats.items()})
+            out.finish(stats)
+        return out
 
 
 def check_backend(cfg: Config) -> None:
