@@ -93,54 +93,56 @@ def run(cfg: Config) -> StageOutput:
             log.info("data: %s is complete, nothing to do", out.path)
             return out
         with stage_run(cfg, "data", artifact_hash=out.hash) as mlflow_run:
-            out.start()
-            started = time.time()
-            counts: dict[str, Any] = {}
-            splits = conversations_for(cfg.data, counts)
-            splits = more_prompts(
-                cfg, splits, counts, regen_log_path(cfg).parent, generator_for, TurnLog
-            )
-            tokenizer, target_vocab = load_tokenizer(cfg)
-            if cfg.data.regenerate:
-                splits = regenerate(cfg, out.path, splits, tokenizer, counts)
-            dropped: Counter = Counter()
-            columns = {
-                name: tokenize_conversations(tokenizer, convs, cfg.data, dropped)
-                for name, convs in splits.items()
-            }
-            counts.update(dropped)
-            train = columns["train"]
-            if not train["id"]:
-                raise Eagle3Error(
-                    f"data.source {cfg.data.source}: no training conversation has assistant tokens "
-                    f"after filtering and tokenisation (counts: {counts})"
-                )
-            if not columns["val"][
-                "id"
-            ]:  # training validates every epoch (and datasets cannot reload an empty split)
-                raise Eagle3Error(
-                    f"data: the validation split is empty ({len(splits['val'])} held out by "
-                    f"data.val_fraction={cfg.data.val_fraction}, then dropped: {dict(dropped)}); raise "
-                    "data.val_fraction or data.limit"
-                )
-            d2t, t2d, coverage = vocab_map_for(cfg, train, target_vocab)
-            save_file({"d2t": d2t, "t2d": t2d}, str(out.path / "vocab_map.safetensors"))
-            save_dataset(out.path, columns)
-            for name, cols in columns.items():
-                counts[f"{name}_conversations"] = len(cols["id"])
-                counts[f"{name}_tokens"] = sum(map(len, cols["input_ids"]))
-                counts[f"{name}_masked_tokens"] = sum(map(sum, cols["loss_mask"]))
-            counts["coverage_train"] = coverage
-            counts["coverage_val"] = coverage_of(
-                t2d, columns["val"]["input_ids"], columns["val"]["loss_mask"]
-            )
-            counts["seconds"] = round(time.time() - started, 3)
-            counts["rows_per_s"] = round(counts["rows"] / max(counts["seconds"], 1e-9), 1)
-            counts["tokenizer_hash"] = tokenizer_hash(tokenizer)
-            if mlflow_run is not None:
-                log_to_mlflow(counts, train["input_ids"], out.path)
-            out.finish(counts, sampling=sampling_params(cfg.data))
-        return out
+            write_splits(cfg, out, mlflow_run)
+    return out
+
+
+def write_splits(cfg: Config, out: StageOutput, mlflow_run) -> None:
+    """Read, filter, regenerate and tokenise the conversations into `out`, with the draft vocab map."""
+    out.start()
+    started = time.time()
+    counts: dict[str, Any] = {}
+    splits = conversations_for(cfg.data, counts)
+    splits = more_prompts(cfg, splits, counts, regen_log_path(cfg).parent, generator_for, TurnLog)
+    tokenizer, target_vocab = load_tokenizer(cfg)
+    if cfg.data.regenerate:
+        splits = regenerate(cfg, out.path, splits, tokenizer, counts)
+    dropped: Counter = Counter()
+    columns = {
+        name: tokenize_conversations(tokenizer, convs, cfg.data, dropped)
+        for name, convs in splits.items()
+    }
+    counts.update(dropped)
+    train = columns["train"]
+    if not train["id"]:
+        raise Eagle3Error(
+            f"data.source {cfg.data.source}: no training conversation has assistant tokens "
+            f"after filtering and tokenisation (counts: {counts})"
+        )
+    # training validates every epoch (and datasets cannot reload an empty split)
+    if not columns["val"]["id"]:
+        raise Eagle3Error(
+            f"data: the validation split is empty ({len(splits['val'])} held out by "
+            f"data.val_fraction={cfg.data.val_fraction}, then dropped: {dict(dropped)}); raise "
+            "data.val_fraction or data.limit"
+        )
+    d2t, t2d, coverage = vocab_map_for(cfg, train, target_vocab)
+    save_file({"d2t": d2t, "t2d": t2d}, str(out.path / "vocab_map.safetensors"))
+    save_dataset(out.path, columns)
+    for name, cols in columns.items():
+        counts[f"{name}_conversations"] = len(cols["id"])
+        counts[f"{name}_tokens"] = sum(map(len, cols["input_ids"]))
+        counts[f"{name}_masked_tokens"] = sum(map(sum, cols["loss_mask"]))
+    counts["coverage_train"] = coverage
+    counts["coverage_val"] = coverage_of(
+        t2d, columns["val"]["input_ids"], columns["val"]["loss_mask"]
+    )
+    counts["seconds"] = round(time.time() - started, 3)
+    counts["rows_per_s"] = round(counts["rows"] / max(counts["seconds"], 1e-9), 1)
+    counts["tokenizer_hash"] = tokenizer_hash(tokenizer)
+    if mlflow_run is not None:
+        log_to_mlflow(counts, train["input_ids"], out.path)
+    out.finish(counts, sampling=sampling_params(cfg.data))
 
 
 def log_to_mlflow(counts: dict, train_ids: list[list[int]], out_dir: Path) -> None:
