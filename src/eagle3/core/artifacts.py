@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from eagle3.core.common import Eagle3Error
+from eagle3.core.common import Eagle3Error, log
 from eagle3.core.config import plain
 from eagle3.core.redact import mask
 
@@ -144,6 +144,15 @@ class StageOutput:
         """Refuse this finished output when a file its manifest lists is missing, has another size
         or (verify) another sha256, naming the file and how to redo the output."""
         check_listed_files(self.path, self.manifest(), verify, f"python -m eagle3.{self.stage}")
+
+    def reusable(self, verify: bool) -> bool:
+        """Whether a run finds this output finished and reuses it: its files are checked against
+        the manifest first (check_files)."""
+        if not self.complete:
+            return False
+        self.check_files(verify)
+        log.info("%s: %s is complete, nothing to do", self.stage, self.path)
+        return True
 
     def _base(self) -> dict:
         return {

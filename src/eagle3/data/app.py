@@ -21,7 +21,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from eagle3.core.artifacts import StageOutput
-from eagle3.core.common import Eagle3Error, app, log
+from eagle3.core.common import Eagle3Error, app
 from eagle3.core.config import Config
 from eagle3.core.outputs import data_output
 from eagle3.core.target import tokenizer_hash
@@ -88,9 +88,7 @@ def run(cfg: Config) -> StageOutput:
     local_source(str(cfg.data.source))  # a missing file: refused before a run or a folder exists
     out = data_output(cfg)
     with out.lock():  # runs started at once (a parallel launcher): one builds, the others reuse
-        if out.complete:
-            out.check_files(cfg.verify)
-            log.info("data: %s is complete, nothing to do", out.path)
+        if out.reusable(cfg.verify):
             return out
         with stage_run(cfg, "data", artifact_hash=out.hash) as mlflow_run:
             write_splits(cfg, out, mlflow_run)

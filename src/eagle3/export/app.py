@@ -115,9 +115,7 @@ def run(cfg: Config) -> StageOutput:
     """Export the drafter the current config trained (no-op when already exported)."""
     out = export_output(cfg)
     with out.lock():  # runs started at once (a parallel launcher): one builds, the others reuse
-        if out.complete:
-            out.check_files(cfg.verify)
-            log.info("export %s already complete: %s", out.hash, out.path)
+        if out.reusable(cfg.verify):
             return out
         trained = train_output(cfg)
         if not trained.complete:

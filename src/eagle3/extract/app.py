@@ -360,9 +360,7 @@ def run(cfg: Config) -> StageOutput:
     data_out = data.run(cfg)
     out = extract_output(cfg)
     with out.lock():  # runs started at once (a parallel launcher): one builds, the others reuse
-        if out.complete:
-            out.check_files(cfg.verify)
-            log.info("extract: %s is complete, nothing to do", out.path)
+        if out.reusable(cfg.verify):
             return out
         with stage_run(cfg, "extract", artifact_hash=out.hash) as mlflow_run:
             out.start()

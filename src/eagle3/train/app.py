@@ -356,9 +356,7 @@ def target_for(cfg: Config) -> Target | TargetParts:
 def run(cfg: Config, callbacks=()) -> StageOutput:
     """Train the drafter this config describes (a no-op when its output is complete)."""
     out = train_output(cfg)
-    if out.complete:
-        out.check_files(cfg.verify)
-        log.info("train: %s is complete, nothing to do", out.path)
+    if out.reusable(cfg.verify):
         return out
     data = data_output(cfg)
     if not data.complete:
