@@ -27,15 +27,29 @@ from eagle3.data.vocab import build_vocab_map, load_vocab_map
 JSONL = FIXTURES / "conversations.jsonl"
 
 
-def file_cfg(make_cfg, *overrides, source=JSONL):
-    return make_cfg(
+def file_overrides(source=JSONL) -> list[str]:
+    return [
         "target=tiny-llama",
         "data=file",
         f"data.source={source}",
         "data.val_fraction=0.2",
         "drafter.draft_vocab_size=256",
+    ]
+
+
+def file_cfg(make_cfg, *overrides, source=JSONL):
+    return make_cfg(*file_overrides(source), *overrides)
+
+
+def app_overrides(test_root, artifacts, *overrides) -> list[str]:
+    """The data app's command line for the file fixture, into a private artifacts folder."""
+    return [
+        f"paths.root={test_root}",
+        f"paths.artifacts={artifacts}",
+        "tracking.enabled=false",
+        *file_overrides(),
         *overrides,
-    )
+    ]
 
 
 def conversations(cfg):
@@ -886,19 +900,13 @@ def kill_when(proc, ready, timeout=600):
 def test_kill_9_during_regeneration_resumes_without_loss_or_duplicates(
     make_cfg, own_artifacts, tiny_target, test_root, tmp_path
 ):
-    overrides = [
-        f"paths.root={test_root}",
-        f"paths.artifacts={own_artifacts}",
-        "target=tiny-llama",
-        "tracking.enabled=false",
-        "data=file",
-        f"data.source={FIXTURES / 'conversations.jsonl'}",
-        "data.val_fraction=0.2",
-        "drafter.draft_vocab_size=256",
+    overrides = app_overrides(
+        test_root,
+        own_artifacts,
         "data.regenerate=true",
         "data.regen.max_new_tokens=16",
         "data.regen.batch_size=1",
-    ]
+    )
     cfg = make_cfg(*overrides[1:])
     out = outputs.data_output(cfg)
     turns_file = regen.regen_log_path(cfg)
@@ -1140,19 +1148,9 @@ def test_a_missing_data_source_leaves_no_run_and_no_output_folder(
 
 
 def test_two_data_stages_started_at_once_build_one_folder(test_root, own_artifacts):
-    overrides = [
-        f"paths.root={test_root}",
-        f"paths.artifacts={own_artifacts}",
-        "target=tiny-llama",
-        "tracking.enabled=false",
-        "data=file",
-        f"data.source={JSONL}",
-        "data.val_fraction=0.2",
-        "drafter.draft_vocab_size=256",
-    ]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "eagle3.data", *overrides],
+            app_command("data", app_overrides(test_root, own_artifacts)),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
