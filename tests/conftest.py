@@ -1,4 +1,4 @@
-"""Shared fixtures: one artifacts root per test session (converted targets are reused)."""
+"""Shared fixtures: an artifacts root per test process (xdist worker); targets are shared."""
 
 from __future__ import annotations
 
