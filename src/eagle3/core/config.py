@@ -120,6 +120,7 @@ class SglangServeConfig(ServerConfig):
     cuda_graph_max_bs: int = MISSING
     env: Dict[str, Any] = field(default_factory=dict)
     tolerate_config_names: List[str] = field(default_factory=list)
+    derived_port_offsets: List[int] = field(default_factory=list)
     extra_args: List[str] = field(default_factory=list)
 
 
@@ -438,9 +439,10 @@ class PipelineConfig:
 @dataclass
 class EngineSetConfig:
     requirements: List[str] = MISSING
-    keep: List[str] = field(default_factory=list)
-    left_out: List[str] = field(default_factory=list)
+    keep: Dict[str, str] = field(default_factory=dict)
+    left_out: Dict[str, str] = field(default_factory=dict)
     trim: Dict[str, List[str]] = field(default_factory=dict)
+    entry_modules: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -455,6 +457,8 @@ class BundleConfig:
     source: bool = MISSING
     engines: List[str] = field(default_factory=list)
     machine_packages: str = MISSING
+    machine_modules: Optional[str] = None
+    download_cache: str = MISSING
     engine_index_args: List[str] = field(default_factory=list)
     engine_sets: Dict[str, EngineSetConfig] = field(default_factory=dict)
 

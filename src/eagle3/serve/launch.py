@@ -114,10 +114,26 @@ def engine_python(scfg: ServeConfig) -> str:
     return str(path if path.is_absolute() else Path(CONF_DIR).parent / path)
 
 
-def free_port(host: str) -> int:
+def free_port(host: str, derived_offsets: list[int] = ()) -> int:
+    """A free port whose derived ports (port + each offset: an engine opens those too) are valid
+    and free as well."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if all(port_is_free(host, port + offset) for offset in derived_offsets):
+            return port
+
+
+def port_is_free(host: str, port: int) -> bool:
+    if not 1 <= port <= 65535:
+        return False
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def untrained_fallback(cfg: Config) -> bool:
@@ -147,7 +163,14 @@ def compose_launch(
             f"serve={scfg.engine} has no server: it runs inside the bench (python -m eagle3.bench "
             f"serve={scfg.engine})"
         )
-    port = port or scfg.port or free_port(scfg.host)
+    port = port or scfg.port or free_port(scfg.host, list(scfg.derived_port_offsets))
+    too_high = [port + o for o in scfg.derived_port_offsets if port + o > 65535]
+    if too_high:
+        raise Eagle3Error(
+            f"serve.port={port}: {scfg.engine} also opens port {too_high[0]} (port + "
+            f"{too_high[0] - port}, serve.derived_port_offsets), above 65535: choose a port "
+            f"at most {65535 - max(scfg.derived_port_offsets)}"
+        )
     composer = {"local": local_launch, "vllm": vllm_launch, "sglang": sglang_launch}[scfg.engine]
     launch = composer(cfg, spec, drafter_path, target_path, port)
     launch.stop_timeout_s = scfg.stop_timeout_s

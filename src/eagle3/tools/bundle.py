@@ -30,7 +30,6 @@ from eagle3.core.config import Config
 from eagle3.tools import bundle_engines, bundle_run
 
 REPO_ROOT = Path(CONF_DIR).parent
-PACKED = "bundle.tar"
 
 
 def installed_version(package: str) -> str:
@@ -100,21 +99,34 @@ def source_files() -> list[str]:
     return [name for name in listed.split("\0") if name and (REPO_ROOT / name).exists()]
 
 
-def members(cfg: Config, wheels: Path) -> dict[str, Path]:
-    """Name in the bundle -> path here."""
-    chosen = {f"wheels/{w.name}": w for w in sorted(wheels.glob("*.whl"))}
-    chosen |= {f"files/{name}": path for name, path in configured_files(cfg).items()}
+def packs(
+    cfg: Config, wheels: Path, base_wheels: list[Path], engines: dict
+) -> dict[str, dict[str, Path]]:
+    """Pack name -> {name in the pack: path here}. Each pack travels in parts of its own, so a
+    change re-sends only its pack: `source` (this repository's tracked files), `files`, `base`
+    (the packages the machine lacks), `target` (the package the target is shipped in), and one per
+    engine (`engine-sglang`, ...)."""
+    target_package = cfg.target.package if cfg.target.kind == "gguf_package" else None
+    target_prefix = f"{str(target_package).replace('-', '_')}-" if target_package else None
+    chosen: dict[str, dict[str, Path]] = {}
+    for engine, done in engines.items():  # each engine has all its wheels (they go to its own site)
+        chosen[f"engine-{engine}"] = {f"wheels/{w}": wheels / w for w in done["wheels"]}
+    for wheel in sorted(base_wheels):
+        pack = "target" if target_prefix and wheel.name.startswith(target_prefix) else "base"
+        chosen.setdefault(pack, {})[f"wheels/{wheel.name}"] = wheel
+    for name, path in configured_files(cfg).items():
+        chosen.setdefault("files", {})[f"files/{name}"] = path
     if cfg.bundle.source:
-        chosen |= {f"source/{name}": REPO_ROOT / name for name in source_files()}
+        chosen["source"] = {f"source/{name}": REPO_ROOT / name for name in source_files()}
         commit = wheels.parent / COMMIT_FILE  # the source has no history there: name its commit
         commit.write_text(f"{git_commit() or 'unknown'}\n")
-        chosen[f"source/{COMMIT_FILE}"] = commit
+        chosen["source"][f"source/{COMMIT_FILE}"] = commit
     return chosen
 
 
 def pack(chosen: dict[str, Path], packed: Path) -> None:
     with tarfile.open(packed, "w") as tar:
-        for name, path in tqdm(chosen.items(), desc="packing", unit="file"):
+        for name, path in tqdm(chosen.items(), desc=f"packing {packed.stem}", unit="file"):
             tar.add(path, arcname=name)
 
 
@@ -144,23 +156,24 @@ def build(cfg: Config) -> Path:
     wheels = out / "wheels"
     wheels.mkdir(parents=True)
     download_wheels(cfg, wheels)
+    base_wheels = list(wheels.glob("*.whl"))
     engines = bundle_engines.add_engines(cfg.bundle, wheels) if cfg.bundle.engines else {}
-    chosen = members(cfg, wheels)
-    packed = out / PACKED
-    pack(chosen, packed)
+    part_bytes = max(1, int(float(cfg.bundle.part_mib) * 2**20))
+    manifest = {"packs": [], "engines": engines, "source": bool(cfg.bundle.source)}
+    for name, chosen in packs(cfg, wheels, base_wheels, engines).items():
+        packed = out / f"{name}.tar"
+        pack(chosen, packed)
+        digest = bundle_run.sha256_of([packed])
+        manifest["packs"].append(
+            {
+                "name": name,
+                "sha256": digest,
+                "members": sorted(n.split("/", 1)[1] for n in chosen),
+                "parts": split_parts(packed, part_bytes),
+            }
+        )
     shutil.rmtree(wheels)
     (out / COMMIT_FILE).unlink(missing_ok=True)
-    digest = bundle_run.sha256_of([packed])
-    parts = split_parts(packed, max(1, int(float(cfg.bundle.part_mib) * 2**20)))
-    manifest = {
-        "packed": PACKED,
-        "sha256": digest,
-        "parts": parts,
-        "wheels": sorted(n.removeprefix("wheels/") for n in chosen if n.startswith("wheels/")),
-        "files": sorted(n.removeprefix("files/") for n in chosen if n.startswith("files/")),
-        "source": bool(cfg.bundle.source),
-        "engines": engines,
-    }
     (out / bundle_run.MANIFEST).write_text(json.dumps(manifest, indent=2))
     shutil.copy2(bundle_run.__file__, out / "run.py")
     return out / bundle_run.MANIFEST
@@ -170,18 +183,19 @@ def build(cfg: Config) -> Path:
 def main(cfg: Config) -> None:
     manifest_path = build(cfg)
     manifest = json.loads(manifest_path.read_text())
-    size = sum(p["bytes"] for p in manifest["parts"]) / 2**20
-    log.info("bundle: %d parts, %.1f MiB", len(manifest["parts"]), size)
-    print(f"bundle: {manifest_path.parent} ({len(manifest['parts'])} parts, {size:.1f} MiB)")
-    print(f"  wheels: {', '.join(manifest['wheels']) or 'none'}")
-    print(f"  files: {', '.join(manifest['files']) or 'none'}")
+    parts = [part for p in manifest["packs"] for part in p["parts"]]
+    size = sum(part["bytes"] for part in parts) / 2**20
+    log.info("bundle: %d parts, %.1f MiB", len(parts), size)
+    print(f"bundle: {manifest_path.parent} ({len(parts)} parts, {size:.1f} MiB)")
+    for p in manifest["packs"]:
+        mib = sum(part["bytes"] for part in p["parts"]) / 2**20
+        print(f"  {p['name']}: {len(p['members'])} members, {mib:.1f} MiB in {len(p['parts'])} parts")
     for engine, done in manifest["engines"].items():
-        trimmed = "; ".join(f"{w} without {', '.join(d)}" for w, d in done["trimmed"].items())
+        trimmed = "; ".join(f"{w} without {len(d)} files" for w, d in done["trimmed"].items())
         print(f"  {engine}: {len(done['wheels'])} wheels, {done['mib']} MiB")
         print(f"    trimmed: {trimmed or 'nothing'}")
-        print(
-            f"    kept at the machine's version: {', '.join(done['kept_from_machine']) or 'none'}"
-        )
+        kept = ", ".join(f"{n} ({why})" for n, why in done["kept_from_machine"].items())
+        print(f"    kept at the machine's version: {kept or 'none'}")
         print(f"    left out: {', '.join(done['left_out']) or 'none'}")
     print(
         f"  on the machine: python3 run.py run <step> <overrides> (in {manifest_path.parent.name}/)"

@@ -1,44 +1,51 @@
 """The serving engines a bundle carries (`python -m eagle3.tools.bundle 'bundle.engines=[sglang,vllm]'`).
 
 For each engine named in bundle.engines, conf/bundle/default.yaml's bundle.engine_sets.<engine>
-gives the requirements (the engine and its kernel packages, pinned), the packages whose machine
-version is kept although the engine pins another, the packages left out (features the launch
-flags switch off), and the files trimmed from a wheel. The GPU machine's own package list
-(bundle.machine_packages: `pip list --format=json` or `pip freeze` output from it) says what is
-already there, so the bundle holds only what the machine lacks:
+gives the requirements (the engine and its kernel packages, pinned), the packages kept at the
+machine's version although the engine pins another (each with why), the packages left out (each
+with why: features the launch flags switch off), the files trimmed from a wheel, and the modules the
+launch starts from. The GPU machine's own package list (bundle.machine_packages: `pip list
+--format=json` or `pip freeze` output from it) says what is already there:
 
-- resolution walks the requirements' wheel metadata (Requires-Dist), evaluated for the machine's
-  Python and platform; a requirement the machine satisfies is not carried, one it does not satisfy
-  is an error naming both versions (unless the package is in `keep`);
-- each wheel needed is downloaded for the machine's Python and platform (bundle.python_version,
-  bundle.platforms) with pip, one package at a time (--no-deps);
+- resolution is uv's (`uv pip compile`, a backtracking resolver) for the machine's Python and
+  newest manylinux tag, with the machine's packages as constraints (a version that runs beside
+  them is chosen, an older one where the newest does not fit), `keep` as overrides and `left_out`
+  as excludes; what the machine already has is not carried, the rest is downloaded from the lock
+  with its sha256 checked;
 - trimming drops the configured files from a wheel (kernels for other GPU architectures, kernels
   of a backend the launch flags do not use) and rewrites its RECORD so pip installs it and the
   installed RECORD lists only files that exist. A rule that matches nothing is an error: the
-  wheel's layout changed and the rule must be looked at again.
+  wheel's layout changed and the rule must be looked at again;
+- the import check walks what the launch modules import when they are imported (module level, not
+  function bodies or imports guarded against ImportError) through the carried wheels: a module
+  that neither the bundle, the machine nor the standard library has is an error naming the chain
+  of imports that reaches it.
 
 The wheels join the bundle's other wheels; run.py installs them all.
 """
 
 from __future__ import annotations
 
+import ast
 import base64
 import csv
-import email.parser
 import fnmatch
 import hashlib
 import io
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packaging.requirements import InvalidRequirement, Requirement
-from packaging.specifiers import SpecifierSet
+import httpx
+from tqdm import tqdm
 from packaging.utils import canonicalize_name
 
 from eagle3.core.common import CONF_DIR, Eagle3Error, log
@@ -69,23 +76,6 @@ def read_machine_packages(path: Path) -> dict[str, str | None]:
     return packages
 
 
-def marker_environment(bcfg: BundleConfig) -> dict[str, str]:
-    """PEP 508 marker values of the machine (CPython on Linux x86_64 at bundle.python_version)."""
-    version = str(bcfg.python_version)
-    return {
-        "python_version": ".".join(version.split(".")[:2]),
-        "python_full_version": version if version.count(".") == 2 else f"{version}.0",
-        "implementation_name": "cpython",
-        "implementation_version": version if version.count(".") == 2 else f"{version}.0",
-        "platform_python_implementation": "CPython",
-        "os_name": "posix",
-        "sys_platform": "linux",
-        "platform_system": "Linux",
-        "platform_machine": "x86_64",
-        "extra": "",
-    }
-
-
 # ---------------------------------------------------------------- resolution
 
 
@@ -95,145 +85,136 @@ class Resolved:
 
     wheels: dict[str, Path] = field(default_factory=dict)  # canonical name -> downloaded wheel
     versions: dict[str, str] = field(default_factory=dict)  # canonical name -> version carried
-    kept: dict[str, str] = field(default_factory=dict)  # name -> "machine X, wanted SPEC by Y"
-    left_out: list[str] = field(default_factory=list)  # requirements not carried (left_out)
+    kept: dict[str, str] = field(default_factory=dict)  # name -> "machine X: why"
+    left_out: dict[str, str] = field(default_factory=dict)  # name -> why it is not carried
 
 
-def wheel_metadata(wheel: Path) -> tuple[str, str, list[str]]:
-    """(name, version, Requires-Dist lines) read from a wheel's METADATA."""
-    with zipfile.ZipFile(wheel) as z:
-        name = next(
-            (n for n in z.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")),
-            None,
+@dataclass
+class Locked:
+    """One package of the resolver's lock: where its wheel for the machine is, and its sha256."""
+
+    name: str
+    version: str
+    wheel: str  # a URL or a local path
+    sha256: str | None
+
+
+def base_version(version: str) -> str:
+    """A version without its local part (torch 2.11.0+cu130 is 2.11.0 on an index)."""
+    return version.split("+", 1)[0]
+
+
+def resolver_platform(bcfg: BundleConfig) -> str:
+    """uv's --python-platform for the newest manylinux tag in bundle.platforms (uv accepts every
+    older tag too)."""
+    tags = [re.fullmatch(r"manylinux_2_(\d+)_x86_64", str(p)) for p in bcfg.platforms]
+    newest = max((int(t.group(1)) for t in tags if t), default=17)
+    return f"x86_64-manylinux_2_{newest}"
+
+
+def resolver_inputs(eset, machine: dict[str, str | None], folder: Path) -> list[str]:
+    """The requirement, constraint, override and exclude files of one resolution: the machine's
+    packages constrain it to their versions (so it backtracks to versions that run beside them),
+    `keep` overrides an engine's pin with the machine's version, `left_out` is never resolved."""
+    unknown = [n for n in eset.keep if machine.get(canonicalize_name(n)) is None]
+    if unknown:
+        raise Eagle3Error(
+            f"keep: {', '.join(unknown)} not on the machine at a known version "
+            "(bundle.machine_packages)"
         )
-        if name is None:
-            raise Eagle3Error(f"{wheel}: no .dist-info/METADATA in it (not a wheel)")
-        meta = email.parser.Parser().parsestr(z.read(name).decode())
-    return meta["Name"], meta["Version"], meta.get_all("Requires-Dist") or []
+    files = {
+        "requirements.txt": list(map(str, eset.requirements)),
+        "constraints.txt": [f"{n}=={base_version(v)}" for n, v in machine.items() if v],
+        "overrides.txt": [f"{n}=={base_version(machine[canonicalize_name(n)])}" for n in eset.keep],
+        "excludes.txt": list(eset.left_out),
+    }
+    for name, lines in files.items():
+        (folder / name).write_text("".join(f"{line}\n" for line in lines))
+    argv = [str(folder / "requirements.txt"), "-c", str(folder / "constraints.txt")]
+    argv += ["--overrides", str(folder / "overrides.txt")]
+    return argv + ["--excludes", str(folder / "excludes.txt")]
 
 
-def requirement(text: str, where: str) -> Requirement:
-    try:
-        return Requirement(text)
-    except InvalidRequirement as err:
-        raise Eagle3Error(f"{where}: {text!r} is not a requirement ({err})") from None
-
-
-class Conflict(Exception):
-    """A requirement met after its package's version was chosen, which that version fails."""
-
-    def __init__(self, req: Requirement, wanted_by: str, chosen: str):
-        super().__init__(f"{wanted_by} requires {req}, but {chosen} was chosen for another")
-        self.req = req
-
-
-def resolve(
-    requirements: list[str],
-    machine: dict[str, str | None],
-    keep: list[str],
-    left_out: list[str],
-    environment: dict[str, str],
-    fetch,
-    where: str,
-) -> Resolved:
-    """Walk the requirements and their wheels' Requires-Dist: `fetch(requirement text) -> wheel
-    path` gets one wheel (the newest the specifier allows). A configured requirement also
-    constrains the same package reached through another's metadata. A requirement that a version
-    chosen earlier fails is learned and the walk starts again, choosing within every specifier
-    learned so far; one that no version can meet is an error. `where` names the config key."""
-    learned: dict[str, SpecifierSet] = {}
-    fetched: dict[str, Path] = {}
-
-    def fetch_once(text: str) -> Path:
-        if text not in fetched:
-            fetched[text] = fetch(text)
-        return fetched[text]
-
-    while True:
-        try:
-            return walk(
-                requirements, machine, keep, left_out, environment, fetch_once, where, learned
+def lock(bcfg: BundleConfig, eset, machine, folder: Path, where: str) -> list[Locked]:
+    """Resolve with uv (a backtracking resolver) for the machine's Python and platform; the lock's
+    packages with the wheel each one would install."""
+    out = folder / "pylock.engine.toml"
+    argv = [str(uv_binary()), "pip", "compile", "--quiet", "--no-header", "-o", str(out)]
+    argv += ["--python-version", str(bcfg.python_version)]
+    argv += ["--python-platform", resolver_platform(bcfg), "--only-binary", ":all:"]
+    argv += [*resolver_inputs(eset, machine, folder), *map(str, bcfg.engine_index_args)]
+    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never", "UV_NO_CONFIG": "1"}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        why = "\n".join(
+            line for line in done.stderr.splitlines() if not line.startswith("warning")
+        )
+        raise Eagle3Error(f"{where}: no set of wheels fits the machine:\n{why.strip()}")
+    packages = []
+    for package in tomllib.loads(out.read_text()).get("packages", []):
+        wheels = package.get("wheels") or []
+        if not wheels:
+            raise Eagle3Error(f"{where}: {package['name']} has no wheel for the machine")
+        wheel = wheels[0]
+        packages.append(
+            Locked(
+                canonicalize_name(package["name"]),
+                str(package["version"]),
+                str(wheel.get("url") or wheel.get("path")),
+                (wheel.get("hashes") or {}).get("sha256"),
             )
-        except Conflict as conflict:
-            name = canonicalize_name(conflict.req.name)
-            before = learned.get(name, SpecifierSet())
-            learned[name] = before & conflict.req.specifier
-            if learned[name] == before:
-                raise Eagle3Error(f"{where}: {conflict}: pin {name} in requirements") from None
+        )
+    return packages
 
 
-def walk(requirements, machine, keep, left_out, environment, fetch, where, learned) -> Resolved:
-    """One pass of resolve(); raises Conflict at the first requirement a chosen version fails."""
-    pinned = {canonicalize_name(r.name): r for r in (requirement(t, where) for t in requirements)}
-    kept_names = {canonicalize_name(n) for n in keep}
-    left = {canonicalize_name(n) for n in left_out}
-    resolved = Resolved()
-    queue = [(r, "bundle config") for r in pinned.values()]
-    while queue:
-        req, wanted_by = queue.pop(0)
-        name = canonicalize_name(req.name)
-        if req.marker is not None and not req.marker.evaluate(environment):
+def uv_binary() -> Path:
+    import uv
+
+    return Path(uv.find_uv_bin())
+
+
+def resolve(bcfg: BundleConfig, eset, machine, scratch: Path, cache: Path, where: str) -> Resolved:
+    """The wheels one engine needs that the machine lacks, downloaded into `cache`; the resolver's
+    files are written to `scratch`."""
+    resolved = Resolved(left_out={canonicalize_name(n): str(w) for n, w in eset.left_out.items()})
+    for name, why in eset.keep.items():
+        resolved.kept[canonicalize_name(name)] = (
+            f"machine {machine[canonicalize_name(name)]}: {why}"
+        )
+    for package in lock(bcfg, eset, machine, scratch, where):
+        have = machine.get(package.name)
+        if have is not None and base_version(have) == base_version(package.version):
             continue
-        if name in left:
-            if name not in resolved.left_out:
-                resolved.left_out.append(name)
-            continue
-        if name in machine:
-            check_machine(req, wanted_by, machine[name], name in kept_names, resolved, where)
-            continue
-        if name in resolved.versions:
-            if not req.specifier.contains(resolved.versions[name], prereleases=True):
-                raise Conflict(req, wanted_by, f"{name} {resolved.versions[name]}")
-            continue
-        wanted = pinned.get(name, req)
-        specifier = wanted.specifier & req.specifier & learned.get(name, SpecifierSet())
-        wheel = fetch(f"{wanted.name}{specifier}")
-        _, version, requires = wheel_metadata(wheel)
-        resolved.wheels[name], resolved.versions[name] = wheel, version
-        queue += [
-            (requirement(line, f"{wheel.name} Requires-Dist"), f"{name} {version}")
-            for line in requires
-        ]
+        if package.name in machine and have is None:
+            continue  # listed without a version: taken as it is
+        resolved.wheels[package.name] = download(package, cache, where)
+        resolved.versions[package.name] = package.version
     return resolved
 
 
-def check_machine(req, wanted_by, version, kept: bool, resolved: Resolved, where: str) -> None:
-    """A requirement the machine already has: fine when its version fits (or is not recorded, or the
-    package is kept at the machine's version); otherwise an error naming both."""
-    name = canonicalize_name(req.name)
-    if version is None or req.specifier.contains(version, prereleases=True):
-        return
-    if kept:
-        resolved.kept[name] = f"machine {version}, {wanted_by} wants {req.specifier}"
-        return
-    raise Eagle3Error(
-        f"{where}: {wanted_by} requires {req}, the machine has {name} {version}: add {name} to "
-        f"keep (use the machine's, if the engine runs with it) or choose an engine version that "
-        "accepts it"
-    )
-
-
-def pip_fetch(bcfg: BundleConfig, cache: Path):
-    """fetch() for resolve(): one wheel for the machine's Python and platforms, no dependencies."""
-    platforms = [arg for name in bcfg.platforms for arg in ("--platform", str(name))]
-
-    def fetch(text: str) -> Path:
-        with tempfile.TemporaryDirectory(dir=cache) as into:
-            argv = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", into]
-            argv += ["--only-binary=:all:", "--python-version", str(bcfg.python_version)]
-            argv += [*platforms, *map(str, bcfg.engine_index_args), text]
-            done = subprocess.run(argv, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise Eagle3Error(
-                    f"bundle.engines: no wheel of {text} for Python {bcfg.python_version} on "
-                    f"{', '.join(map(str, bcfg.platforms))}: {done.stderr.strip()[-400:]}"
-                )
-            (got,) = Path(into).glob("*.whl")
-            kept = cache / got.name
-            shutil.move(got, kept)
-            return kept
-
-    return fetch
+def download(package: Locked, cache: Path, where: str) -> Path:
+    """The locked wheel in `cache`, its sha256 checked against the lock's."""
+    source = package.wheel.removeprefix("file://")
+    name = source.rsplit("/", 1)[-1].split("#", 1)[0]
+    kept = cache / name
+    if not kept.exists():
+        if "://" in source:
+            partial = kept.with_suffix(".partial")
+            with httpx.stream("GET", source, follow_redirects=True, timeout=60) as response:
+                response.raise_for_status()
+                size = int(response.headers.get("content-length", 0)) or None
+                bar = tqdm(total=size, desc=name[:40], unit="B", unit_scale=True, leave=False)
+                with partial.open("wb") as f, bar:
+                    for chunk in response.iter_bytes(1 << 20):
+                        f.write(chunk)
+                        bar.update(len(chunk))
+            partial.replace(kept)
+        else:
+            shutil.copyfile(source, kept)
+    if package.sha256 and hashlib.sha256(kept.read_bytes()).hexdigest() != package.sha256:
+        kept.unlink()
+        raise Eagle3Error(f"{where}: {name}: its sha256 is not the lock's (a damaged download)")
+    return kept
 
 
 # ---------------------------------------------------------------- trimming
@@ -283,12 +264,130 @@ def rewritten_record(record: bytes, dropped: set[str]) -> bytes:
     return text.getvalue().encode()
 
 
+# ---------------------------------------------------------------- the launch path's imports
+
+
+def wheel_modules(wheel: Path) -> dict[str, str | None]:
+    """Dotted module name -> Python source (None: an extension module) of the files in a wheel."""
+    modules: dict[str, str | None] = {}
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            parts = name.split("/")
+            if ".dist-info" in parts[0] or ".data" in parts[0]:
+                continue
+            stem, _, suffix = parts[-1].partition(".")
+            if parts[-1].endswith(".py"):
+                dotted = parts[:-1] if stem == "__init__" else [*parts[:-1], stem]
+                modules[".".join(dotted)] = z.read(name).decode(errors="replace")
+            elif suffix.endswith("so"):
+                modules[".".join([*parts[:-1], stem])] = None
+    return modules
+
+
+def guards_import_errors(node: ast.Try) -> bool:
+    """A try whose handlers catch a failed import (ImportError, ModuleNotFoundError, Exception, all)."""
+    caught = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+    for handler in node.handlers:
+        types = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+        if handler.type is None or any(getattr(t, "id", None) in caught for t in types):
+            return True
+    return False
+
+
+def import_time_imports(body: list[ast.stmt], package: str) -> list[str]:
+    """Modules a module body imports whatever the machine: module level, class and `with` bodies; not
+    function bodies, imports under an `if` (a platform or feature switch, TYPE_CHECKING) or guarded
+    against ImportError. `package` resolves relative imports. `from a import b` yields a and a.b
+    (b may be a submodule)."""
+    found: list[str] = []
+    for node in body:
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found += [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Try):
+            if not guards_import_errors(node):
+                found += import_time_imports(node.body + node.orelse, package)
+            found += import_time_imports(node.finalbody, package)
+        elif isinstance(node, (ast.With, ast.ClassDef)):
+            found += import_time_imports(node.body, package)
+    return found
+
+
+def missing_imports(
+    modules: dict[str, str | None], entries: list[str], elsewhere: set[str]
+) -> dict[str, str]:
+    """Walk the import-time imports from `entries` through `modules` (the carried wheels'); each
+    top-level module imported that neither they, the standard library nor `elsewhere` (the
+    machine's top-level modules) provide -> the first chain of imports that reaches it."""
+    carried_tops = {name.split(".")[0] for name in modules}
+    provided = carried_tops | elsewhere | set(sys.stdlib_module_names) | {"__main__"}
+    packages = {name.rsplit(".", 1)[0] for name in modules if "." in name}
+    chains: dict[str, str] = {entry: entry for entry in entries}
+    queue, missing = list(entries), {}
+    while queue:
+        module = queue.pop(0)
+        source = modules.get(module)
+        if source is None:
+            continue
+        is_package = module in packages
+        tree = ast.parse(source)
+        for name in import_time_imports(tree.body, module if is_package else module.rpartition(".")[0]):
+            parts = name.split(".")
+            for depth in range(1, len(parts) + 1):
+                dotted = ".".join(parts[:depth])
+                if dotted in chains:
+                    continue
+                chains[dotted] = f"{chains[module]} -> {dotted}"
+                if parts[0] not in provided:
+                    missing.setdefault(parts[0], chains[dotted])
+                    break
+                if dotted in modules:
+                    queue.append(dotted)
+    return missing
+
+
+def check_launch_imports(wheels: list[Path], entries: list[str], elsewhere: set[str], where: str):
+    """An error naming every module the engine's launch path imports that the bundle and the
+    machine lack (a package left out that the launch needs, or a file trimmed that it loads)."""
+    modules: dict[str, str | None] = {}
+    for wheel in wheels:
+        modules |= wheel_modules(wheel)
+    absent = [e for e in entries if e not in modules]
+    if absent:
+        raise Eagle3Error(f"{where}.entry_modules: {', '.join(absent)} not in the carried wheels")
+    missing = missing_imports(modules, entries, elsewhere)
+    if missing:
+        lines = "\n".join(f"  {name}: {chain}" for name, chain in sorted(missing.items()))
+        raise Eagle3Error(
+            f"{where}: the launch path imports modules neither the bundle nor the machine has "
+            f"(carry their package: take it out of left_out):\n{lines}"
+        )
+
+
+def machine_modules(bcfg: BundleConfig, machine: dict[str, str | None]) -> set[str]:
+    """The machine's top-level modules: bundle.machine_modules (written on the machine) when given,
+    else each package's name as a module name."""
+    if bcfg.machine_modules:
+        path = repo_path(str(bcfg.machine_modules))
+        return set(json.loads(path.read_text()))
+    return {name.replace("-", "_") for name in machine}
+
+
 # ---------------------------------------------------------------- the bundle step
 
 
+def repo_path(value: str) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
 def machine_list_path(bcfg: BundleConfig) -> Path:
-    path = Path(str(bcfg.machine_packages)).expanduser()
-    path = path if path.is_absolute() else REPO_ROOT / path
+    path = repo_path(str(bcfg.machine_packages))
     if not path.exists():
         raise Eagle3Error(
             f"bundle.machine_packages: {path} does not exist (write it on the GPU machine with "
@@ -298,11 +397,11 @@ def machine_list_path(bcfg: BundleConfig) -> Path:
 
 
 def add_engines(bcfg: BundleConfig, wheels: Path) -> dict:
-    """Resolve, download and trim each engine's wheels into `wheels`; what was done, per engine,
-    for the bundle's manifest."""
+    """Resolve, download, trim and check each engine's wheels into `wheels` (which holds the
+    bundle's other wheels already); what was done, per engine, for the bundle's manifest.
+    Downloads are kept in bundle.download_cache."""
     machine = read_machine_packages(machine_list_path(bcfg))
-    environment = marker_environment(bcfg)
-    downloads = wheels.parent / "engine-downloads"
+    elsewhere = machine_modules(bcfg, machine)
     report = {}
     for engine in bcfg.engines:
         if engine not in bcfg.engine_sets:
@@ -311,37 +410,28 @@ def add_engines(bcfg: BundleConfig, wheels: Path) -> dict:
                 f"{', '.join(bcfg.engine_sets)}"
             )
         eset, where = bcfg.engine_sets[engine], f"bundle.engine_sets.{engine}"
-        cache = downloads / engine  # an engine's trimmed wheel never replaces another's download
+        cache = Path(str(bcfg.download_cache)).expanduser()
         cache.mkdir(parents=True, exist_ok=True)
-        resolved = resolve(
-            list(eset.requirements),
-            machine,
-            list(eset.keep),
-            list(eset.left_out),
-            environment,
-            pip_fetch(bcfg, cache),
-            where,
-        )
+        with tempfile.TemporaryDirectory(dir=cache) as scratch:
+            resolved = resolve(bcfg, eset, machine, Path(scratch), cache, where)
+        carried = {}
+        for name, wheel in resolved.wheels.items():
+            carried[name] = wheels / wheel.name
+            shutil.copy2(wheel, carried[name])  # trimmed below: the cached download stays whole
         trimmed = {}
         for package, patterns in eset.trim.items():
-            wheel = resolved.wheels.get(canonicalize_name(package))
+            wheel = carried.get(canonicalize_name(package))
             if wheel is None:
                 raise Eagle3Error(f"{where}.trim: {package} is not among the wheels carried")
             trimmed[wheel.name] = trim_wheel(wheel, list(patterns), f"{where}.trim.{package}")
-        for wheel in resolved.wheels.values():
-            shutil.copy2(wheel, wheels / wheel.name)
+        others = [w for w in wheels.glob("*.whl") if w not in carried.values()]  # eagle3's own
+        check_launch_imports([*others, *carried.values()], list(eset.entry_modules), elsewhere, where)
         report[engine] = {
-            "wheels": sorted(w.name for w in resolved.wheels.values()),
-            "mib": round(sum(w.stat().st_size for w in resolved.wheels.values()) / 2**20, 1),
+            "wheels": sorted(w.name for w in carried.values()),
+            "mib": round(sum(w.stat().st_size for w in carried.values()) / 2**20, 1),
             "trimmed": trimmed,
             "kept_from_machine": resolved.kept,
             "left_out": resolved.left_out,
         }
-        log.info(
-            "bundle: %s needs %d wheels (%.1f MiB)",
-            engine,
-            len(resolved.wheels),
-            report[engine]["mib"],
-        )
-    shutil.rmtree(downloads, ignore_errors=True)
+        log.info("bundle: %s needs %d wheels (%.1f MiB)", engine, len(carried), report[engine]["mib"])
     return report
