@@ -54,25 +54,33 @@ def make_bundle(make_cfg, tmp_path, *overrides):
     return cfg, build(cfg), prompts
 
 
+def all_parts(manifest: dict) -> list[dict]:
+    return [part for pack in manifest["packs"] for part in pack["parts"]]
+
+
 def test_a_bundle_in_parts_installs_once_every_part_has_arrived(make_cfg, tmp_path):
     cfg, manifest_path, prompts = make_bundle(make_cfg, tmp_path)
     manifest = json.loads(manifest_path.read_text())
-    out = manifest_path.parent
-    assert len(manifest["parts"]) >= 3 and all(
-        p["bytes"] <= 0.004 * 2**20 for p in manifest["parts"]
-    )
-    assert manifest["wheels"] == ["bundletiny-1.0-py3-none-any.whl"]
-    assert manifest["files"] == ["prompts.jsonl"] and (out / "run.py").exists()
+    out, parts = manifest_path.parent, all_parts(manifest)
+    assert [p["name"] for p in manifest["packs"]] == ["base", "files"]
+    assert len(parts) >= 3 and all(p["bytes"] <= 0.004 * 2**20 for p in parts)
+    packs = {p["name"]: p["members"] for p in manifest["packs"]}
+    assert packs == {
+        "base": ["wheels/bundletiny-1.0-py3-none-any.whl"],
+        "files": ["files/prompts.jsonl"],
+    }
+    assert (out / "run.py").exists()
     # the parts arrive in two copies; the first leaves the rest missing, by name
     first, second, home = tmp_path / "copy1", tmp_path / "copy2", tmp_path / "home"
-    for folder, parts in ((first, manifest["parts"][:2]), (second, manifest["parts"][2:])):
+    for folder, some in ((first, parts[:2]), (second, parts[2:])):
         folder.mkdir()
-        for part in parts:
+        for part in some:
             shutil.copy(out / part["name"], folder / part["name"])
     missing = bundle_run.gather(manifest, [first], home)
-    assert missing == [p["name"] for p in manifest["parts"][2:]]
+    assert missing == [p["name"] for p in parts[2:]]
     assert bundle_run.gather(manifest, [second], home) == []
-    unpacked = bundle_run.install(manifest, home)
+    assert bundle_run.install(manifest, home) == []
+    unpacked = home / "bundle"
     assert (unpacked / "files" / "prompts.jsonl").read_bytes() == prompts.read_bytes()
     check = [sys.executable, "-c", "import bundletiny; print(bundletiny.VALUE)"]
     assert (
@@ -81,13 +89,13 @@ def test_a_bundle_in_parts_installs_once_every_part_has_arrived(make_cfg, tmp_pa
         ).stdout.strip()
         == "42"
     )
-    argv, env, cwd = bundle_run.step_command("train", ["experiment=quickstart"], home)
+    argv, env, cwd = bundle_run.step_command(manifest, "train", ["experiment=quickstart"], home)
     assert argv[1:] == ["-m", "eagle3.train", "experiment=quickstart"]
     # built without source (bundle.source=false): the step runs in the checkout run.py is called from
     assert env["BUNDLE_FILES"] == str(home / "bundle" / "files") and cwd == Path.cwd()
     assert env["PYTHONPATH"].split(":")[:2] == [str(home / "site"), str(cwd / "src")]
     (home / "bundle" / "source").mkdir()
-    _, env, cwd = bundle_run.step_command("train", [], home)
+    _, env, cwd = bundle_run.step_command(manifest, "train", [], home)
     assert cwd == home / "bundle" / "source"
     assert env["PYTHONPATH"].split(":")[:2] == [str(home / "site"), str(cwd / "src")]
 
@@ -95,20 +103,66 @@ def test_a_bundle_in_parts_installs_once_every_part_has_arrived(make_cfg, tmp_pa
 def test_run_py_names_missing_parts_and_refuses_a_damaged_one(make_cfg, tmp_path):
     _, manifest_path, _ = make_bundle(make_cfg, tmp_path)
     out, manifest = manifest_path.parent, json.loads(manifest_path.read_text())
+    parts = all_parts(manifest)
     alone = tmp_path / "alone"
     alone.mkdir()
     shutil.copy(out / "run.py", alone)
     shutil.copy(manifest_path, alone)
-    shutil.copy(out / manifest["parts"][0]["name"], alone)
+    shutil.copy(out / parts[0]["name"], alone)
     run = [sys.executable, str(alone / "run.py"), "--home", str(tmp_path / "home"), "install"]
     done = subprocess.run(run, capture_output=True, text=True)
-    assert done.returncode == 3 and manifest["parts"][-1]["name"] in done.stdout
-    damaged = alone / manifest["parts"][1]["name"]
+    assert done.returncode == 3 and parts[-1]["name"] in done.stdout
+    damaged = alone / parts[1]["name"]
     damaged.write_bytes(b"not the part")
     done = subprocess.run(run, capture_output=True, text=True)
     assert done.returncode == 2 and f"{damaged}: its sha256 is not the manifest's" in done.stderr
     with pytest.raises(bundle_run.BundleError, match="unknown step 'deploy'"):
-        bundle_run.step_command("deploy", [], tmp_path)
+        bundle_run.step_command(manifest, "deploy", [], tmp_path)
+
+
+def test_run_py_takes_a_steps_arguments_in_any_order():
+    """`run.py run bench serve=x -m spec.depth=16,10`: everything after the step is the step's,
+    Hydra's -m included; `run.py test ...` hands its arguments to pytest."""
+    args = bundle_run.parse(["run", "bench", "serve=sglang-bundle", "-m", "spec.depth=16,10"])
+    assert (args.command, args.step, args.rest) == (
+        "run",
+        "bench",
+        ["serve=sglang-bundle", "-m", "spec.depth=16,10"],
+    )
+    args = bundle_run.parse(["--home", "/h", "run", "bench", "-m", "serve=x", "spec=off,d8"])
+    assert (args.home, args.step, args.rest) == (
+        Path("/h"),
+        "bench",
+        ["-m", "serve=x", "spec=off,d8"],
+    )
+    args = bundle_run.parse(["test", "-q", "-x", "tests/unit/test_fsdp.py"])
+    assert (args.command, args.rest) == ("test", ["-q", "-x", "tests/unit/test_fsdp.py"])
+    argv, env, _ = bundle_run.test_command({"packs": []}, args.rest, Path("/h"))
+    assert argv[1:] == ["-m", "pytest", "-q", "-x", "tests/unit/test_fsdp.py"]
+
+
+def test_a_code_change_rebuilds_only_the_source_pack(make_cfg, tmp_path):
+    """The source travels as a pack of its own and packs are built the same from the same inputs:
+    a bundle with the source and one without have the same wheel and file packs, so a code change
+    re-sends the source's parts alone."""
+    cfg, first, _ = make_bundle(make_cfg, tmp_path, "bundle.source=true", "bundle.part_mib=64")
+    packs = {p["name"]: p["sha256"] for p in json.loads(first.read_text())["packs"]}
+    assert sorted(packs) == ["base", "files", "source"]
+    again = build(make_cfg(*cfg_overrides(cfg, tmp_path / "again"), "bundle.source=false"))
+    assert {p["name"]: p["sha256"] for p in json.loads(again.read_text())["packs"]} == {
+        n: packs[n] for n in ("base", "files")
+    }
+
+
+def cfg_overrides(cfg, out: Path) -> list[str]:
+    return [
+        "target=tiny-llama",
+        f"data.source={cfg.data.source}",
+        f"bundle.out={out}",
+        "bundle.packages=[]",
+        f"bundle.wheel_dirs=[{cfg.bundle.wheel_dirs[0]}]",
+        "bundle.part_mib=64",
+    ]
 
 
 def test_a_missing_extra_file_is_named(make_cfg, tmp_path):
@@ -127,12 +181,12 @@ def test_a_step_run_from_a_bundle_records_the_commit_it_was_packed_from(make_cfg
     home = tmp_path / "home"
     assert bundle_run.gather(manifest, [manifest_path.parent], home) == []
     bundle_run.install(manifest, home)
-    _, env, cwd = bundle_run.step_command("bench", [], home)
+    _, env, cwd = bundle_run.step_command(manifest, "bench", [], home)
     probe = "from eagle3.core.artifacts import git_commit; print(git_commit())"
     done = subprocess.run(
         [sys.executable, "-c", probe], env=env, cwd=cwd, capture_output=True, text=True
     )
     assert done.stdout.strip() == git_commit() != "None", done.stderr
     assert sorted(p.name for p in manifest_path.parent.iterdir()) == sorted(
-        [bundle_run.MANIFEST, "run.py", *(p["name"] for p in manifest["parts"])]
+        [bundle_run.MANIFEST, "run.py", *(p["name"] for p in all_parts(manifest))]
     )

@@ -27,8 +27,7 @@ from eagle3.core.common import Eagle3Error
 from eagle3.tools import bundle_run
 from eagle3.tools.bundle import build
 from eagle3.tools.bundle_engines import (
-    marker_environment,
-    pip_fetch,
+    check_launch_imports,
     read_machine_packages,
     resolve,
     trim_wheel,
@@ -73,7 +72,7 @@ def write_wheel(folder: Path, name: str, version: str, requires=(), files=None) 
 
 @pytest.fixture
 def index(tmp_path) -> Path:
-    """A find-links folder shaped like SGLang 0.5.14's wheel set as the H200 machine sees it."""
+    """A find-links folder shaped like SGLang 0.5.14's wheel set as the GPU machine sees it."""
     folder = tmp_path / "index"
     write_wheel(
         folder,
@@ -83,7 +82,7 @@ def index(tmp_path) -> Path:
             "sglang-kernel==0.4.4",
             "flashinfer-python==0.6.12",
             "transformers==5.8.1",  # the machine keeps its 5.17.0 (bundle.engine_sets.sglang.keep)
-            "torch==2.11.0",  # the machine has 2.11.0+cu130
+            "torch==2.11.0",  # the machine has 2.11.0
             "xgrammar==0.1.25",  # left out: --grammar-backend none
             "orjson>=3.9",
             "aiohttp",  # on the machine
@@ -91,6 +90,7 @@ def index(tmp_path) -> Path:
             'pytest; extra == "test"',  # an extra nobody asked for
             'tomli; python_version < "3.11"',  # for an older Python than the machine's 3.12
         ],
+        files={"sglang/__init__.py": "VERSION = '0.5.14'\n", "sglang/launch_server.py": LAUNCH},
     )
     write_wheel(folder, "sglang-kernel", "0.4.4", files=KERNEL_FILES)
     write_wheel(folder, "sglang-kernel", "0.4.5", files=KERNEL_FILES)  # newer, not the pin
@@ -103,69 +103,98 @@ def index(tmp_path) -> Path:
     write_wheel(folder, "apache-tvm-ffi", "0.1.3")
     write_wheel(folder, "apache-tvm-ffi", "0.1.5")  # the newest the specifier allows
     write_wheel(folder, "apache-tvm-ffi", "0.2.0")
+    # the newest orjson needs an aiohttp the machine does not have: the resolver backtracks to 3.9.0
+    write_wheel(folder, "orjson", "3.9.0", ["aiohttp>=3"])
+    write_wheel(folder, "orjson", "3.11.4", ["aiohttp>=4"])
     for name, version in [
-        ("orjson", "3.9.0"),
-        ("orjson", "3.11.4"),
         ("flashinfer-cubin", "0.6.12"),
+        ("xgrammar", "0.1.25"),
+        ("transformers", "5.8.1"),
+        ("transformers", "5.17.0"),
+        ("torch", "2.11.0"),
+        ("aiohttp", "3.14.3"),
+        ("aiohttp", "4.0.0"),
+        ("numpy", "2.5.2"),
+        ("numpy", "3.0.0"),
     ]:
         write_wheel(folder, name, version)
     return folder
 
 
-MACHINE = {"torch": "2.11.0+cu130", "transformers": "5.17.0", "aiohttp": None, "numpy": "2.5.2"}
-H200_LIST = REPO / "conf/bundle/machines/h200.txt"
+# the launch module: module-level imports of carried and machine packages; the left-out xgrammar
+# only behind a guard, under an `if` and inside a function (none of those run at import)
+LAUNCH = """import json
+import orjson
+import sgl_kernel
+from transformers import AutoConfig
+try:
+    import xgrammar
+except ImportError:
+    xgrammar = None
+if False:
+    import xgrammar.compiler
+def grammar():
+    import xgrammar.kernels
+"""
+
+MACHINE = {"torch": "2.11.0", "transformers": "5.17.0", "aiohttp": "3.14.3", "numpy": "2.5.2"}
+GPU_IMAGE = REPO / "conf/bundle/machines/gpu-image.json"
+
+
+def machine_file(tmp_path, machine: dict) -> Path:
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps([{"name": n, "version": v} for n, v in machine.items()]))
+    return path
 
 
 def sglang_resolution(make_cfg, index, tmp_path, machine):
     cfg = make_cfg(f"bundle.engine_index_args=[--no-index,--find-links,{index}]")
-    eset = cfg.bundle.engine_sets["sglang"]
     cache = tmp_path / "downloads"
     cache.mkdir(exist_ok=True)
+    (tmp_path / "scratch").mkdir(exist_ok=True)
+    eset = cfg.bundle.engine_sets["sglang"]
     return resolve(
-        list(eset.requirements),
-        machine,
-        list(eset.keep),
-        list(eset.left_out),
-        marker_environment(cfg.bundle),
-        pip_fetch(cfg.bundle, cache),
-        "bundle.engine_sets.sglang",
+        cfg.bundle, eset, machine, tmp_path / "scratch", cache, "bundle.engine_sets.sglang"
     )
 
 
-def test_an_engine_needs_what_the_machine_lacks_at_the_configured_pins(make_cfg, index, tmp_path):
-    """The configured SGLang set against the H200's packages: exactly the four engine wheels plus the
-    dependencies the machine lacks (newest allowed), nothing the machine has, nothing for another
-    platform, Python or extra, nothing left out; transformers kept at the machine's version. The
-    machine is the shipped H200 list (bundle.machine_packages' default)."""
-    machine = read_machine_packages(H200_LIST)
-    assert (machine["torch"], machine["transformers"], machine["aiohttp"]) == (
-        "2.11.0+cu130",
-        "5.17.0",
-        None,
-    )
-    resolved = sglang_resolution(make_cfg, index, tmp_path, machine)
+def test_an_engine_needs_what_the_machine_lacks_at_versions_that_fit_it(make_cfg, index, tmp_path):
+    """The configured SGLang set against a machine: exactly the engine wheels plus the dependencies
+    the machine lacks; orjson backtracked to the version whose aiohttp pin the machine meets; nothing
+    the machine has, nothing for another platform, Python or extra, nothing left out; transformers
+    kept at the machine's version with its reason."""
+    resolved = sglang_resolution(make_cfg, index, tmp_path, MACHINE)
     assert resolved.versions == {
         "sglang": "0.5.14",
         "sglang-kernel": "0.4.4",
         "flashinfer-python": "0.6.12",
         "apache-tvm-ffi": "0.1.5",
-        "orjson": "3.11.4",
+        "orjson": "3.9.0",
     }
-    assert {n: w.name for n, w in resolved.wheels.items()}["sglang-kernel"] == (
-        "sglang_kernel-0.4.4-py3-none-any.whl"
-    )
-    assert resolved.kept == {"transformers": "machine 5.17.0, sglang 0.5.14 wants ==5.8.1"}
-    assert sorted(resolved.left_out) == ["flashinfer-cubin", "xgrammar"]
+    assert resolved.wheels["sglang-kernel"].name == "sglang_kernel-0.4.4-py3-none-any.whl"
+    assert resolved.kept["transformers"].startswith("machine 5.17.0: SGLang's pin 5.8.1 fails")
+    assert {"xgrammar", "flashinfer-cubin"} <= set(resolved.left_out)
 
 
 def test_a_machine_version_the_engine_refuses_is_named(make_cfg, index, tmp_path):
-    machine = {**MACHINE, "torch": "2.10.0+cu128"}
-    with pytest.raises(
-        Eagle3Error,
-        match=r"bundle.engine_sets.sglang: sglang 0.5.14 requires torch==2.11.0, the machine has "
-        r"torch 2.10.0\+cu128: add torch to keep",
-    ):
+    machine = {**MACHINE, "torch": "2.10.0"}
+    with pytest.raises(Eagle3Error) as caught:
         sglang_resolution(make_cfg, index, tmp_path, machine)
+    message = str(caught.value)
+    assert message.startswith("bundle.engine_sets.sglang: no set of wheels fits the machine:")
+    assert "torch==2.10.0" in message and "sglang==0.5.14" in message
+
+
+def test_the_shipped_machine_list_is_the_gpu_image(make_cfg):
+    cfg = make_cfg()
+    assert cfg.bundle.machine_packages == "conf/bundle/machines/gpu-image.json"
+    machine = read_machine_packages(GPU_IMAGE)
+    assert (machine["torch"], machine["transformers"], machine["numpy"]) == (
+        "2.11.0",
+        "5.17.0",
+        "2.5.2",
+    )
+    assert len(machine) == 197 and "sglang" not in machine and "vllm" not in machine
 
 
 def test_machine_package_lists_in_both_formats(tmp_path):
@@ -182,6 +211,45 @@ def test_machine_package_lists_in_both_formats(tmp_path):
     frozen.write_text("torch==\n")
     with pytest.raises(Eagle3Error, match=r"freeze.txt:1: 'torch==' is not `name==version`"):
         read_machine_packages(frozen)
+
+
+def test_the_import_check_names_a_left_out_package_the_launch_imports(tmp_path):
+    """Module-level imports are followed through the carried wheels; guarded, conditional and
+    function-level imports are not; a package neither carried, on the machine nor in the standard
+    library is named with the chain of imports that reaches it."""
+    carried = [
+        write_wheel(
+            tmp_path / "w",
+            "sglang",
+            "0.5.14",
+            files={"sglang/__init__.py": "", "sglang/launch_server.py": LAUNCH},
+        ),
+        write_wheel(tmp_path / "w", "orjson", "3.9.0"),
+        write_wheel(tmp_path / "w", "sglang-kernel", "0.4.4", files=KERNEL_FILES),
+    ]
+    machine = {"transformers", "torch"}
+    check_launch_imports(carried, ["sglang.launch_server"], machine, "engine")  # nothing missing
+    server = "import sglang.srt.server\n"
+    carried.append(
+        write_wheel(
+            tmp_path / "w2",
+            "sglang",
+            "0.5.14",
+            files={
+                "sglang/launch_server.py": server,
+                "sglang/srt/__init__.py": "",
+                "sglang/srt/server.py": "from .grammar import backend\n",
+                "sglang/srt/grammar.py": "import xgrammar\nbackend = 1\n",
+            },
+        )
+    )
+    with pytest.raises(Eagle3Error) as caught:
+        check_launch_imports(carried[1:], ["sglang.launch_server"], machine, "engine")
+    assert str(caught.value).splitlines()[1:] == [
+        "  xgrammar: sglang.launch_server -> sglang.srt.server -> sglang.srt.grammar -> xgrammar"
+    ]
+    with pytest.raises(Eagle3Error, match=r"engine.entry_modules: sglang.serve not in the carried"):
+        check_launch_imports(carried, ["sglang.serve"], machine, "engine")
 
 
 def installed_record(site: Path, dist_info: str) -> list[list[str]]:
@@ -227,10 +295,9 @@ def test_a_trim_rule_that_matches_nothing_is_an_error(tmp_path):
 
 
 def test_a_bundle_with_sglang_installs_the_trimmed_engine(make_cfg, index, tmp_path):
-    """python -m eagle3.tools.bundle 'bundle.engines=[sglang]': the engine's wheels join the parts, the
-    manifest says what was carried and trimmed, and run.py installs them."""
-    machine = tmp_path / "machine.json"
-    machine.write_text(json.dumps([{"name": n, "version": v or "1.0"} for n, v in MACHINE.items()]))
+    """python -m eagle3.tools.bundle 'bundle.engines=[sglang]': the engine's wheels are a pack of
+    their own, the manifest says what was carried and trimmed, and run.py installs them into the
+    engine's own site folder."""
     cfg = make_cfg(
         "target=tiny-llama",
         f"bundle.out={tmp_path / 'bundle'}",
@@ -238,8 +305,10 @@ def test_a_bundle_with_sglang_installs_the_trimmed_engine(make_cfg, index, tmp_p
         "bundle.source=false",
         "bundle.part_mib=0.004",
         "bundle.engines=[sglang]",
-        f"bundle.machine_packages={machine}",
+        f"bundle.machine_packages={machine_file(tmp_path, MACHINE)}",
+        f"bundle.download_cache={tmp_path / 'cache'}",
         f"bundle.engine_index_args=[--no-index,--find-links,{index}]",
+        "bundle.engine_sets.sglang.entry_modules=[sglang.launch_server]",
     )
     manifest_path = build(cfg)
     manifest = json.loads(manifest_path.read_text())
@@ -247,25 +316,27 @@ def test_a_bundle_with_sglang_installs_the_trimmed_engine(make_cfg, index, tmp_p
     assert carried["wheels"] == [
         "apache_tvm_ffi-0.1.5-py3-none-any.whl",
         "flashinfer_python-0.6.12-py3-none-any.whl",
-        "orjson-3.11.4-py3-none-any.whl",
+        "orjson-3.9.0-py3-none-any.whl",
         "sglang-0.5.14-py3-none-any.whl",
         "sglang_kernel-0.4.4-py3-none-any.whl",
     ]
-    assert carried["wheels"] == manifest["wheels"]
+    (pack,) = [p for p in manifest["packs"] if p["name"] == "engine-sglang"]
+    assert pack["members"] == [f"wheels/{w}" for w in carried["wheels"]]
     assert carried["trimmed"] == {
         "sglang_kernel-0.4.4-py3-none-any.whl": [
             "sgl_kernel/sm100/common_ops.abi3.so",
             "sgl_kernel/flash_ops.abi3.so",
         ]
     }
-    assert not (manifest_path.parent / "engine-downloads").exists()
     home = tmp_path / "home"
     assert bundle_run.gather(manifest, [manifest_path.parent], home) == []
-    bundle_run.install(manifest, home)
-    site = home / "site"
+    assert bundle_run.install(manifest, home) == []
+    site = home / "site-sglang"
     assert (site / "sglang/__init__.py").read_text() == "VERSION = '0.5.14'\n"
     assert (site / "sgl_kernel/sm90/common_ops.abi3.so").exists()
     assert not (site / "sgl_kernel/flash_ops.abi3.so").exists()
+    env = bundle_run.step_env(manifest, home, Path.cwd())
+    assert env["EAGLE3_BUNDLE_SITE_SGLANG"] == str(site)
 
 
 def test_an_unknown_engine_is_named(make_cfg, tmp_path):

@@ -125,9 +125,16 @@ def packs(
 
 
 def pack(chosen: dict[str, Path], packed: Path) -> None:
-    with tarfile.open(packed, "w") as tar:
-        for name, path in tqdm(chosen.items(), desc=f"packing {packed.stem}", unit="file"):
-            tar.add(path, arcname=name)
+    """A tar of `chosen` that depends on their names and contents only (no times or owners), so
+    the same inputs give the same pack and parts."""
+
+    def plain(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+        return info
+
+    with tarfile.open(packed, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, path in tqdm(sorted(chosen.items()), desc=f"packing {packed.stem}", unit="file"):
+            tar.add(path, arcname=name, filter=plain)
 
 
 def split_parts(packed: Path, part_bytes: int) -> list[dict]:
@@ -168,7 +175,7 @@ def build(cfg: Config) -> Path:
             {
                 "name": name,
                 "sha256": digest,
-                "members": sorted(n.split("/", 1)[1] for n in chosen),
+                "members": sorted(chosen),
                 "parts": split_parts(packed, part_bytes),
             }
         )
@@ -189,7 +196,9 @@ def main(cfg: Config) -> None:
     print(f"bundle: {manifest_path.parent} ({len(parts)} parts, {size:.1f} MiB)")
     for p in manifest["packs"]:
         mib = sum(part["bytes"] for part in p["parts"]) / 2**20
-        print(f"  {p['name']}: {len(p['members'])} members, {mib:.1f} MiB in {len(p['parts'])} parts")
+        print(
+            f"  {p['name']}: {len(p['members'])} members, {mib:.1f} MiB in {len(p['parts'])} parts"
+        )
     for engine, done in manifest["engines"].items():
         trimmed = "; ".join(f"{w} without {len(d)} files" for w, d in done["trimmed"].items())
         print(f"  {engine}: {len(done['wheels'])} wheels, {done['mib']} MiB")

@@ -115,17 +115,13 @@ def resolver_platform(bcfg: BundleConfig) -> str:
 def resolver_inputs(eset, machine: dict[str, str | None], folder: Path) -> list[str]:
     """The requirement, constraint, override and exclude files of one resolution: the machine's
     packages constrain it to their versions (so it backtracks to versions that run beside them),
-    `keep` overrides an engine's pin with the machine's version, `left_out` is never resolved."""
-    unknown = [n for n in eset.keep if machine.get(canonicalize_name(n)) is None]
-    if unknown:
-        raise Eagle3Error(
-            f"keep: {', '.join(unknown)} not on the machine at a known version "
-            "(bundle.machine_packages)"
-        )
+    `keep` overrides an engine's pin with the machine's version (where the machine has the
+    package), `left_out` is never resolved."""
+    kept = [n for n in eset.keep if machine.get(canonicalize_name(n))]
     files = {
         "requirements.txt": list(map(str, eset.requirements)),
         "constraints.txt": [f"{n}=={base_version(v)}" for n, v in machine.items() if v],
-        "overrides.txt": [f"{n}=={base_version(machine[canonicalize_name(n)])}" for n in eset.keep],
+        "overrides.txt": [f"{n}=={base_version(machine[canonicalize_name(n)])}" for n in kept],
         "excludes.txt": list(eset.left_out),
     }
     for name, lines in files.items():
@@ -146,9 +142,7 @@ def lock(bcfg: BundleConfig, eset, machine, folder: Path, where: str) -> list[Lo
     env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never", "UV_NO_CONFIG": "1"}
     done = subprocess.run(argv, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        why = "\n".join(
-            line for line in done.stderr.splitlines() if not line.startswith("warning")
-        )
+        why = "\n".join(line for line in done.stderr.splitlines() if not line.startswith("warning"))
         raise Eagle3Error(f"{where}: no set of wheels fits the machine:\n{why.strip()}")
     packages = []
     for package in tomllib.loads(out.read_text()).get("packages", []):
@@ -178,9 +172,10 @@ def resolve(bcfg: BundleConfig, eset, machine, scratch: Path, cache: Path, where
     files are written to `scratch`."""
     resolved = Resolved(left_out={canonicalize_name(n): str(w) for n, w in eset.left_out.items()})
     for name, why in eset.keep.items():
-        resolved.kept[canonicalize_name(name)] = (
-            f"machine {machine[canonicalize_name(name)]}: {why}"
-        )
+        if machine.get(canonicalize_name(name)):  # a package the machine lacks is resolved as any
+            resolved.kept[canonicalize_name(name)] = (
+                f"machine {machine[canonicalize_name(name)]}: {why}"
+            )
     for package in lock(bcfg, eset, machine, scratch, where):
         have = machine.get(package.name)
         if have is not None and base_version(have) == base_version(package.version):
@@ -193,28 +188,33 @@ def resolve(bcfg: BundleConfig, eset, machine, scratch: Path, cache: Path, where
 
 
 def download(package: Locked, cache: Path, where: str) -> Path:
-    """The locked wheel in `cache`, its sha256 checked against the lock's."""
+    """The locked wheel in `cache` (kept from an earlier bundle when its sha256 is the lock's)."""
     source = package.wheel.removeprefix("file://")
     name = source.rsplit("/", 1)[-1].split("#", 1)[0]
     kept = cache / name
-    if not kept.exists():
-        if "://" in source:
-            partial = kept.with_suffix(".partial")
-            with httpx.stream("GET", source, follow_redirects=True, timeout=60) as response:
-                response.raise_for_status()
-                size = int(response.headers.get("content-length", 0)) or None
-                bar = tqdm(total=size, desc=name[:40], unit="B", unit_scale=True, leave=False)
-                with partial.open("wb") as f, bar:
-                    for chunk in response.iter_bytes(1 << 20):
-                        f.write(chunk)
-                        bar.update(len(chunk))
-            partial.replace(kept)
-        else:
-            shutil.copyfile(source, kept)
-    if package.sha256 and hashlib.sha256(kept.read_bytes()).hexdigest() != package.sha256:
-        kept.unlink()
+    if kept.exists() and sha256_matches(kept, package.sha256):
+        return kept
+    partial = kept.with_suffix(".partial")
+    if "://" in source:
+        with httpx.stream("GET", source, follow_redirects=True, timeout=60) as response:
+            response.raise_for_status()
+            size = int(response.headers.get("content-length", 0)) or None
+            bar = tqdm(total=size, desc=name[:40], unit="B", unit_scale=True, leave=False)
+            with partial.open("wb") as f, bar:
+                for chunk in response.iter_bytes(1 << 20):
+                    f.write(chunk)
+                    bar.update(len(chunk))
+    else:
+        shutil.copyfile(source, partial)
+    if not sha256_matches(partial, package.sha256):
+        partial.unlink()
         raise Eagle3Error(f"{where}: {name}: its sha256 is not the lock's (a damaged download)")
+    partial.replace(kept)
     return kept
+
+
+def sha256_matches(path: Path, sha256: str | None) -> bool:
+    return sha256 is None or hashlib.sha256(path.read_bytes()).hexdigest() == sha256
 
 
 # ---------------------------------------------------------------- trimming
@@ -336,7 +336,9 @@ def missing_imports(
             continue
         is_package = module in packages
         tree = ast.parse(source)
-        for name in import_time_imports(tree.body, module if is_package else module.rpartition(".")[0]):
+        for name in import_time_imports(
+            tree.body, module if is_package else module.rpartition(".")[0]
+        ):
             parts = name.split(".")
             for depth in range(1, len(parts) + 1):
                 dotted = ".".join(parts[:depth])
@@ -425,7 +427,9 @@ def add_engines(bcfg: BundleConfig, wheels: Path) -> dict:
                 raise Eagle3Error(f"{where}.trim: {package} is not among the wheels carried")
             trimmed[wheel.name] = trim_wheel(wheel, list(patterns), f"{where}.trim.{package}")
         others = [w for w in wheels.glob("*.whl") if w not in carried.values()]  # eagle3's own
-        check_launch_imports([*others, *carried.values()], list(eset.entry_modules), elsewhere, where)
+        check_launch_imports(
+            [*others, *carried.values()], list(eset.entry_modules), elsewhere, where
+        )
         report[engine] = {
             "wheels": sorted(w.name for w in carried.values()),
             "mib": round(sum(w.stat().st_size for w in carried.values()) / 2**20, 1),
@@ -433,5 +437,7 @@ def add_engines(bcfg: BundleConfig, wheels: Path) -> dict:
             "kept_from_machine": resolved.kept,
             "left_out": resolved.left_out,
         }
-        log.info("bundle: %s needs %d wheels (%.1f MiB)", engine, len(carried), report[engine]["mib"])
+        log.info(
+            "bundle: %s needs %d wheels (%.1f MiB)", engine, len(carried), report[engine]["mib"]
+        )
     return report

@@ -85,7 +85,9 @@ def install_pack(pack: dict, home: Path) -> None:
         return
     parts = [home / "parts" / p["name"] for p in pack["parts"]]
     if sha256_of(parts) != pack["sha256"]:
-        raise BundleError(f"pack {pack['name']}: the joined parts do not match the manifest's sha256")
+        raise BundleError(
+            f"pack {pack['name']}: the joined parts do not match the manifest's sha256"
+        )
     unpacked = home / "bundle"
     top = {member.split("/", 1)[0] for member in pack["members"]}
     if "source" in top or pack["name"] == "source":
@@ -146,7 +148,11 @@ def step_command(manifest: dict, step: str, overrides: list[str], home: Path):
     if step not in STEPS:
         raise BundleError(f"unknown step {step!r}: one of {', '.join(STEPS)}")
     source = source_folder(home)
-    return [sys.executable, "-m", f"eagle3.{step}", *overrides], step_env(manifest, home, source), source
+    return (
+        [sys.executable, "-m", f"eagle3.{step}", *overrides],
+        step_env(manifest, home, source),
+        source,
+    )
 
 
 def test_command(manifest: dict, args: list[str], home: Path):
