@@ -39,14 +39,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from tqdm import tqdm
+import tomllib
 from packaging.utils import canonicalize_name
+from tqdm import tqdm
 
 from eagle3.core.common import CONF_DIR, Eagle3Error, log
 from eagle3.core.config import BundleConfig
