@@ -97,6 +97,7 @@ class ServerConfig(ServeConfig):
     watchdog_poll_s: float = MISSING
     request_timeout_s: int = MISSING
     api_key_env: str = MISSING
+    derived_port_offsets: List[int] = field(default_factory=list)  # ports the engine opens at port + each
 
 
 @dataclass
@@ -120,7 +121,6 @@ class SglangServeConfig(ServerConfig):
     cuda_graph_max_bs: int = MISSING
     env: Dict[str, Any] = field(default_factory=dict)
     tolerate_config_names: List[str] = field(default_factory=list)
-    derived_port_offsets: List[int] = field(default_factory=list)
     extra_args: List[str] = field(default_factory=list)
 
 
