@@ -366,6 +366,8 @@ class BenchConfig:
     min_repeats: int = MISSING
     reuse_baseline: bool = MISSING
     accepts_nothing_tau: float = MISSING
+    winner_min_prompts: int = MISSING
+    winner_min_repeats: int = MISSING
     check_outputs: bool = MISSING
     cost_model_depths: List[int] = MISSING
     suites: Dict[str, SuiteConfig] = field(default_factory=dict)
