@@ -74,7 +74,9 @@ def app(task):
 
     @functools.wraps(task)
     def stoppable(*args, **kwargs):
-        """A stop anywhere (in a job, or in Hydra between a sweep's jobs) is one line."""
+        """A stop anywhere (in a job, or in Hydra between a sweep's jobs) is one line; the
+        handlers are set before Hydra composes the config, so no stop signal finds them unset."""
+        raise_on_signals()
         try:
             return hydra_app(*args, **kwargs)
         except Stopped as stop:

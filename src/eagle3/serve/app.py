@@ -42,12 +42,12 @@ def main(cfg: Config) -> None:
     check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.max_depth)
     folder = Path(HydraConfig.get().runtime.output_dir)
     engine = start_engine(cfg, spec, drafter_for(cfg, spec), target_path_for(cfg), folder)
-    print(
-        f"{cfg.serve.engine} serving {cfg.target.name} (spec {spec.label}) at {engine.base_url}; "
-        f"log {engine.log_path}; Ctrl-C stops it",
-        flush=True,
-    )
-    try:
+    try:  # from the moment the engine runs: a stop signal at any point ends in engine.stop()
+        print(
+            f"{cfg.serve.engine} serving {cfg.target.name} (spec {spec.label}) at {engine.base_url}; "
+            f"log {engine.log_path}; Ctrl-C stops it",
+            flush=True,
+        )
         while engine.alive():
             time.sleep(1)
         raise engine.failure(f"{cfg.serve.engine} server exited with code {engine.proc.returncode}")
