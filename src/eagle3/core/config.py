@@ -318,6 +318,7 @@ class SpecConfig:
     depth: int = MISSING
     steps: Optional[int] = None
     topk: int = MISSING
+    schedule: bool = False  # spec=auto: the load sweep's schedule beside the drafter (serve=local)
 
 
 @dataclass
