@@ -70,15 +70,19 @@ def common_overrides(artifacts: Path, root: Path) -> list[str]:
     ]
 
 
-def start_serve(test_root, root, *overrides, pinned: bool = True):
-    """`python -m eagle3.serve` (clock pinned unless told)."""
+def start_serve(test_root, root, *overrides, pinned: bool = True, sigint_ignored: bool = False):
+    """`python -m eagle3.serve` (clock pinned unless told); sigint_ignored: started as a shell
+    without job control starts a background job (`cmd &`), with SIGINT ignored."""
     argv = app_argv(
         "eagle3.serve",
         *common_overrides(test_root / "artifacts", root),
         *overrides,
         pinned=pinned,
     )
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ignore
+    )
 
 
 def serving(proc) -> tuple[str, int]:
@@ -128,6 +132,23 @@ def test_two_serves_in_the_same_second_stay_apart_and_stop_their_engines(test_ro
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_a_serve_started_with_sigint_ignored_still_stops_on_sigint(test_root, tmp_path):
+    """`make test &` or any background job of a script starts its processes with SIGINT ignored,
+    and Python keeps it so: a serve's `kill -INT` was lost there and it ran on. The app sets its
+    own handler: the serve stops its engine and exits 0, as after a Ctrl-C."""
+    proc = start_serve(test_root, tmp_path, "spec=off", pinned=False, sigint_ignored=True)
+    try:
+        url, engine_pid = serving(proc)
+        proc.send_signal(signal.SIGINT)
+        assert exit_code(proc, 60) == 0
+        assert not pid_alive(engine_pid)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health", timeout=5)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])

@@ -1,29 +1,36 @@
 """The batched engine as served: the shape of each step from the load sweep's schedule (greedy output
-unchanged as the live batch crosses the schedule's thresholds up and down), batching by default with
-the batch-1 decoder for a lone request, and the deterministic mode (outputs independent of the batch
-size and the shape)."""
+unchanged as the live batch crosses the schedule's thresholds up and down; run only when named and
+only where measured), batching by default with the batch-1 decoder for a lone request, and the
+deterministic mode (outputs independent of the batch size and the shape)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import json
+import re
+import shutil
+import subprocess
+import sys
 import threading
 from collections import Counter
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from engine_helpers import PROMPTS, reference_greedy, spec
+from support import load_job, server_cfg
 from support import load_results as results
-from support import server_cfg
 
-from eagle3.bench.concurrency import write_load_summary
-from eagle3.core.common import Eagle3Error
+from eagle3.bench.concurrency import write_load_summary, write_schedule
+from eagle3.core.common import Eagle3Error, hardware, local_engine_version
 from eagle3.core.spec import OFF, Spec
 from eagle3.engine import DecodeRequest
 from eagle3.engine.batch import BatchDecoder
 from eagle3.engine.schedule import Schedule, read_schedule, resolve_schedule_path
 from eagle3.engine.service import Generation, build_service
+from eagle3.serve.app import shapes
 
 NEW_TOKENS = 32
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest
@@ -52,7 +59,13 @@ def test_the_engine_reads_the_schedule_the_load_sweep_wrote(tmp_path):
     d32 = Spec(enabled=True, depth=32, steps=4, topk=8)
     assert [schedule.shape_for(b) for b in (1, 2, 15, 16, 64)] == [d32, d32, d32, OFF, OFF]
     assert resolve_schedule_path("off", str(export / "sglang")) is None
-    assert resolve_schedule_path("auto", str(tmp_path / "elsewhere" / "sglang")) is None
+    with pytest.raises(
+        Eagle3Error, match="engine.schedule=auto: no schedule.json beside the drafter"
+    ):
+        resolve_schedule_path("auto", str(tmp_path / "elsewhere" / "sglang"))
+    with pytest.raises(Eagle3Error, match="spec=auto: no schedule.json beside the drafter"):
+        resolve_schedule_path("off", str(tmp_path / "elsewhere" / "sglang"), auto=True)
+    assert resolve_schedule_path("off", str(export / "sglang"), auto=True) == path
     with pytest.raises(Eagle3Error, match="engine.schedule=.*no such file"):
         resolve_schedule_path(str(tmp_path / "missing.json"), None)
     sglang_only = tmp_path / "sglang.json"
@@ -60,6 +73,110 @@ def test_the_engine_reads_the_schedule_the_load_sweep_wrote(tmp_path):
     sglang_only.write_text(json.dumps([{**plan[0], "engine": "sglang"}]))
     with pytest.raises(Eagle3Error, match="no entries measured on serve=local"):
         read_schedule(sglang_only)
+
+
+def off_schedule_beside(tiny_drafter, tmp_path, machine: str) -> Path:
+    """A copy of the tiny drafter's export with the schedule a load sweep writes beside it when
+    nothing beat spec=off at batch 1 ("1+: off"), measured on `machine` with this engine."""
+    export = tmp_path / "export" / "abc123"
+    shutil.copytree(tiny_drafter, export)
+    jobs = [
+        load_job("off", 1, 0, 1, 1, 100.0, 100.0, 0.010, 0.010),
+        load_job("d8", 8, 7, 1, 1, 60.0, 100.0, 0.020, 0.010, 0.05),
+    ]
+    for job in jobs:
+        job.update(hardware=machine, engine_version=local_engine_version())
+        job["drafter"] = str(export / "sglang") if job["drafter"] else None
+    write_schedule(jobs, tmp_path)
+    assert read_schedule(export / "schedule.json").describe() == "1+: off"
+    return export
+
+
+def one_reply(service) -> dict:
+    request = Generation(service.encode_text(PROMPTS[0]), 8, 0.0, ignore_eos=True)
+    service.generate(request)
+    return service.stats()
+
+
+def test_a_schedule_runs_only_when_named_and_where_it_was_measured(
+    test_root, make_cfg, tiny_drafter, tmp_path
+):
+    """A "1+: off" schedule beside the drafter: spec.depth=8 drafts all the same (the spec given is
+    the spec that runs); spec=auto runs the schedule (spec=off at batch 1: no drafts); a schedule
+    measured on other hardware is refused in one line naming both machines."""
+    export = off_schedule_beside(tiny_drafter, tmp_path, hardware())
+    drafter = f"drafter.path={export / 'sglang'}"
+    given = one_reply(build_service(server_cfg(test_root, drafter, "spec.depth=8")))
+    assert given["spec"] == "d8" and given["schedule"] is None
+    assert given["num_draft_tokens"] == 7 * given["num_drafts"] > 0
+    auto = one_reply(build_service(server_cfg(test_root, drafter, "spec=auto")))
+    assert auto["schedule"] == "1+: off" and auto["num_draft_tokens"] == 0
+    named = f"engine.schedule={export / 'schedule.json'}"
+    assert one_reply(build_service(server_cfg(test_root, drafter, named)))["schedule"] == "1+: off"
+    # what the serve app says at start, before it starts the engine
+    said = shapes(
+        server_cfg(test_root, drafter, "spec=auto"), Spec(True, 8, 7, 1), export / "sglang"
+    )
+    assert said == f"shape per batch size (schedule {export / 'schedule.json'}): 1+: off"
+    elsewhere = off_schedule_beside(tiny_drafter, tmp_path / "h200", "8x NVIDIA H200")
+    refused = f"{elsewhere / 'schedule.json'}: measured on 8x NVIDIA H200, this machine runs "
+    refused += f"{hardware()}: a schedule runs only where it was measured; rerun the load sweep "
+    refused += "here or serve one shape (spec.*)"
+    auto_elsewhere = server_cfg(test_root, f"drafter.path={elsewhere / 'sglang'}", "spec=auto")
+    with pytest.raises(Eagle3Error) as by_engine:
+        build_service(auto_elsewhere)
+    with pytest.raises(Eagle3Error) as by_serve:
+        shapes(auto_elsewhere, Spec(True, 8, 7, 1), elsewhere / "sglang")
+    assert str(by_engine.value) == str(by_serve.value) == refused
+    with pytest.raises(Eagle3Error, match="spec=auto runs a load sweep's schedule on serve=local"):
+        shapes(make_cfg("serve=vllm", "spec=auto"), Spec(True, 8, 7, 1), None)
+
+
+@pytest.mark.slow
+def test_serve_with_a_spec_drafts_beside_a_schedule_that_says_off(
+    test_root, tiny_drafter, tmp_path
+):
+    """`python -m eagle3.serve spec.depth=8` with a load sweep's "1+: off" schedule.json beside the
+    drafter says at start that d8 runs at every batch size, and drafts (its /stats count draft
+    tokens)."""
+    export = off_schedule_beside(tiny_drafter, tmp_path, hardware())
+    argv = [
+        sys.executable,
+        "-m",
+        "eagle3.serve",
+        f"paths.root={tmp_path}",
+        f"paths.artifacts={test_root / 'artifacts'}",
+        "tracking.enabled=false",
+        "target=tiny-llama",
+        "engine.cpu_threads=1",
+        "engine.max_context=64",
+        "serve.port=0",
+        f"drafter.path={export / 'sglang'}",
+        "spec.depth=8",
+    ]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        said = []
+        for line in proc.stdout:
+            said.append(line)
+            if "serving" in line:
+                break
+        assert "shape per batch size: d8 at every batch size\n" in said, "".join(said[-20:])
+        url = re.search(r"at (http://\S+);", said[-1]).group(1)
+        httpx.post(
+            url + "/generate",
+            json={
+                "text": PROMPTS[0],
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+            },
+            timeout=120,
+        ).raise_for_status()
+        stats = httpx.get(url + "/stats", timeout=30).json()
+        assert stats["spec"] == "d8" and stats["schedule"] is None
+        assert stats["num_draft_tokens"] == 7 * stats["num_drafts"] > 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -236,5 +236,8 @@ def test_a_sweep_on_the_shipped_drafter(test_root, own_artifacts, tmp_path, empt
     first = next(i for i, line in enumerate(lines) if line.startswith("  spec=off: "))
     assert lines[first].endswith("measured in this sweep")
     assert lines[first + 1].startswith("  d3: ") and lines[first + 2].startswith("  d2: ")
-    assert lines[first + 3].startswith(("winner: ", "no shape beat spec=off"))
+    # two passes of a short suite: too few to name a winner (bench.winner_min_repeats)
+    assert lines[first + 3].startswith(
+        ("no winner: the sweep is too small", "no shape beat spec=off")
+    )
     assert lines[-1].startswith("cost model: ") and first + 4 == len(lines) - 1

@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +68,26 @@ def test_sigterm_between_bench_jobs_is_one_line(test_root, tmp_path):
     assert json.loads(jobs.read_text()) == {"jobs": 2} and "bench job 1 of 2" in out.stdout
 
 
+# Runs the data stage with a real SIGINT sent to itself as soon as the regeneration has logged its
+# first generated answer: the regeneration is still under way then (data.regen.batch_size=1 leaves
+# the other prompts to generate), whatever the machine's speed.
+CTRL_C_AFTER_FIRST_ANSWER = """
+import os, runpy, signal, sys
+from eagle3.data import regen
+
+add = regen.TurnLog.add
+
+def add_then_ctrl_c(self, answered):
+    add(self, answered)
+    if any(text is not None for *_, text in answered):
+        os.kill(os.getpid(), signal.SIGINT)
+
+regen.TurnLog.add = add_then_ctrl_c
+sys.argv = sys.argv[1:]
+runpy.run_module("eagle3.data", run_name="__main__", alter_sys=True)
+"""
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_regeneration_is_one_line(own_artifacts, tmp_path):
     overrides = [
@@ -78,31 +97,23 @@ def test_ctrl_c_during_regeneration_is_one_line(own_artifacts, tmp_path):
         "tracking.enabled=false",
         "data.limit=6",
         "data.regenerate=true",
-        "data.regen.max_new_tokens=64",
+        "data.regen.max_new_tokens=16",
+        "data.regen.batch_size=1",  # one answer per generate call: five more to go after the first
     ]
     from eagle3.data.regen import regen_log_path
 
     log = regen_log_path(compose(overrides))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle3.data", *overrides],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+    out = subprocess.run(
+        [sys.executable, "-c", CTRL_C_AFTER_FIRST_ANSWER, "eagle3.data", *overrides],
+        capture_output=True,
         text=True,
+        timeout=300,
     )
-    try:
-        deadline = time.monotonic() + 300
-        while not (log.exists() and log.read_bytes().count(b"\n") >= 1):
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        stderr = proc.communicate(timeout=120)[1]
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 128 + signal.SIGINT, stderr
-    assert "Traceback" not in stderr
-    assert last_line(stderr) == "eagle3: interrupted (Ctrl-C)"
+    assert out.returncode == 128 + signal.SIGINT, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert last_line(out.stderr) == "eagle3: interrupted (Ctrl-C)"
+    answers = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [a["content"] is not None for a in answers].count(True) == 1  # stopped mid-way
 
 
 def test_an_eagle3_root_that_cannot_be_created_is_one_line(tmp_path):

@@ -19,6 +19,8 @@ from support import (
     DRAFT_VOCAB,
     FIXTURES,
     TESTS,
+    ddp_stage,
+    finish,
     peaked_target,
     step_recorder,
     synthetic_data,
@@ -575,3 +577,152 @@ def test_end_to_end_offline_with_mlflow_and_guard_rails(make_cfg, test_root, tmp
     data_out.manifest_path.write_text(json.dumps(data_manifest))
     with pytest.raises(Eagle3Error, match="built with another tokenizer"):
         run(stage_cfg(make_cfg, artifacts, "train.epochs=3"))
+
+
+# ---------------------------------------------------------------- checkpoints and the folder's lock
+
+
+class CrashAt(L.Callback):
+    """A crash (an exception) at the end of a step, before that step's checkpoints are written."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"crash at step {self.step}")
+
+
+def test_a_damaged_last_checkpoint_is_set_aside_and_the_run_resumes_before_it(
+    test_root, target, tmp_path, caplog
+):
+    """2 epochs of 3 steps, last.ckpt every 2 steps: a crash at step 5 leaves last.ckpt of step 4
+    and epoch0.ckpt of step 3. last.ckpt cut to half its size (as a full disk left it before saves
+    were atomic): the rerun names it in one line, renames it last.ckpt.damaged, resumes from
+    epoch0.ckpt, says so, and ends where an uninterrupted run ends."""
+    overrides = [f"paths.root={test_root}", *BASE, "train.epochs=2"]
+    uninterrupted, crashed = tmp_path / "uninterrupted", tmp_path / "crashed"
+    synthetic_fit(compose(overrides), uninterrupted, [], target, n_train=12)
+    with pytest.raises(RuntimeError, match="crash at step 5"):
+        synthetic_fit(compose(overrides), crashed, [CrashAt(5)], target, n_train=12)
+    last, epoch0 = crashed / CHECKPOINTS / "last.ckpt", crashed / CHECKPOINTS / "epoch0.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 4
+    cut = last.read_bytes()[: last.stat().st_size // 2]
+    last.write_bytes(cut)
+    caplog.set_level("INFO", logger="eagle3")
+    synthetic_fit(compose(overrides), crashed, [], target, n_train=12)
+    said = [r.getMessage() for r in caplog.records if r.name == "eagle3"]
+    damaged = [line for line in said if "is damaged" in line]
+    assert len(damaged) == 1 and damaged[0].startswith(f"train: {last} is damaged (")
+    assert damaged[0].endswith("; set aside as last.ckpt.damaged")
+    assert f"train: resuming from {epoch0} (step 3), the newest good checkpoint" in said
+    assert (crashed / CHECKPOINTS / "last.ckpt.damaged").read_bytes() == cut  # kept as it was
+    assert_same_training_state(final_state(uninterrupted), final_state(crashed), steps=6)
+
+
+def test_without_a_good_checkpoint_training_starts_over_and_says_so(tmp_path, caplog):
+    """Every checkpoint damaged: each is set aside (rank 0 only) and the run starts over."""
+    from eagle3.train.app import resume_checkpoint
+
+    folder = tmp_path / "run"
+    (folder / CHECKPOINTS).mkdir(parents=True)
+    good = {"state_dict": {}, "global_step": 2}
+    torch.save(good, folder / CHECKPOINTS / "epoch0.ckpt")
+    (folder / CHECKPOINTS / "last.ckpt").write_bytes(b"PK\x03\x04 cut short")
+    (folder / CHECKPOINTS / "last.ckpt.damaged").write_bytes(b"an earlier one")
+    torch.save([1, 2], folder / "hpc_ckpt_1.ckpt")  # loads, but holds no training state
+    caplog.set_level("INFO", logger="eagle3")
+    assert resume_checkpoint(folder, set_aside=False) == folder / CHECKPOINTS / "epoch0.ckpt"
+    assert (folder / CHECKPOINTS / "last.ckpt").exists()  # another rank: nothing renamed
+    (folder / CHECKPOINTS / "epoch0.ckpt").write_bytes(b"")
+    caplog.clear()
+    assert resume_checkpoint(folder) is None
+    said = [r.getMessage() for r in caplog.records if r.name == "eagle3"]
+    assert said[-1] == f"train: no good checkpoint left in {folder}: training starts over"
+    assert sorted(p.name for p in (folder / CHECKPOINTS).iterdir()) == [
+        "epoch0.ckpt.damaged",
+        "last.ckpt.damaged",
+        "last.ckpt.damaged-2",
+    ]
+    assert (folder / "hpc_ckpt_1.ckpt.damaged").exists()
+    assert any(
+        line == f"train: {folder / 'hpc_ckpt_1.ckpt'} is damaged (not a training checkpoint); "
+        "set aside as hpc_ckpt_1.ckpt.damaged"
+        for line in said
+    )
+
+
+def test_a_checkpoint_save_cut_short_keeps_the_previous_one(tmp_path, monkeypatch):
+    """A full disk halfway through a save (simulated: torch.save writes part of the checkpoint and
+    raises ENOSPC, which a test cannot make a real disk do): one line naming the file, the previous
+    checkpoint unchanged, no partial file left."""
+    import errno
+
+    from eagle3.train.callbacks import AtomicCheckpointIO
+
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"global_step": 4}, path)
+    save = torch.save
+
+    def disk_full(obj, handle):
+        save(obj, handle)
+        handle.truncate(handle.tell() // 2)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(Eagle3Error) as refused:
+        AtomicCheckpointIO().save_checkpoint({"global_step": 6}, path)
+    assert str(refused.value) == (
+        f"cannot write the checkpoint {path} (No space left on device); the previous one is kept: "
+        "free the space and rerun the same command to resume"
+    )
+    monkeypatch.setattr(torch, "save", save)
+    assert torch.load(path, weights_only=False) == {"global_step": 4}
+    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
+
+
+@pytest.mark.slow
+def test_two_trainings_of_one_config_started_together_train_once(
+    make_cfg, test_root, own_artifacts, tmp_path
+):
+    """Two `python -m eagle3.train` of one config started at once: one trains, the other waits for
+    the folder's lock, finds the output finished and does nothing; one MLflow run, FINISHED."""
+    from mlflow.tracking import MlflowClient
+
+    from eagle3.data import app as data
+
+    stage = ddp_stage(
+        test_root, own_artifacts, "trainer.strategy=auto", "train.epochs=1", "train.batch_size=4"
+    )
+    store = tmp_path / "mlruns" / "mlflow.db"
+    argv = [
+        sys.executable,
+        "-m",
+        "eagle3.train",
+        f"paths.root={tmp_path}",
+        f"tracking.uri=sqlite:///{store}",
+        f"tracking.artifact_location={tmp_path}/mlruns/artifacts",
+        *stage,
+    ]
+    cfg = make_cfg(*argv[3:])
+    data.run(cfg)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    logs = [tmp_path / f"train{i}.log" for i in (0, 1)]
+    procs = [
+        subprocess.Popen(argv, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        for log in logs
+    ]
+    results = finish(procs, logs)
+    assert [code for code, _ in results] == [0, 0], [out[-3000:] for _, out in results]
+    out = train_output(cfg)
+    trained = [text for _, text in results if f"train: wrote {out.path}" in text]
+    waited = [
+        text for _, text in results if f"train: {out.path} is complete, nothing to do" in text
+    ]
+    assert len(trained) == len(waited) == 1, [text[-3000:] for _, text in results]
+    assert "resuming from" not in waited[0] and "Epoch" not in waited[0]
+    assert out.complete
+    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment).experiment_id
+    runs = client.search_runs([experiment], "tags.stage = 'train'")
+    assert [r.info.status for r in runs] == ["FINISHED"]

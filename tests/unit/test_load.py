@@ -111,4 +111,6 @@ def test_local_sweep_over_batch_sizes_batches(test_root, tmp_path, tiny_drafter,
     assert off[4] > 1.1 * off[1], off
     (plan,) = json.loads((sweep_dir / "schedule.json").read_text())
     assert [e["batch_size"] for e in plan["entries"]] == [1, 4]
+    # where it was measured: a schedule runs only there
+    assert (plan["hardware"], plan["engine_version"]) == (jobs[0]["hardware"], "eagle3 0.1.0")
     assert "## Step cost per batch size" in (sweep_dir / "load.md").read_text()

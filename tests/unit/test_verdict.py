@@ -10,7 +10,7 @@ import pytest
 from eagle3.bench.app import baseline, baseline_output
 from eagle3.bench.costmodel import StepCost, accept_length
 from eagle3.bench.sweep import summarize
-from eagle3.bench.verdict import Spread, combine_repeats, speedup_fields, winner
+from eagle3.bench.verdict import Rules, Spread, combine_repeats, speedup_fields, winner
 
 COST = StepCost(verify_s=0.04, draft_step_s=0.012)  # a CPU-like step: drafting is expensive
 PER_POS = [0.75, 0.55, 0.4, 0.3, 0.22, 0.16, 0.12, 0.09, 0.07, 0.05, 0.04, 0.03, 0.02, 0.02, 0.01]
@@ -212,3 +212,61 @@ def test_a_drafter_the_engine_ignores_is_named_in_the_verdict_and_tagged(
             log_job(cfg, {**result, "status": "ok"})
         tags.append(client.get_run(run.info.run_id).data.tags.get("acceptance"))
     assert tags == ["the engine accepts almost nothing: check the export", None]
+
+
+# ---------------------------------------------------------------- what may win
+
+
+def test_a_shape_that_drafts_nothing_never_wins(make_cfg, tmp_path, capsys):
+    """d2 at tau 1.00 is the fastest beyond noise (an untrained drafter on a short suite); it is not
+    the winner: d3, the fastest shape that drafts, is. With only shapes that draft nothing there is
+    no winner at all, and the verdict says why."""
+    untrained = job(2, 33.0, 32.5, 33.5, accept_length=1.0, requests=8)
+    drafting = job(3, 30.0, 29.0, 30.5, requests=8)
+    rules = Rules(accepts_nothing_tau=1.1, min_prompts=4, min_repeats=3, repeats=3)
+    chosen, fastest, tied = winner([untrained, drafting], rules)
+    assert (chosen["spec"], fastest["spec"], [r["spec"] for r in tied]) == ("d3", "d3", ["d3"])
+    assert winner([untrained, drafting])[0]["spec"] == "d2"  # without the rule it would have won
+    out = summarize(make_cfg(), [untrained, drafting], tmp_path)
+    assert out["best"]["spec"] == "d3"
+    assert "winner: d3 at 1.20x spec=off (1.12-1.27x)" in out["verdict"]
+    capsys.readouterr()
+    out = summarize(make_cfg(), [untrained], tmp_path)
+    assert out["best"] is None
+    assert out["verdict"][-2] == (
+        "no winner: every shape's tau is under 1.1 (it drafts almost nothing), whatever its tok/s"
+    )
+
+
+@pytest.mark.parametrize(
+    "requests, repeats, said",
+    [
+        (
+            2,
+            2,
+            "2 prompts per pass (bench.winner_min_prompts=4) and 2 passes per job "
+            "(bench.winner_min_repeats=3)",
+        ),
+        (2, 3, "2 prompts per pass (bench.winner_min_prompts=4)"),
+        (8, 2, "2 passes per job (bench.winner_min_repeats=3)"),
+        (4, 3, None),
+    ],
+)
+def test_a_sweep_too_small_to_tell_names_no_winner(
+    make_cfg, tmp_path, capsys, requests, repeats, said
+):
+    """d3 beats spec=off's range by 20 %; with fewer prompts per pass than
+    bench.winner_min_prompts (4) or fewer passes than bench.winner_min_repeats (3) the verdict
+    says the sweep is too small instead of naming it; at exactly 4 prompts and 3 passes it wins."""
+    results = [job(3, 30.0, 29.0, 30.5, requests=requests), job(6, 20.0, 19.0, 21.0, requests=8)]
+    out = summarize(make_cfg(f"bench.repeats={repeats}"), results, tmp_path)
+    if said is None:
+        assert out["best"]["spec"] == "d3"
+        assert "winner: d3 at 1.20x spec=off (1.12-1.27x)" in out["verdict"]
+        return
+    assert out["best"] is None
+    assert out["verdict"][-2] == (
+        f"no winner: the sweep is too small to separate shapes from noise: {said}; the fastest, "
+        "d3, ran at 1.20x (1.12-1.27x) of spec=off"
+    )
+    assert not any(line.startswith("winner") for line in out["verdict"])

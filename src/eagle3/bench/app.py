@@ -28,7 +28,7 @@ from eagle3.bench.verdict import (
     speedup_fields,
 )
 from eagle3.core.artifacts import stage_output
-from eagle3.core.common import Eagle3Error, app, log
+from eagle3.core.common import Eagle3Error, app, hardware, local_engine_version, log
 from eagle3.core.config import BenchConfig, Config, plain
 from eagle3.core.spec import OFF, Spec, resolve_spec
 from eagle3.core.target import (
@@ -538,6 +538,11 @@ def check_context(cfg: Config, prompts, requests: list[list[int]], target_path) 
 
 def job_spec(cfg: Config) -> Spec:
     """The job's spec, refused when impossible or when its engine cannot run it."""
+    if cfg.spec.schedule:
+        raise Eagle3Error(
+            "spec=auto serves a load sweep's schedule (python -m eagle3.serve spec=auto); a bench "
+            "job measures one shape: give spec=... or sweep them (-m spec=off,d4,d8)"
+        )
     spec = resolve_spec(cfg.spec)
     check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.max_depth)
     if cfg.serve.inprocess and cfg.serve.engine not in inprocess.ENGINES:
@@ -755,23 +760,6 @@ def provenance(cfg: Config) -> dict:
     }
 
 
-def hardware() -> str:
-    """The accelerator this machine measures on: the GPU's name, else the CPU's model and cores."""
-    import os
-
-    import torch
-
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [
-        line.split(":", 1)[1].strip()
-        for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
-        if line.startswith("model name")
-    ]
-    return f"{os.cpu_count()} CPU cores ({names[0] if names else platform.processor()})"
-
-
 def drafter_hash(path) -> str | None:
     """The export hash of a drafter folder (its manifest, or the parent export's), else its name."""
     if not path:
@@ -787,10 +775,8 @@ def engine_version(cfg: Config) -> str:
     """The serving engine's package version (read from its own interpreter for vLLM / SGLang)."""
     import subprocess
 
-    from eagle3 import __version__
-
     if cfg.serve.engine == "local":
-        return f"eagle3 {__version__}"
+        return local_engine_version()
     if cfg.serve.engine == "hf":
         import transformers
 

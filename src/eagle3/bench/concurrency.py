@@ -83,8 +83,8 @@ def speedup_range(job: dict) -> str:
 
 
 def schedule(results: list[dict]) -> list[dict]:
-    """Per (engine, suite, max tokens, drafter): the shape to run at each measured batch size and
-    the SGLang and vLLM flags for it."""
+    """Per (engine, suite, max tokens, drafter): the hardware and engine version measured on, the
+    shape to run at each measured batch size and the SGLang and vLLM flags for it."""
     out = []
     for (engine, suite, max_tokens, drafter), by_batch in sorted(load_groups(results).items()):
         entries = []
@@ -107,12 +107,15 @@ def schedule(results: list[dict]) -> list[dict]:
                 }
             )
         if entries:
+            measured = next(iter(by_batch.values()))[0]  # one sweep: one machine and engine
             out.append(
                 {
                     "engine": engine,
                     "suite": suite,
                     "max_new_tokens": max_tokens,
                     "drafter": drafter,
+                    "hardware": measured.get("hardware"),
+                    "engine_version": measured.get("engine_version"),
                     "entries": entries,
                 }
             )

@@ -202,7 +202,7 @@ def summarize(cfg: Config, results: list[dict], out_dir: Path, run_id: str | Non
     """Write summary.md / summary.csv / plots / cost_model.md / verdict.txt into out_dir, log them
     to the parent run, print the table and the verdict; returns {"best": the winning job, or None
     when no shape beat spec=off beyond noise, "verdict": [lines], "files": [...]}."""
-    from eagle3.bench.verdict import against_off, baseline_row, verdict_lines, winner
+    from eagle3.bench.verdict import Rules, against_off, baseline_row, verdict_lines, winner
 
     for r in results:
         if r.get("status") == "ok":
@@ -244,12 +244,9 @@ def summarize(cfg: Config, results: list[dict], out_dir: Path, run_id: str | Non
         engine, suite, batch, max_tokens, drafter = key
         named = f", drafter {drafter}" if drafter else ""
         verdict.append(f"{engine}, {suite}, batch {batch}, {max_tokens} new tokens{named}:")
-        verdict += verdict_lines(
-            jobs,
-            [m for m in model_rows if _model_key(m) == key],
-            float(cfg.bench.accepts_nothing_tau),
-        )
-        chosen = winner(jobs)[0]
+        rules = Rules.of(cfg.bench)
+        verdict += verdict_lines(jobs, [m for m in model_rows if _model_key(m) == key], rules)
+        chosen = winner(jobs, rules)[0]
         if chosen["spec"] != "off":
             winners.append(chosen)
     files.append(out_dir / "verdict.txt")

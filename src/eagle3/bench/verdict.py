@@ -6,8 +6,10 @@ job's extremes by the baseline's opposite extremes. Two measurements whose range
 tie, and a tie goes to the cheaper shape (fewer tokens verified per step; spec=off verifies one).
 
 The verdict of a group of jobs (same engine, suite, batch size, max tokens, baseline) names the
-winner only when it beat spec=off beyond noise, and always states the fastest shape's ratio and the
-cost model's predicted best shape with its predicted ratio.
+winner only when it beat spec=off beyond noise, never a shape whose tau says it drafts almost nothing
+(bench.accepts_nothing_tau), and never from a sweep too small to separate shapes from noise (fewer
+prompts or passes than bench.winner_min_prompts / bench.winner_min_repeats: it says so); it always
+states the fastest shape's ratio and the cost model's predicted best shape with its predicted ratio.
 """
 
 from __future__ import annotations
@@ -18,6 +20,27 @@ from dataclasses import dataclass
 SPREAD_KEYS = ("tokens_per_s", "decode_tokens_per_s")  # metrics reported with a min-max range
 OFF_LABEL = "spec=off"
 ACCEPTS_NOTHING = "the engine accepts almost nothing: check the export"
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What a verdict may conclude from: shapes with tau under accepts_nothing_tau never win; a
+    sweep of fewer than min_prompts prompts per pass or min_repeats passes (`repeats`: the passes a
+    job was asked for, bench.repeats) names no winner."""
+
+    accepts_nothing_tau: float = 0.0
+    min_prompts: int = 0
+    min_repeats: int = 0
+    repeats: int | None = None
+
+    @classmethod
+    def of(cls, bench) -> Rules:
+        return cls(
+            float(bench.accepts_nothing_tau),
+            int(bench.winner_min_prompts),
+            int(bench.winner_min_repeats),
+            int(bench.repeats),
+        )
 
 
 @dataclass(frozen=True)
@@ -117,16 +140,33 @@ def against_off(result: dict, base: dict) -> str:
     return "faster" if mine.low > off.high else "slower"
 
 
-def winner(jobs: list[dict]) -> tuple[dict, dict, list[dict]]:
-    """(winner, fastest, tied): the fastest shape by median tok/s and every row (spec=off
-    included) whose range overlaps it. The winner is spec=off unless the fastest beat it beyond
-    noise; then the cheapest of the tied shapes."""
+def too_small(jobs: list[dict], rules: Rules) -> str:
+    """Why the group's sweep cannot separate shapes from noise (empty: it can): fewer prompts per
+    pass (the jobs' `requests`) or fewer passes than the rules ask for."""
+    prompts = min((j["requests"] for j in jobs if "requests" in j), default=None)
+    passes = rules.repeats if rules.repeats is not None else max(j.get("repeats", 1) for j in jobs)
+    counts = []
+    if prompts is not None and prompts < rules.min_prompts:
+        counts.append(f"{prompts} prompts per pass (bench.winner_min_prompts={rules.min_prompts})")
+    if passes < rules.min_repeats:
+        counts.append(f"{passes} passes per job (bench.winner_min_repeats={rules.min_repeats})")
+    if not counts:
+        return ""
+    return "the sweep is too small to separate shapes from noise: " + " and ".join(counts)
+
+
+def winner(jobs: list[dict], rules: Rules = Rules()) -> tuple[dict, dict, list[dict]]:
+    """(winner, fastest, tied): the fastest shape by median tok/s among those that draft (tau at
+    least rules.accepts_nothing_tau) and every such row (spec=off included) whose range overlaps
+    it. The winner is spec=off unless the fastest beat it beyond noise in a sweep large enough to
+    tell (too_small); then the cheapest of the tied shapes."""
     base = baseline_row(jobs)
-    shapes = [j for j in jobs if j["spec"] != "off"] or [base]
-    fastest = max(shapes, key=lambda r: r["tokens_per_s"])
+    shapes = [j for j in jobs if j["spec"] != "off"]
+    drafting = [j for j in shapes if not accepts_nothing(j, rules.accepts_nothing_tau)]
+    fastest = max(drafting or shapes or [base], key=lambda r: r["tokens_per_s"])
     top = Spread.from_result(fastest, "tokens_per_s")
-    tied = [r for r in [base, *shapes] if Spread.from_result(r, "tokens_per_s").overlaps(top)]
-    if against_off(fastest, base) != "faster":
+    tied = [r for r in [base, *drafting] if Spread.from_result(r, "tokens_per_s").overlaps(top)]
+    if not drafting or against_off(fastest, base) != "faster" or too_small(jobs, rules):
         return base, fastest, tied
     return min(tied, key=cost), fastest, tied
 
@@ -172,18 +212,27 @@ def accepts_nothing_line(shapes: list[dict], below_tau: float) -> list[str]:
     ]
 
 
-def verdict_lines(
-    jobs: list[dict], model_rows: list[dict], accepts_nothing_tau: float = 0.0
-) -> list[str]:
+def verdict_lines(jobs: list[dict], model_rows: list[dict], rules: Rules = Rules()) -> list[str]:
     """What one group's sweep showed, in plain words; every ratio is against spec=off measured as
     the jobs' baseline (reused from an earlier sweep only when asked, and then said so)."""
     base = baseline_row(jobs)
     lines = [f"  {describe(base)}{reuse_note(jobs[0])}"]
     shapes = [r for r in jobs if r["spec"] != "off"]
     lines += [f"  {describe(r)}: {verdict_word(against_off(r, base))}" for r in shapes]
-    lines += accepts_nothing_line(shapes, accepts_nothing_tau)
-    chosen, fastest, tied = winner(jobs)
-    if chosen["spec"] == "off":
+    lines += accepts_nothing_line(shapes, rules.accepts_nothing_tau)
+    chosen, fastest, tied = winner(jobs, rules)
+    small = too_small(jobs, rules)
+    if shapes and all(accepts_nothing(r, rules.accepts_nothing_tau) for r in shapes):
+        lines.append(
+            f"no winner: every shape's tau is under {rules.accepts_nothing_tau:g} (it drafts "
+            "almost nothing), whatever its tok/s"
+        )
+    elif chosen["spec"] == "off" and small and against_off(fastest, base) == "faster":
+        lines.append(
+            f"no winner: {small}; the fastest, {fastest['spec']}, ran at {ratio_text(fastest)} "
+            "of spec=off"
+        )
+    elif chosen["spec"] == "off":
         how = "all slower" if against_off(fastest, base) == "slower" else "within noise"
         lines.append(
             f"no shape beat spec=off on this machine ({how}): the fastest, {fastest['spec']}, "

@@ -74,7 +74,9 @@ def app(task):
 
     @functools.wraps(task)
     def stoppable(*args, **kwargs):
-        """A stop anywhere (in a job, or in Hydra between a sweep's jobs) is one line."""
+        """A stop anywhere (in a job, or in Hydra between a sweep's jobs) is one line; the
+        handlers are set before Hydra composes the config, so no stop signal finds them unset."""
+        raise_on_signals()
         try:
             return hydra_app(*args, **kwargs)
         except Stopped as stop:
@@ -143,6 +145,28 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in dtypes:
         raise Eagle3Error(f"unknown dtype {name!r}; use one of auto, {', '.join(dtypes)}")
     return dtypes[name]
+
+
+def hardware() -> str:
+    """The accelerator this machine measures on: the GPU's name, else the CPU's model and cores."""
+    import platform
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [
+        line.split(":", 1)[1].strip()
+        for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+        if line.startswith("model name")
+    ]
+    return f"{os.cpu_count()} CPU cores ({names[0] if names else platform.processor()})"
+
+
+def local_engine_version() -> str:
+    """The embedded engine's version (serve=local): this package's."""
+    from eagle3 import __version__
+
+    return f"eagle3 {__version__}"
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> schema.Config:

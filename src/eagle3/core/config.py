@@ -319,6 +319,7 @@ class SpecConfig:
     depth: int = MISSING
     steps: Optional[int] = None
     topk: int = MISSING
+    schedule: bool = False  # spec=auto: the load sweep's schedule beside the drafter (serve=local)
 
 
 @dataclass
@@ -367,6 +368,8 @@ class BenchConfig:
     min_repeats: int = MISSING
     reuse_baseline: bool = MISSING
     accepts_nothing_tau: float = MISSING
+    winner_min_prompts: int = MISSING
+    winner_min_repeats: int = MISSING
     check_outputs: bool = MISSING
     cost_model_depths: List[int] = MISSING
     suites: Dict[str, SuiteConfig] = field(default_factory=dict)

@@ -1,7 +1,8 @@
 """Every process eagle3 starts dies with its starter.
 
-- `raise_on_signals()`: SIGTERM and SIGHUP raise `Stopped` in the main thread (as Ctrl-C raises
-  KeyboardInterrupt), so `finally` blocks stop engines and MLflow marks the run KILLED.
+- `raise_on_signals()`: SIGTERM and SIGHUP raise `Stopped` in the main thread and SIGINT raises
+  KeyboardInterrupt, also where the process was started with SIGINT ignored (a shell without job
+  control starts background jobs so), so `finally` blocks stop engines and MLflow marks the run KILLED.
 - `spawn()`: a child in its own process group plus a watchdog (eagle3/core/reaper.py) that ends the
   group when the starter dies without cleaning up (SIGKILL, OOM killer): bounded by the
   watchdog's poll interval plus the child's grace period. The watchdog exits with the group and
@@ -46,10 +47,13 @@ def _raise_stopped(signum, _frame):
 
 
 def raise_on_signals() -> None:
-    """SIGTERM/SIGHUP raise Stopped (main thread only; elsewhere Python cannot set handlers)."""
+    """SIGTERM/SIGHUP raise Stopped, SIGINT KeyboardInterrupt (main thread only; elsewhere Python
+    cannot set handlers). Python leaves SIGINT ignored when it starts with it ignored (`cmd &` in a
+    script): a Ctrl-C or `kill -INT` sent to the app would then be lost, so it is set here too."""
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
             signal.signal(sig, _raise_stopped)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def spawn(argv: list[str], grace_s: float, poll_s: float, **popen_kwargs) -> subprocess.Popen:

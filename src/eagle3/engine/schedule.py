@@ -2,8 +2,14 @@
 beside the drafter's export and in the sweep folder) read back for the batched engine.
 
 A file lists, per (engine, suite, max tokens, drafter), the shape to run at each measured batch
-size. The engine takes the embedded engine's ("local") entries and runs, at a live batch of B rows,
-the entry of the largest measured batch size <= B (the smallest one below it).
+size and the hardware and engine version it was measured on. The engine takes the embedded
+engine's ("local") entries and runs, at a live batch of B rows, the entry of the largest measured
+batch size <= B (the smallest one below it).
+
+A schedule runs only when named: `engine.schedule=<file>`, or `spec=auto` (or `engine.schedule=auto`)
+for the file beside the drafter; never because a file happens to lie there (a spec given on the
+command line is the spec that runs). It runs only on the hardware and engine version it was
+measured on; anywhere else it is refused in one line.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.core.common import Eagle3Error, log
+from eagle3.core.common import Eagle3Error, hardware, local_engine_version, log
 from eagle3.core.spec import OFF, Spec, max_tree_nodes
 
 SCHEDULE_FILE = "schedule.json"
@@ -46,17 +52,26 @@ class Schedule:
         return ", ".join(f"{size}+: {spec.label}" for size, spec in self.entries)
 
 
-def resolve_schedule_path(setting, drafter_source: str | None) -> Path | None:
-    """engine.schedule -> the file to read: `off` none, `auto` the drafter's (beside its export
-    folder, where eagle3.bench.concurrency writes it) when it exists, else the path given."""
+OFF_SETTINGS = ("off", "", "None", "False", "null")
+
+
+def resolve_schedule_path(setting, drafter_source: str | None, auto: bool = False) -> Path | None:
+    """engine.schedule -> the file to read: `off` none (unless `auto`: spec=auto asked for the
+    drafter's), `auto` the one beside the drafter's export folder (where eagle3.bench.concurrency
+    writes it), else the path given. A schedule asked for and not found is refused."""
     text = str(setting).strip() if setting is not None else "off"
-    if text in ("off", "", "None", "False"):
+    if text in OFF_SETTINGS and not auto:
         return None
-    if text == "auto":
-        if not drafter_source or not Path(drafter_source).exists():
-            return None
-        beside = Path(drafter_source).parent / SCHEDULE_FILE
-        return beside if beside.is_file() else None
+    if text in OFF_SETTINGS or text == "auto":
+        asked = "spec=auto" if auto and text != "auto" else "engine.schedule=auto"
+        beside = Path(drafter_source).parent / SCHEDULE_FILE if drafter_source else None
+        if beside is None or not Path(drafter_source).exists() or not beside.is_file():
+            raise Eagle3Error(
+                f"{asked}: no {SCHEDULE_FILE} beside the drafter ({drafter_source or 'none'}); "
+                "run a load sweep on this machine (python -m eagle3.bench -m spec=off,... "
+                "bench.batch_size=1,4,16), give engine.schedule=<file> or a spec (spec.depth=...)"
+            )
+        return beside
     path = Path(text)
     if not path.is_file():
         raise Eagle3Error(
@@ -66,8 +81,32 @@ def resolve_schedule_path(setting, drafter_source: str | None) -> Path | None:
     return path
 
 
-def read_schedule(path: Path) -> Schedule:
-    """The local engine's entries of a schedule file (the first group holding them)."""
+def schedule_for(cfg, spec: Spec, drafter_source: str | None) -> Schedule | None:
+    """The schedule the embedded engine runs for this config (None: `spec` at every step),
+    checked against this machine's hardware and engine version. spec=off drafts nothing and
+    runs none."""
+    auto = bool(getattr(cfg.spec, "schedule", False))
+    source = drafter_source if spec.enabled else None
+    if not spec.enabled and str(cfg.engine.schedule) == "auto":
+        return None
+    path = resolve_schedule_path(cfg.engine.schedule, source, auto)
+    if path is None:
+        return None
+    return read_schedule(path, hardware(), local_engine_version())
+
+
+def shapes_line(schedule: Schedule | None, spec: Spec) -> str:
+    """Which shape runs at which batch size, in words (the server says it at start)."""
+    if schedule is None:
+        return f"shape per batch size: {spec.label} at every batch size"
+    return f"shape per batch size (schedule {schedule.source}): {schedule.describe()}"
+
+
+def read_schedule(
+    path: Path, machine: str | None = None, engine_version: str | None = None
+) -> Schedule:
+    """The local engine's entries of a schedule file (the first group holding them), refused when
+    `machine` or `engine_version` (when given) differ from what the group was measured on."""
     try:
         groups = json.loads(path.read_text())
         local = [g for g in groups if g.get("engine") == ENGINE and g.get("entries")]
@@ -90,6 +129,13 @@ def read_schedule(path: Path) -> Schedule:
             group.get("suite"),
             group.get("max_new_tokens"),
         )
+    for key, here in (("hardware", machine), ("engine_version", engine_version)):
+        if here is not None and group.get(key) != here:
+            measured = group.get(key) or f"a {key.replace('_', ' ')} it does not record"
+            raise Eagle3Error(
+                f"{path}: measured on {measured}, this machine runs {here}: a schedule runs only "
+                "where it was measured; rerun the load sweep here or serve one shape (spec.*)"
+            )
     entries = []
     for index, entry in enumerate(group["entries"]):
         entries.append((int(entry["batch_size"]), shape_of(entry["spec"], path, index)))

@@ -391,14 +391,11 @@ def max_batch_size(cfg: Config, target, drafter) -> int:
 
 
 def engine_schedule(cfg: Config, spec, drafter_source: str):
-    """engine.schedule read (None: off). `auto` finds a file only beside an exported drafter, so
-    spec=off (no drafter) serves without one."""
-    from eagle3.engine.schedule import read_schedule, resolve_schedule_path
+    """The schedule this config names (engine.schedule=<file>, spec=auto; None: `spec` at every
+    step), refused on other hardware or another engine version (eagle3.engine.schedule)."""
+    from eagle3.engine.schedule import schedule_for
 
-    setting = cfg.engine.schedule
-    source = drafter_source if spec.enabled else None
-    path = resolve_schedule_path(setting, source)
-    return read_schedule(path) if path is not None else None
+    return schedule_for(cfg, spec, drafter_source)
 
 
 def batched_service(cfg: Config, target, drafter, spec, source: str, max_batch: int, schedule=None):

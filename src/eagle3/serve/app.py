@@ -11,6 +11,7 @@ from eagle3.core.config import Config
 from eagle3.core.outputs import check_drafter_files, resolve_drafter_path, serving_folder
 from eagle3.core.spec import Spec, resolve_spec
 from eagle3.core.target import target_path_for
+from eagle3.engine.schedule import schedule_for, shapes_line
 from eagle3.export.shipped import shipped_drafter, wanted
 from eagle3.serve.launch import check_spec_for_engine, start_engine, untrained_fallback
 
@@ -34,6 +35,21 @@ def drafter_for(cfg: Config, spec: Spec) -> Path | None:
     return folder
 
 
+def shapes(cfg: Config, spec: Spec, drafter: Path | None) -> str:
+    """Which shape the engine runs at which batch size, checked before it starts: a schedule only
+    where one is named (engine.schedule=<file>, spec=auto), on the hardware and engine it was
+    measured on; the other engines run one shape."""
+    if cfg.serve.engine != "local":
+        if cfg.spec.schedule:
+            raise Eagle3Error(
+                f"spec=auto runs a load sweep's schedule on serve=local; serve={cfg.serve.engine} "
+                "runs one shape: give spec=... (the schedule.json lists its flags per batch size)"
+            )
+        return shapes_line(None, spec)
+    source = str(drafter) if drafter else ("untrained" if spec.enabled else None)
+    return shapes_line(schedule_for(cfg, spec, source), spec)
+
+
 @app
 def main(cfg: Config) -> None:
     from hydra.core.hydra_config import HydraConfig
@@ -41,13 +57,16 @@ def main(cfg: Config) -> None:
     spec = resolve_spec(cfg.spec)
     check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.max_depth)
     folder = Path(HydraConfig.get().runtime.output_dir)
-    engine = start_engine(cfg, spec, drafter_for(cfg, spec), target_path_for(cfg), folder)
-    print(
-        f"{cfg.serve.engine} serving {cfg.target.name} (spec {spec.label}) at {engine.base_url}; "
-        f"log {engine.log_path}; Ctrl-C stops it",
-        flush=True,
-    )
-    try:
+    drafter = drafter_for(cfg, spec)
+    plan = shapes(cfg, spec, drafter)
+    engine = start_engine(cfg, spec, drafter, target_path_for(cfg), folder)
+    try:  # from the moment the engine runs: a stop signal at any point ends in engine.stop()
+        print(plan, flush=True)
+        print(
+            f"{cfg.serve.engine} serving {cfg.target.name} (spec {spec.label}) at {engine.base_url}; "
+            f"log {engine.log_path}; Ctrl-C stops it",
+            flush=True,
+        )
         while engine.alive():
             time.sleep(1)
         raise engine.failure(f"{cfg.serve.engine} server exited with code {engine.proc.returncode}")

@@ -49,7 +49,13 @@ from eagle3.core.target import Target, load_target, tokenizer_hash
 from eagle3.core.target_parts import TargetParts, load_target_parts
 from eagle3.core.tracking import stage_run
 from eagle3.data.vocab import load_vocab_map
-from eagle3.train.callbacks import GpuBusy, StopAtStepEnd, Throughput, checkpoint_callbacks
+from eagle3.train.callbacks import (
+    AtomicCheckpointIO,
+    GpuBusy,
+    StopAtStepEnd,
+    Throughput,
+    checkpoint_callbacks,
+)
 from eagle3.train.datamodule import DrafterData, datasets_for
 from eagle3.train.distributed import (
     cluster_plugins,
@@ -176,7 +182,7 @@ def build_trainer(cfg: Config, folder: Path, logger, callbacks=()) -> L.Trainer:
         devices=trainer_cfg.devices,
         num_nodes=trainer_cfg.num_nodes,
         strategy=strategy_for(trainer_cfg, choose_strategy(trainer_cfg, in_multirun())),
-        plugins=cluster_plugins(cfg.cluster),
+        plugins=[*cluster_plugins(cfg.cluster), AtomicCheckpointIO()],
         precision=precision_for(trainer_cfg),
         max_epochs=cfg.train.epochs,
         gradient_clip_val=cfg.train.grad_clip,
@@ -197,11 +203,64 @@ def build_trainer(cfg: Config, folder: Path, logger, callbacks=()) -> L.Trainer:
     )
 
 
-def resume_checkpoint(folder: Path) -> Path | None:
-    """The newest of last.ckpt and the hpc_ckpt_<n>.ckpt Lightning saves on the requeue signal."""
-    found = [folder / CHECKPOINTS / "last.ckpt", *folder.glob("hpc_ckpt_*.ckpt")]
-    found = [path for path in found if path.exists()]
-    return max(found, key=lambda path: path.stat().st_mtime_ns) if found else None
+def resume_checkpoint(folder: Path, set_aside: bool = True) -> Path | None:
+    """The newest checkpoint that loads, of last.ckpt, the hpc_ckpt_<n>.ckpt Lightning saves on the
+    requeue signal and the epoch checkpoints. A damaged one (a save cut short before saves were
+    atomic, a disk fault) is named and, by rank 0 (`set_aside`), renamed to <name>.damaged (kept,
+    never deleted); then the next one is tried, and the line says which the run resumes from or
+    that it starts over."""
+    found = [
+        folder / CHECKPOINTS / "last.ckpt",
+        *folder.glob("hpc_ckpt_*.ckpt"),
+        *(folder / CHECKPOINTS).glob("epoch*.ckpt"),
+    ]
+    found = sorted(
+        (path for path in found if path.exists()),
+        key=lambda path: path.stat().st_mtime_ns,
+        reverse=True,
+    )
+    damaged = False
+    for path in found:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if damaged:
+                step = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+                log.warning(
+                    "train: resuming from %s (step %d), the newest good checkpoint",
+                    path,
+                    step["global_step"],
+                )
+            return path
+        damaged = True
+        aside = set_checkpoint_aside(path) if set_aside else path
+        log.warning("train: %s is damaged (%s); set aside as %s", path, problem, aside.name)
+    if damaged:
+        log.warning("train: no good checkpoint left in %s: training starts over", folder)
+    return None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from (None: it loads and holds a training state; a
+    folder, a sharded checkpoint, is left to Lightning)."""
+    if path.is_dir():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as err:  # torch names a cut zip archive, a bad pickle, a short file
+        return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if not isinstance(state, dict) or "state_dict" not in state or "global_step" not in state:
+        return "not a training checkpoint"
+    return None
+
+
+def set_checkpoint_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint to <name>.damaged (a free name: .damaged-2, -3...)."""
+    aside, number = path.with_name(f"{path.name}.damaged"), 1
+    while aside.exists():
+        number += 1
+        aside = path.with_name(f"{path.name}.damaged-{number}")
+    path.rename(aside)
+    return aside
 
 
 def fit(
@@ -229,7 +288,7 @@ def fit(
     last = folder / CHECKPOINTS / "last.ckpt"
     stopper = StopAtStepEnd(last)
     trainer = build_trainer(cfg, folder, logger, [throughput, *callbacks, stopper])
-    resume = resume_checkpoint(folder)
+    resume = resume_checkpoint(folder, set_aside=trainer.global_rank == 0)
     if resume is not None:
         log.info("resuming from %s", resume)
     cudnn = torch.backends.cuda.cudnn_sdp_enabled()  # process-wide: restored after the fit
@@ -354,10 +413,22 @@ def target_for(cfg: Config) -> Target | TargetParts:
 
 
 def run(cfg: Config, callbacks=()) -> StageOutput:
-    """Train the drafter this config describes (a no-op when its output is complete)."""
+    """Train the drafter this config describes (a no-op when its output is complete). Rank 0
+    holds the output folder's lock while it trains: a second training of the same config started
+    meanwhile waits, then finds the output finished and reuses it."""
     out = train_output(cfg)
     if out.reusable(cfg.verify):
         return out
+    if global_rank(cfg.trainer.devices) > 0:  # the ranks of one training: rank 0 holds the lock
+        return train_into(cfg, out, callbacks)
+    with out.lock():
+        if out.reusable(cfg.verify):
+            return out
+        return train_into(cfg, out, callbacks)
+
+
+def train_into(cfg: Config, out: StageOutput, callbacks=()) -> StageOutput:
+    """Check the inputs, train into `out`, write its manifest (rank 0)."""
     data = data_output(cfg)
     if not data.complete:
         raise Eagle3Error(

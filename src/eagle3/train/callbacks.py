@@ -1,20 +1,51 @@
-"""Training callbacks: checkpoints (last every N steps and each epoch, best by val tau_hat), a stop
-at a step's end on a signal, and throughput logging."""
+"""Training callbacks: checkpoints (last every N steps and each epoch, best by val tau_hat, each
+written whole or not at all), a stop at a step's end on a signal, and throughput logging."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
 from pathlib import Path
 
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from eagle3.core.common import log
+from eagle3.core.common import Eagle3Error, log
 from eagle3.core.lifecycle import STOP_SIGNALS, Stopped
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Each checkpoint is written to a temporary name beside its own (`.<name>.<pid>.tmp`), flushed
+    to the disk and renamed over it: a save cut short (a full disk, a kill) leaves the previous
+    checkpoint whole, and a full disk is one line naming the file."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO.save_checkpoint takes no storage_options")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(partial, "wb") as handle:
+                torch.save(checkpoint, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(partial, path)
+        except OSError as err:
+            partial.unlink(missing_ok=True)
+            kept = "the previous one is kept" if path.exists() else "there is no earlier one"
+            raise Eagle3Error(
+                f"cannot write the checkpoint {path} ({err.strerror or err}); {kept}: free the "
+                "space and rerun the same command to resume"
+            ) from err
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
 
 
 def checkpoint_callbacks(folder: Path, every_n_steps: int) -> list[Callback]:
