@@ -129,6 +129,8 @@ def test_run_py_takes_a_steps_arguments_in_any_order():
         "bench",
         ["serve=sglang-bundle", "-m", "spec.depth=16,10"],
     )
+    argv, _, _ = bundle_run.step_command({"packs": []}, args.step, args.rest, Path("/h"))
+    assert argv[1:] == ["-m", "eagle3.bench", "-m", "serve=sglang-bundle", "spec.depth=16,10"]
     args = bundle_run.parse(["--home", "/h", "run", "bench", "-m", "serve=x", "spec=off,d8"])
     assert (args.home, args.step, args.rest) == (
         Path("/h"),
