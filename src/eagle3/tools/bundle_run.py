@@ -148,11 +148,15 @@ def step_command(manifest: dict, step: str, overrides: list[str], home: Path):
     if step not in STEPS:
         raise BundleError(f"unknown step {step!r}: one of {', '.join(STEPS)}")
     source = source_folder(home)
-    return (
-        [sys.executable, "-m", f"eagle3.{step}", *overrides],
-        step_env(manifest, home, source),
-        source,
-    )
+    argv = [sys.executable, "-m", f"eagle3.{step}", *hydra_order(overrides)]
+    return argv, step_env(manifest, home, source), source
+
+
+def hydra_order(overrides: list[str]) -> list[str]:
+    """Hydra's flags (-m, --multirun) before the overrides: Hydra's parser takes no override
+    before a flag (`bench serve=x -m spec=d4,d8` would be refused)."""
+    flags = [a for a in overrides if a in ("-m", "--multirun")]
+    return flags + [a for a in overrides if a not in flags]
 
 
 def test_command(manifest: dict, args: list[str], home: Path):
