@@ -90,3 +90,26 @@ def test_bench_refuses_the_embedded_engine_for_latent_attention(make_cfg, tmp_pa
     )
     llama = make_cfg("target=tiny-llama", "serve=local")
     bench.check_engine_supports(llama, bench.target_path_for(llama))
+
+
+def test_rehearsal_targets_have_kimi_k25_head_sizes_and_routing():
+    """The engines' MLA kernels take a 512 + 64 latent (SGLang's triton decode kernel fails at
+    start on 128 + 32): moe-rehearsal and tiny-moe keep Kimi-K2.5's per-head sizes and routing."""
+    kimi = dict(compose(["experiment=kimi-k2.5"]).target.plan["config"])
+    per_head = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+    routing = {
+        "first_k_dense_replace": 1,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.827,
+        "num_experts_per_tok": 8,
+    }
+    for name in ("moe-rehearsal", "tiny-moe"):
+        shapes = dict(compose([f"target={name}"]).target.architecture)
+        assert {k: shapes[k] for k in per_head} == {k: kimi[k] for k in per_head}, name
+        assert shapes["kv_lora_rank"] + shapes["qk_rope_head_dim"] == 576
+    rehearsal = dict(compose(["target=moe-rehearsal"]).target.architecture)
+    assert rehearsal["q_lora_rank"] == kimi["q_lora_rank"] == 1536
+    assert {k: rehearsal[k] for k in routing} == routing
