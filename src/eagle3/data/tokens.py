@@ -19,9 +19,10 @@ from eagle3.core.target import (
 )
 
 
-def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
+def render(tokenizer, messages: list[dict], generation_prompt: bool = False, **kwargs) -> str:
+    """The chat template's text; kwargs go to the template (data.regen.thinking_switch)."""
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
+        messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
     )
 
 

@@ -29,6 +29,7 @@ from eagle3.core.outputs import STAGE_OUTPUTS
 from eagle3.core.spec import resolve_spec
 from eagle3.core.target import resolve_target_path
 from eagle3.data import app as data
+from eagle3.data.regen import regen_engine_config
 from eagle3.export import app as export
 from eagle3.extract import app as extract
 from eagle3.extract.vllm_capture import capture_launch, target_shape
@@ -157,7 +158,7 @@ def print_plan(cfg: Config, sweep_dir: Path) -> None:
     target = cfg.target.path or cfg.target.name
     if cfg.data.regenerate and cfg.data.regen.backend in ("openai", "engine"):
         launch = compose_launch(
-            cfg,
+            regen_engine_config(cfg) if cfg.data.regen.backend == "engine" else cfg,
             resolve_spec(compose([*user_overrides(), "spec=off"]).spec),
             None,
             target,
