@@ -66,9 +66,16 @@ def test_kimi_dry_run_prints_a_valid_plan(test_root):
     assert "srun --unbuffered" in train and "-m submitit.core._submit" in train
     bench = out[out.index("] bench:") :]
     assert "#SBATCH --gpus-per-node=8" in bench and "#SBATCH --ntasks-per-node=1" in bench
+    # train and export read the target's head by name: the hub id must be downloaded first
+    assert (
+        f"target.path=moonshotai/Kimi-K2.5 is a hub id that is not downloaded here: download it "
+        f"with `hf download moonshotai/Kimi-K2.5 --local-dir {test_root}/artifacts/targets/"
+        f"kimi-k2.5` and set target.path={test_root}/artifacts/targets/kimi-k2.5" in out
+    )
     assert out.rstrip().endswith(
         "plan valid: every stage fits its GPUs and one host process, and every bench job's spec "
-        "and engine command passed validation"
+        "and engine command passed validation; train and export need the target downloaded "
+        "first (above)"
     )
     assert not (test_root / "multirun").exists() or not any(
         (test_root / "multirun").glob("pipeline-*/0")
