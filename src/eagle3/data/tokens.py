@@ -140,7 +140,9 @@ def load_tokenizer(cfg: Config):
     trust = trust_remote_code(cfg.target)
     try:
         tokenizer = target_tokenizer(path, cfg.target)
-        return tokenizer, AutoConfig.from_pretrained(path, trust_remote_code=trust).vocab_size
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+        # a multimodal wrapper (Kimi-K2.5) keeps the vocabulary in its text config
+        return tokenizer, config.get_text_config().vocab_size
     except OSError as err:
         if isinstance(path, str):  # a hub id this machine cannot reach
             hint = download_hint(cfg.target, Path(cfg.paths.artifacts))
