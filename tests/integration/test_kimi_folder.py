@@ -1,13 +1,15 @@
 """A folder laid out as Kimi-K2.5 ships (a config and model class of its own named in config.json's
 auto_map, a tokenizer class of its own reading `tiktoken.model`, routed experts stored as
-compressed-tensors int4 entries in the safetensors index) goes through the data stage, target
-parts, offline training and export; a hub id that is not downloaded is one line naming the command
-that downloads it and the key to set.
+compressed-tensors int4 entries in the safetensors index, the text model inside a multimodal
+wrapper: `text_config`, `language_model.*` tensor names) goes through the data stage, target parts,
+offline training and export; a hub id that is not downloaded is one line naming the command that
+downloads it and the key to set.
 
-The folder is tiny-moe's architecture at a 320-token vocabulary. Its hidden states are captured by
-the HF backend while its experts are still in float32 (HF on a CPU cannot run compressed-tensors
-experts; the real target's states come from an engine), then its experts are packed to int4 as
-Kimi-K2.5 stores them and everything after extraction reads the packed folder."""
+The folder is tiny-moe's architecture at a 320-token vocabulary, first as Kimi-K2 lays it out (a
+DeepSeek-V3 config of its own, model_type kimi_k2). Its hidden states are captured by the HF backend
+while its experts are still in float32 (HF on a CPU cannot run compressed-tensors experts; the real
+target's states come from an engine), then its experts are packed to int4 and it is rewritten as
+Kimi-K2.5's wrapper; everything after extraction reads that folder."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from eagle3.core.outputs import data_output, shards_output
 from eagle3.core.target import resolve_target_path
 from eagle3.core.target_parts import INDEX, load_target_parts
 from eagle3.data import app as data
+from eagle3.data.tokens import load_tokenizer
 from eagle3.export import app as export
 from eagle3.extract import app as extract
 from eagle3.train import app as train
@@ -110,6 +113,18 @@ from transformers import DeepseekV3Config
 
 class KimiK2Config(DeepseekV3Config):
     model_type = "kimi_k2"
+"""
+WRAPPER_CODE = """
+from transformers import DeepseekV3Config, PretrainedConfig
+
+
+class KimiK25Config(PretrainedConfig):
+    model_type = "kimi_k25"
+
+    def __init__(self, text_config=None, vision_config=None, **kwargs):
+        self.text_config = DeepseekV3Config(**(text_config or {}))
+        self.vision_config = vision_config or {}
+        super().__init__(**kwargs)
 """
 MODEL_CODE = """
 from transformers import DeepseekV3ForCausalLM
@@ -260,6 +275,32 @@ def pack_experts(folder: Path) -> int:
     return packed
 
 
+def wrap_as_kimi_k25(folder: Path) -> None:
+    """Kimi-K2.5's layout: config.json a multimodal wrapper (its own config class in auto_map, the
+    language model's config as text_config), every tensor under language_model.*."""
+    index = json.loads((folder / INDEX).read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(str(folder / shard))
+        renamed = {f"language_model.{name}": tensor for name, tensor in tensors.items()}
+        save_file(renamed, str(folder / shard), metadata={"format": "pt"})
+    index["weight_map"] = {f"language_model.{n}": f for n, f in index["weight_map"].items()}
+    (folder / INDEX).write_text(json.dumps(index, indent=1))
+    text = json.loads((folder / "config.json").read_text())
+    quantization = text.pop("quantization_config")
+    for key in ("auto_map", "architectures", "transformers_version"):
+        text.pop(key, None)
+    (folder / "configuration_kimi_k25.py").write_text(WRAPPER_CODE)
+    wrapper = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
+        "text_config": text,
+        "vision_config": {"patch_size": 14},
+        "quantization_config": quantization,
+    }
+    (folder / "config.json").write_text(json.dumps(wrapper, indent=1))
+
+
 def kimi_cfg(make_cfg, folder: Path, artifacts: Path):
     return make_cfg(
         "target=hf",
@@ -309,11 +350,14 @@ def test_a_kimi_like_folder_trains_offline_and_exports(make_cfg, tmp_path, one_t
     extract.run(cfg)  # HF capture, the folder's own model class (trust_remote_code)
 
     assert pack_experts(folder) == 4 * 8 * 3  # 4 MoE layers x 8 experts x gate, up, down
+    wrap_as_kimi_k25(folder)
     weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-    assert "model.layers.1.mlp.experts.0.gate_proj.weight_packed" in weight_map
-    assert "model.layers.1.mlp.experts.0.gate_proj.weight" not in weight_map
+    assert "language_model.model.layers.1.mlp.experts.0.gate_proj.weight_packed" in weight_map
+    assert not any(n.endswith("experts.0.gate_proj.weight") for n in weight_map)
     assert data.run(cfg).path == out.path and data_output(cfg).complete  # the same data, reused
     assert shards_output(cfg).complete
+    # the wrapper's own config class (trust_remote_code) gives the text model's vocabulary
+    assert load_tokenizer(cfg)[1] == VOCAB
 
     parts = load_target_parts(cfg)
     assert parts.input_embedding().shape == (VOCAB, 32) and parts.norm.shape == (32,)
