@@ -41,6 +41,7 @@ def test_kimi_dry_run_prints_a_valid_plan(test_root):
     assert "--tp-size 8" in regen and "--speculative" not in regen
     # CUDA graphs up to the 256 requests regeneration sends at once; the bench jobs keep serve's 8
     assert "--cuda-graph-max-bs-decode 256" in regen
+    assert "--reasoning-parser kimi_k2" in regen  # Kimi-K2.5 thinks: the thinking comes apart
     assert "--cuda-graph-max-bs-decode 8" in out.split("data regeneration starts")[1]
     # hidden states from a vLLM server over 8 GPUs capturing the aux ids [2, 30, 58] and L = 61
     assert "/vllm serve moonshotai/Kimi-K2.5" in out
