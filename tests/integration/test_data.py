@@ -447,6 +447,7 @@ def regen_cfg(make_cfg, artifacts, *overrides):
         "data.regenerate=true",
         "data.regen.max_new_tokens=6",
         "data.regen.batch_size=4",
+        "data.regen.keep_truncated=true",  # 6 tokens of a random target: every answer is cut
         *overrides,
     )
 
@@ -553,7 +554,12 @@ def test_rewritten_prompts_are_answered_anew_never_paired_with_old_answers(
     and nothing is generated (generate swapped for a recorder)."""
     source = tmp_path / "conversations.jsonl"
     source.write_bytes(JSONL.read_bytes())
-    overrides = ("data.regenerate=true", "data.regen.max_new_tokens=6", "data.regen.batch_size=4")
+    overrides = (
+        "data.regenerate=true",
+        "data.regen.max_new_tokens=6",
+        "data.regen.batch_size=4",
+        "data.regen.keep_truncated=true",
+    )
     cfg = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}", *overrides, source=source)
     first = data.run(cfg)
     turns = first.manifest()["counts"]["regen_answers"]
@@ -906,6 +912,7 @@ def test_kill_9_during_regeneration_resumes_without_loss_or_duplicates(
         "data.regenerate=true",
         "data.regen.max_new_tokens=16",
         "data.regen.batch_size=1",
+        "data.regen.keep_truncated=true",  # every turn answered: 17 lines in the log
     )
     cfg = make_cfg(*overrides[1:])
     out = outputs.data_output(cfg)

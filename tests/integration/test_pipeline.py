@@ -39,10 +39,16 @@ def test_kimi_dry_run_prints_a_valid_plan(test_root):
     regen = next(line for line in out.splitlines() if "data regeneration starts" in line)
     assert "sglang.launch_server --model-path moonshotai/Kimi-K2.5" in regen
     assert "--tp-size 8" in regen and "--speculative" not in regen
+    # CUDA graphs up to the 256 requests regeneration sends at once; the bench jobs keep serve's 8
+    assert "--cuda-graph-max-bs-decode 256" in regen
+    assert "--reasoning-parser kimi_k2" in regen  # Kimi-K2.5 thinks: the thinking comes apart
+    assert "--cuda-graph-max-bs-decode 8" in out.split("data regeneration starts")[1]
     # hidden states from a vLLM server over 8 GPUs capturing the aux ids [2, 30, 58] and L = 61
     assert "/vllm serve moonshotai/Kimi-K2.5" in out
     assert "--tensor-parallel-size 8" in out and '"method": "extract_hidden_states"' in out
     assert '"eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]' in out
+    capture = next(line for line in out.splitlines() if "extract starts" in line)
+    assert "--no-enable-chunked-prefill" in capture  # vLLM's extraction requires it
     # 4 x 7168 x 2 B + 5 B per token, over at most 100,000 x 4096 tokens
     assert "57.3 kB per token; at most 409,600,000 tokens" in out and "23.490 TB" in out
     # training on 4 GPUs goes to SLURM: the batch script submitit would submit (one task per GPU,
@@ -61,9 +67,16 @@ def test_kimi_dry_run_prints_a_valid_plan(test_root):
     assert "srun --unbuffered" in train and "-m submitit.core._submit" in train
     bench = out[out.index("] bench:") :]
     assert "#SBATCH --gpus-per-node=8" in bench and "#SBATCH --ntasks-per-node=1" in bench
+    # train and export read the target's head by name: the hub id must be downloaded first
+    assert (
+        f"target.path=moonshotai/Kimi-K2.5 is a hub id that is not downloaded here: download it "
+        f"with `hf download moonshotai/Kimi-K2.5 --local-dir {test_root}/artifacts/targets/"
+        f"kimi-k2.5` and set target.path={test_root}/artifacts/targets/kimi-k2.5" in out
+    )
     assert out.rstrip().endswith(
         "plan valid: every stage fits its GPUs and one host process, and every bench job's spec "
-        "and engine command passed validation"
+        "and engine command passed validation; train and export need the target downloaded "
+        "first (above)"
     )
     assert not (test_root / "multirun").exists() or not any(
         (test_root / "multirun").glob("pipeline-*/0")

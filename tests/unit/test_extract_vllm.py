@@ -38,6 +38,9 @@ def test_capture_command_asks_vllm_for_the_aux_ids_and_the_last_layer(make_cfg, 
     assert argv[argv.index("--pipeline-parallel-size") + 1] == "2"
     assert argv[argv.index("--max-model-len") + 1] == "301"  # the prompt + the one token sampled
     assert "--no-enable-prefix-caching" in argv
+    # chunked prefill off, as vLLM's hidden-state extraction requires; a whole prompt fits a batch
+    assert "--no-enable-chunked-prefill" in argv
+    assert int(argv[argv.index("--max-num-batched-tokens") + 1]) >= 301
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec["method"] == "extract_hidden_states"
     # tiny-llama: aux ids [1, 2, 3] as written, then L = 4 (the last layer's output)

@@ -113,6 +113,7 @@ def test_data_stage_adds_copies_packaged_and_self_written_prompts(make_cfg, own_
         "data.val_fraction=0.2",
         "data.regenerate=true",
         "data.regen.max_new_tokens=4",
+        "data.regen.keep_truncated=true",  # 4 tokens of a random target: every answer is cut
         "drafter.draft_vocab_size=256",
         f"paths.artifacts={own_artifacts}",
         "tracking.enabled=false",

@@ -170,6 +170,11 @@ class RegenConfig:
     drop_failed: bool = MISSING
     reuse_answers: Any = None  # a turns.jsonl path, a list of them, or null
     seed: Optional[int] = None
+    reasoning: Optional[str] = None  # null | keep | drop | off
+    reasoning_parser: Optional[str] = None
+    think_tags: List[str] = field(default_factory=lambda: ["<think>", "</think>"])
+    thinking_switch: str = "thinking"
+    keep_truncated: bool = False
 
 
 @dataclass

@@ -45,6 +45,8 @@ def data_output(cfg: Config) -> StageOutput:
     fingerprint = source_fingerprint(str(cfg.data.source))
     if fingerprint:  # absent for packaged and hub sources: their hashes stay as they were
         sections["source_fingerprint"] = fingerprint
+    if cfg.data.regenerate and cfg.data.regen.keep_truncated:  # absent when false, as before it
+        sections["keep_truncated"] = True
     if (
         cfg.data.vocab_map_from is not None
     ):  # absent when null: the hashes of outputs from before the key
@@ -82,9 +84,18 @@ def answer_sections(cfg: Config) -> dict:
     for key in (
         "reuse_answers",
         "seed",
+        "reasoning",
+        "reasoning_parser",
     ):  # absent when null: the hashes of answers from before these keys
         if data["regen"].get(key) is None:
             data["regen"].pop(key, None)
+    # which answers a data output keeps, not what they are (data_output); the tags and the template
+    # switch only where the reasoning mode reads them
+    data["regen"].pop("keep_truncated", None)
+    if data["regen"].get("reasoning") not in ("keep", "drop"):
+        data["regen"].pop("think_tags", None)
+    if data["regen"].get("reasoning") != "off":
+        data["regen"].pop("thinking_switch", None)
     if data["regen"].get("backend") == "engine":  # the engine and its precision write the answers
         data["regen"]["served_by"] = {
             "engine": cfg.serve.engine,

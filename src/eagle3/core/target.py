@@ -202,10 +202,11 @@ def resolve_target_path(tcfg: TargetConfig, artifacts: Path) -> Path | str:
         if path.exists():
             if not (path / "config.json").exists():
                 raise Eagle3Error(f"target.path {path} has no config.json: not an HF model folder")
-            if not any((path / name).exists() for name in TOKENIZER_FILES):
+            if not has_tokenizer(path):
                 raise Eagle3Error(
-                    f"target.path {path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy "
-                    "the model's tokenizer files into it (tokenizer.save_pretrained(folder))"
+                    f"target.path {path} has no tokenizer ({', '.join(TOKENIZER_FILES)}, or a "
+                    "tokenizer class of its own in tokenizer_config.json's auto_map): copy the "
+                    "model's tokenizer files into it (tokenizer.save_pretrained(folder))"
                 )
             return path
         if str(tcfg.path).startswith((".", "/", "~")) or str(tcfg.path).count("/") != 1:
@@ -219,8 +220,55 @@ def resolve_target_path(tcfg: TargetConfig, artifacts: Path) -> Path | str:
 
 
 # The files an HF folder holds its tokenizer in, one of which every tokenizer writes: the fast
-# tokenizer, a SentencePiece model, a BPE vocabulary, a WordPiece vocabulary.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+# tokenizer, a SentencePiece model, a BPE vocabulary, a WordPiece vocabulary, a tiktoken BPE file
+# (Kimi-K2's and Kimi-K2.5's, read by the tokenizer class the folder ships).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
+
+
+def has_tokenizer(folder: Path) -> bool:
+    """A tokenizer file, or a tokenizer class of the folder's own (tokenizer_config.json's
+    auto_map: the class reads whatever files it ships with)."""
+    if any((folder / name).exists() for name in TOKENIZER_FILES):
+        return True
+    config = folder / "tokenizer_config.json"
+    if not config.exists():
+        return False
+    try:
+        auto_map = json.loads(config.read_text()).get("auto_map") or {}
+    except ValueError:
+        return False
+    return "AutoTokenizer" in auto_map
+
+
+def download_hint(tcfg: TargetConfig, artifacts: Path) -> str:
+    """One line: the hub id is not on this machine; the command that downloads it and the key to set."""
+    folder = Path(artifacts) / "targets" / str(tcfg.name)
+    return (
+        f"target.path={tcfg.path} is a hub id that is not downloaded here: download it with "
+        f"`hf download {tcfg.path} --local-dir {folder}` and set target.path={folder}"
+    )
+
+
+def downloaded(hub_id: str) -> Path | None:
+    """The hub id's snapshot in the local Hugging Face cache, without asking the hub; None if absent."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(hub_id, local_files_only=True))
+    except Exception:  # LocalEntryNotFoundError, or an id the cache cannot hold
+        return None
+
+
+def target_folder(tcfg: TargetConfig, artifacts: Path) -> Path:
+    """The target's folder on this machine (a hub id: its downloaded snapshot), for the stages that
+    read its files by name; a hub id not downloaded is refused with download_hint."""
+    path = resolve_target_path(tcfg, artifacts)
+    if isinstance(path, Path):
+        return path
+    folder = downloaded(path)
+    if folder is None:
+        raise Eagle3Error(download_hint(tcfg, artifacts))
+    return folder
 
 
 def target_path_for(cfg: Config) -> Path | str:
@@ -417,10 +465,11 @@ def load_target(cfg: Config, device: str | None = None) -> Target:
             path, dtype=dtype, trust_remote_code=trust_remote_code(tcfg)
         )
     except OSError as err:
-        raise Eagle3Error(
-            f"cannot load target {path!s}: {err}. A hub id needs network access; "
-            f"offline, download it elsewhere and pass target.path=<folder>"
-        ) from err
+        if isinstance(path, str):  # a hub id this machine cannot reach
+            raise Eagle3Error(
+                f"cannot load target {path}: {download_hint(tcfg, cfg.paths.artifacts)}"
+            ) from err
+        raise Eagle3Error(f"cannot load target {path!s}: {err}") from err
     except ValueError as err:
         raise remote_code_error(path, err) from err
     model.to(dev).eval().requires_grad_(False)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoTokenizer, PretrainedConfig
+from transformers import PretrainedConfig
 
 from eagle3.core.common import Eagle3Error, resolve_dtype
 from eagle3.core.config import Config
@@ -20,7 +20,8 @@ from eagle3.core.target import (
     TargetShape,
     default_aux_layer_ids,
     folder_text_config,
-    resolve_target_path,
+    target_folder,
+    target_tokenizer,
 )
 
 INDEX = "model.safetensors.index.json"
@@ -95,11 +96,7 @@ def load_target_parts(cfg: Config) -> TargetParts:
     """The configured target's tokenizer, config, embedding, head and final norm, on the CPU in the
     dtype load_target would use there."""
     tcfg = cfg.target
-    path = resolve_target_path(tcfg, Path(cfg.paths.artifacts))
-    if not isinstance(path, Path):
-        raise Eagle3Error(
-            f"target.path={path} is a hub id: download it and pass target.path=<folder>"
-        )
+    path = target_folder(tcfg, Path(cfg.paths.artifacts))
     config = PretrainedConfig(**folder_text_config(path))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     dtype = resolve_dtype(tcfg.dtype, torch.device("cpu"))
@@ -107,4 +104,5 @@ def load_target_parts(cfg: Config) -> TargetParts:
     tensors = read_tensors(path, names, weight_map(path), dtype)
     layers = config.num_hidden_layers
     aux = list(tcfg.aux_layer_ids) if tcfg.aux_layer_ids else default_aux_layer_ids(layers)
-    return TargetParts(config, AutoTokenizer.from_pretrained(path), path, aux, **tensors)
+    # the tokenizer as every stage loads it (target.trust_remote_code: Kimi's tiktoken class)
+    return TargetParts(config, target_tokenizer(path, tcfg), path, aux, **tensors)

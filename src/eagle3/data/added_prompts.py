@@ -115,14 +115,17 @@ def self_prompt_requests(scfg: SelfPromptsConfig) -> list[tuple[str, int, list[d
 
 
 def generator_cfg(cfg: Config) -> Config:
-    """The config a generator writes self-prompts under: data.self_prompts's sampling settings."""
+    """The config a generator writes self-prompts under: data.self_prompts's sampling settings; a
+    thinking target's prompt is the text after its thinking (reasoning keep becomes drop)."""
     scfg = cfg.data.self_prompts
+    reasoning = cfg.data.regen.reasoning
     regen = dataclasses.replace(
         cfg.data.regen,
         temperature=scfg.temperature,
         top_p=1.0,
         max_new_tokens=scfg.max_new_tokens,
         seed=scfg.seed,
+        reasoning="drop" if reasoning == "keep" else reasoning,
     )
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, regen=regen))
 

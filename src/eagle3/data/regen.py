@@ -5,6 +5,7 @@ same answers, loop and failure reports."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -60,26 +61,34 @@ def answer_key(conv_id: str, prompt: list[dict]) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def logged_answers(data: bytes) -> dict[str, str | None]:
+def logged_answers(data: bytes, cut: set[str] | None = None) -> dict[str, str | None]:
     """{answer key: content} from an answer log's complete lines (the first line of a key wins; a
-    line without a key, from a log written before keys, answers nothing)."""
+    line without a key, from a log written before keys, answers nothing). The keys of answers the
+    length limit cut (finish "length") are added to `cut` when given."""
     answers: dict[str, str | None] = {}
     for line in data[: data.rfind(b"\n") + 1].decode().splitlines():
         record = json.loads(line)
-        if "key" in record:
-            answers.setdefault(record["key"], record["content"])
+        if "key" in record and record["key"] not in answers:
+            answers[record["key"]] = record["content"]
+            if cut is not None and record.get("finish") == LENGTH:
+                cut.add(record["key"])
     return answers
+
+
+LENGTH = "length"  # the finish reason of an answer cut by max_new_tokens (OpenAI's finish_reason)
 
 
 class TurnLog:
     """regen/turns.jsonl: one line per answered turn, {"key", "id", "turn", "content"} (content null
-    when the prompt no longer fits max_length), found again by its key (answer_key), never by id and
+    when the prompt no longer fits max_length; "finish": "length" added when max_new_tokens cut the
+    answer), found again by its key (answer_key), never by id and
     turn alone: a rewritten prompt is answered anew. Appended and fsynced as results arrive; a line
     cut by a kill is dropped on reopen, so nothing is duplicated and nothing written is lost."""
 
     def __init__(self, path: Path):
         self.path = path
         self.answers: dict[str, str | None] = {}
+        self.cut: set[str] = set()  # keys of answers cut by the length limit
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
             self._load()
@@ -90,7 +99,7 @@ class TurnLog:
         if complete < len(data):
             with open(self.path, "r+b") as file:
                 file.truncate(complete)
-        self.answers = logged_answers(data)
+        self.answers = logged_answers(data, self.cut)
 
     def key(self, conv_id: str, prompt: list[dict]) -> str:
         return answer_key(conv_id, prompt)
@@ -100,13 +109,23 @@ class TurnLog:
         key = self.key(conv_id, prompt)
         return key in self.answers, self.answers.get(key)
 
-    def add(self, answered: list[tuple[str, int, list[dict], str | None]]) -> None:
-        """Log (conversation id, turn, prompt, answer) tuples."""
-        records = [
-            {"key": self.key(conv_id, prompt), "id": conv_id, "turn": turn, "content": content}
-            for conv_id, turn, prompt, content in answered
-        ]
+    def add(self, answered: list[tuple]) -> None:
+        """Log (conversation id, turn, prompt, answer[, finish reason]) tuples."""
+        records = []
+        for conv_id, turn, prompt, content, *finish in answered:
+            record = {"key": self.key(conv_id, prompt), "id": conv_id, "turn": turn}
+            record["content"] = content
+            if finish and finish[0] == LENGTH:
+                record["finish"] = LENGTH
+            records.append(record)
         self.append(records)
+
+    def usable(self, keep_truncated: bool) -> dict[str, str | None]:
+        """The answers as a data output takes them: a cut answer ends its conversation (None)
+        unless data.regen.keep_truncated."""
+        if keep_truncated or not self.cut:
+            return self.answers
+        return {k: (None if k in self.cut else v) for k, v in self.answers.items()}
 
     def append(self, records: list[dict]) -> None:
         with open(self.path, "a") as file:
@@ -114,7 +133,10 @@ class TurnLog:
             file.flush()
             os.fsync(file.fileno())
         for r in records:
-            self.answers.setdefault(r["key"], r["content"])
+            if r["key"] not in self.answers:
+                self.answers[r["key"]] = r["content"]
+                if r.get("finish") == LENGTH:
+                    self.cut.add(r["key"])
 
 
 def turn_prompt(conversation: dict, answers: dict[int, str | None], turn: int) -> list[dict]:
@@ -171,13 +193,15 @@ def regenerate(cfg: Config, out_dir: Path, splits: dict[str, list[dict]], tokeni
     shared, own = regen_log_path(cfg), out_dir / "regen" / "turns.jsonl"
     with regen_lock(shared.parent):
         turn_log, failed = answer_turns(cfg, shared, splits, tokenizer, counts)
-    write_own_log(own, turn_log, [c for convs in splits.values() for c in convs])
+    conversations = [c for convs in splits.values() for c in convs]
+    keep = cfg.data.regen.keep_truncated
+    write_own_log(own, turn_log, conversations, keep)
     report_failures(out_dir, failed, cfg.data.regen, counts)
+    report_cut(conversations, turn_log, cfg.data.regen, counts)
+    answers = turn_log.usable(keep)
     splits = {
         name: [
-            regenerated(c, conversation_answers(c, turn_log.answers))
-            for c in convs
-            if c["id"] not in failed
+            regenerated(c, conversation_answers(c, answers)) for c in convs if c["id"] not in failed
         ]
         for name, convs in splits.items()
     }
@@ -185,20 +209,47 @@ def regenerate(cfg: Config, out_dir: Path, splits: dict[str, list[dict]], tokeni
     return splits
 
 
-def write_own_log(path: Path, turn_log: TurnLog, conversations: list[dict]) -> None:
+def report_cut(conversations: list[dict], turn_log: TurnLog, rcfg: RegenConfig, counts: dict):
+    """counts regen_cut_at_length (answers of these conversations that max_new_tokens cut, as far as
+    their conversations go) and regen_cut_dropped (those that ended their conversation there)."""
+    keep = rcfg.keep_truncated
+    usable, cut = turn_log.usable(keep), 0
+    for c in conversations:
+        answers: dict[int, str | None] = {}
+        for turn in range(user_turns(c)):
+            key = answer_key(c["id"], turn_prompt(c, answers, turn))
+            if key not in usable:
+                break
+            cut += key in turn_log.cut
+            answers[turn] = usable[key]
+            if answers[turn] is None:
+                break
+    counts["regen_cut_at_length"] = cut
+    counts["regen_cut_dropped"] = 0 if keep else cut
+    if cut:
+        log.info(
+            "data: %d regenerated answers were cut by data.regen.max_new_tokens=%s; %s",
+            cut,
+            rcfg.max_new_tokens,
+            "kept (data.regen.keep_truncated=true)" if keep else "each ends its conversation there",
+        )
+
+
+def write_own_log(path: Path, turn_log: TurnLog, conversations: list[dict], keep=False) -> None:
     """The data output's copy of the answers it was built from, in conversation and turn order (the
-    shared log also holds answers to prompts since rewritten, and other outputs' conversations)."""
-    records = [
-        {
-            "key": turn_log.key(c["id"], turn_prompt(c, answers, turn)),
-            "id": c["id"],
-            "turn": turn,
-            "content": content,
-        }
-        for c in conversations
-        for answers in [conversation_answers(c, turn_log.answers)]
-        for turn, content in sorted(answers.items())
-    ]
+    shared log also holds answers to prompts since rewritten, and other outputs' conversations);
+    a cut answer is written with its finish reason (and, dropped, ends its conversation)."""
+    usable = turn_log.usable(keep)
+    records = []
+    for c in conversations:
+        answers = conversation_answers(c, usable)
+        for turn, content in sorted(answers.items()):
+            key = turn_log.key(c["id"], turn_prompt(c, answers, turn))
+            record = {"key": key, "id": c["id"], "turn": turn, "content": content}
+            if key in turn_log.cut:
+                record["content"] = turn_log.answers[key]
+                record["finish"] = LENGTH
+            records.append(record)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -252,9 +303,9 @@ def answer_turns(cfg: Config, shared: Path, splits: dict[str, list[dict]], token
     failed: dict[str, str] = {}
     try:
         for turn in range(max(map(user_turns, conversations), default=0)):
-            items = []
+            items, usable = [], turn_log.usable(rcfg.keep_truncated)
             for c in conversations:
-                answers = conversation_answers(c, turn_log.answers)
+                answers = conversation_answers(c, usable)
                 if c["id"] not in failed and pending_turn(c, answers, turn):
                     items.append((c["id"], turn, turn_prompt(c, answers, turn)))
             items = skip_long_prompts(items, tokenizer, cfg.data, turn_log)
@@ -271,6 +322,7 @@ BACKENDS = ("local", "openai", "engine")
 
 def generator_for(cfg: Config):
     """The configured answer generator (data.regen.backend)."""
+    check_reasoning(cfg.data.regen)
     backend = cfg.data.regen.backend
     if backend not in BACKENDS:
         raise Eagle3Error(f"data.regen.backend={backend}: use one of {', '.join(BACKENDS)}")
@@ -287,7 +339,8 @@ def reuse_answers(turn_log: TurnLog, source: Path, conversations: list[dict]) ->
         raise Eagle3Error(
             f"data.regen.reuse_answers={source}: no such answer log (a regen/<hash>/turns.jsonl)"
         )
-    offered = logged_answers(source.read_bytes())
+    cut: set[str] = set()
+    offered = logged_answers(source.read_bytes(), cut)
     known = {**offered, **turn_log.answers}
     records = []
     for c in conversations:
@@ -296,6 +349,8 @@ def reuse_answers(turn_log: TurnLog, source: Path, conversations: list[dict]) ->
             key = turn_log.key(c["id"], turn_prompt(c, answers, turn))
             if key not in turn_log.answers and key in offered:
                 records.append({"key": key, "id": c["id"], "turn": turn, "content": content})
+                if key in cut:
+                    records[-1]["finish"] = LENGTH
     if records:
         turn_log.append(records)
     log.info("data: %d answers reused from %s", len(records), source)
@@ -365,6 +420,56 @@ def report_failures(out_dir: Path, failed: dict[str, str], rcfg: RegenConfig, co
         )
 
 
+REASONING = (None, "keep", "drop", "off")
+
+
+def check_reasoning(rcfg: RegenConfig) -> None:
+    if rcfg.reasoning not in REASONING:
+        raise Eagle3Error(
+            f"data.regen.reasoning={rcfg.reasoning}: use null, keep, drop or off (what happens to "
+            "the target's thinking text)"
+        )
+
+
+def template_kwargs(rcfg: RegenConfig) -> dict:
+    """The chat template's arguments of every regeneration prompt: {data.regen.thinking_switch: False}
+    when reasoning=off."""
+    return {str(rcfg.thinking_switch): False} if rcfg.reasoning == "off" else {}
+
+
+def request_extras(rcfg: RegenConfig) -> dict:
+    """What a chat request adds for data.regen.reasoning (SGLang and vLLM read
+    chat_template_kwargs; the reasoning parser itself is a server flag: regen_engine_config)."""
+    kwargs = template_kwargs(rcfg)
+    return {"chat_template_kwargs": kwargs} if kwargs else {}
+
+
+def shape_answer(content: str, thinking: str | None, rcfg: RegenConfig) -> str:
+    """The answer kept for training from what the target wrote: `content`, and `thinking` when the
+    engine's reasoning parser returned it apart (else any thinking is inline, between think_tags).
+    reasoning keep: the thinking stays, as think_tags[0] + thinking + think_tags[1] + answer; drop:
+    only the answer after the thinking (none when the thinking never closed); null and off: the
+    content as returned."""
+    content = content or ""
+    opening, closing = rcfg.think_tags
+    if rcfg.reasoning == "keep" and thinking:
+        return f"{opening}{thinking.strip()}{closing}{content.strip()}"
+    if rcfg.reasoning == "drop" and not thinking:
+        if closing in content:
+            content = content.split(closing, 1)[1]
+        elif content.lstrip().startswith(opening):
+            content = ""  # the thinking never closed: no answer after it
+    return content.strip()
+
+
+def answer_of(choice: dict, rcfg: RegenConfig) -> tuple[str, str | None]:
+    """(answer, finish reason) of an OpenAI chat completion choice. The parser's thinking comes as
+    message.reasoning_content (SGLang, vLLM) or message.reasoning (newer vLLM)."""
+    message = choice.get("message") or {}
+    thinking = message.get("reasoning_content") or message.get("reasoning")
+    return shape_answer(message.get("content"), thinking, rcfg), choice.get("finish_reason")
+
+
 class LocalGenerator:
     """Batched HF generate with left padding, prompts grouped by length."""
 
@@ -379,20 +484,22 @@ class LocalGenerator:
 
     def run(self, items: list[tuple], turn_log: TurnLog, desc: str) -> dict[str, str]:
         tokenizer = self.target.tokenizer
+        kwargs = template_kwargs(self.rcfg)
         encoded = [
-            tokenizer(render(tokenizer, m, True), add_special_tokens=False)["input_ids"]
+            tokenizer(render(tokenizer, m, True, **kwargs), add_special_tokens=False)["input_ids"]
             for _, _, m in items
         ]
         order = sorted(range(len(items)), key=lambda i: len(encoded[i]))
         size = self.rcfg.batch_size
         for begin in tqdm(range(0, len(order), size), desc=desc, unit=" batch"):
             batch = order[begin : begin + size]
-            texts = self.generate([encoded[i] for i in batch])
-            turn_log.add([(*items[i], text) for i, text in zip(batch, texts)])
+            answers = self.generate([encoded[i] for i in batch])
+            turn_log.add([(*items[i], *answer) for i, answer in zip(batch, answers)])
         return {}
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]]) -> list[str]:
+    def generate(self, prompts: list[list[int]]) -> list[tuple[str, str | None]]:
+        """(answer, finish reason: "length" when no end-of-turn came within max_new_tokens)."""
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -412,10 +519,12 @@ class LocalGenerator:
         )
         return [self.decode(row[width:].tolist()) for row in out]
 
-    def decode(self, tokens: list[int]) -> str:
+    def decode(self, tokens: list[int]) -> tuple[str, str | None]:
+        finish = "stop" if self.eot_id in tokens else LENGTH
         if self.eot_id in tokens:
             tokens = tokens[: tokens.index(self.eot_id)]
-        return self.target.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        text = self.target.tokenizer.decode(tokens, skip_special_tokens=True)
+        return shape_answer(text, None, self.rcfg), finish
 
 
 class RequestFailed(Exception):
@@ -447,8 +556,8 @@ class OpenAIGenerator:
             async def answer(conv_id, turn, messages):
                 async with limit:
                     try:
-                        content = await self.complete(client, model, messages)
-                        turn_log.add([(conv_id, turn, messages, content)])
+                        content, finish = await self.complete(client, model, messages)
+                        turn_log.add([(conv_id, turn, messages, content, finish)])
                     except RequestFailed as err:
                         failures[conv_id] = str(err)
                 bar.update(1)
@@ -470,7 +579,8 @@ class OpenAIGenerator:
                 "Or set data.regen.model"
             ) from err
 
-    async def complete(self, client, model: str, messages: list[dict]) -> str:
+    async def complete(self, client, model: str, messages: list[dict]) -> tuple[str, str | None]:
+        """(the answer as data.regen.reasoning shapes it, the finish reason)."""
         import httpx
 
         body = {
@@ -479,6 +589,7 @@ class OpenAIGenerator:
             "max_tokens": self.rcfg.max_new_tokens,
             "temperature": self.rcfg.temperature,
             "top_p": self.rcfg.top_p,
+            **request_extras(self.rcfg),
         }
         error = "no attempt"
         for attempt in range(self.rcfg.max_retries + 1):
@@ -490,21 +601,41 @@ class OpenAIGenerator:
                 error = type(err).__name__
                 continue
             if response.status_code == 200:
-                return (response.json()["choices"][0]["message"]["content"] or "").strip()
+                return answer_of(response.json()["choices"][0], self.rcfg)
             error = f"HTTP {response.status_code}: {response.text[:200]}"
             if response.status_code < 500 and response.status_code != 429:
                 break  # a request the server rejects will not succeed on retry
         raise RequestFailed(error)
 
 
+def regen_engine_config(cfg: Config) -> Config:
+    """The config the regeneration engine is started with: the serving settings sized for
+    data.regen.concurrency requests at once. SGLang captures CUDA graphs up to serve.cuda_graph_max_bs
+    and runs larger batches eagerly; vLLM schedules at most serve.max_num_seqs sequences (and captures
+    graphs up to that many): both are raised to the concurrency when below it. With
+    data.regen.reasoning_parser the engine gets --reasoning-parser (it returns the thinking apart)."""
+    scfg, wanted = cfg.serve, int(cfg.data.regen.concurrency)
+    if scfg.engine == "sglang" and scfg.cuda_graph_max_bs < wanted:
+        scfg = dataclasses.replace(scfg, cuda_graph_max_bs=wanted)
+    elif scfg.engine == "vllm" and scfg.max_num_seqs < wanted:
+        scfg = dataclasses.replace(scfg, max_num_seqs=wanted)
+    parser = cfg.data.regen.reasoning_parser
+    if parser and scfg.engine in ("sglang", "vllm"):  # both name the flag alike
+        scfg = dataclasses.replace(
+            scfg, extra_args=[*scfg.extra_args, "--reasoning-parser", str(parser)]
+        )
+    return dataclasses.replace(cfg, serve=scfg)
+
+
 class EngineGenerator:
     """data.regen.backend=engine: the configured engine (serve=vllm, serve=sglang, serve=local)
-    started with spec=off on the first batch of turns, answering through its OpenAI chat endpoint
+    started with spec=off on the first batch of turns (its batch settings sized for
+    data.regen.concurrency: regen_engine_config), answering through its OpenAI chat endpoint
     like the openai backend (same concurrency, retries and turn log), stopped by close() and on
     error, Ctrl-C or a kill of this process (the engine's own process group and watchdog)."""
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        self.cfg = regen_engine_config(cfg)
         self.folder = regen_log_path(cfg).parent / "engine"
         self.engine = None
         self.client = OpenAIGenerator(cfg)
@@ -534,4 +665,6 @@ def sampling_params(dcfg: DataConfig) -> dict | None:
         "temperature": r.temperature,
         "top_p": r.top_p,
         **({"base_url": r.base_url, "model": r.model} if r.backend == "openai" else {}),
+        **({"reasoning": r.reasoning} if r.reasoning else {}),
+        **({"reasoning_parser": r.reasoning_parser} if r.reasoning_parser else {}),
     }

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from eagle3.core.common import Eagle3Error
 from eagle3.core.config import Config, DataConfig
 from eagle3.core.target import (
+    download_hint,
     remote_code_error,
     resolve_target_path,
     target_tokenizer,
@@ -19,9 +20,10 @@ from eagle3.core.target import (
 )
 
 
-def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
+def render(tokenizer, messages: list[dict], generation_prompt: bool = False, **kwargs) -> str:
+    """The chat template's text; kwargs go to the template (data.regen.thinking_switch)."""
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
+        messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
     )
 
 
@@ -75,12 +77,8 @@ def tokenize_conversations(
         if not batch:
             continue
         rendered = [assistant_spans(tokenizer, c["messages"], eot) for c in batch]
-        encoded = tokenizer(
-            [text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True
-        )
-        for conversation, (_, spans), ids, offsets in zip(
-            batch, rendered, encoded["input_ids"], encoded["offset_mapping"]
-        ):
+        encoded = encode_with_offsets(tokenizer, rendered)
+        for conversation, (_, spans), (ids, offsets) in zip(batch, rendered, encoded):
             mask = loss_mask_of(offsets, spans)
             if len(ids) > dcfg.max_length:
                 counts["truncated" if dcfg.truncation == "truncate" else "dropped_too_long"] += 1
@@ -94,6 +92,34 @@ def tokenize_conversations(
             columns["input_ids"].append(ids)
             columns["loss_mask"].append(mask)
     return columns
+
+
+def encode_with_offsets(tokenizer, rendered: list[tuple[str, list]]) -> list[tuple[list, list]]:
+    """(token ids, character offsets of each token) per rendered conversation. A Python tokenizer
+    (Kimi's tiktoken class) has no offsets: each text is encoded piece by piece between the assistant
+    spans' edges, every token taking its piece's bounds, and must equal the whole text's encoding
+    (the templates put a special token at each edge, where no token crosses)."""
+    texts = [text for text, _ in rendered]
+    if getattr(tokenizer, "is_fast", True):
+        out = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return list(zip(out["input_ids"], out["offset_mapping"]))
+    wholes = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    encoded = []
+    for (text, spans), whole in zip(rendered, wholes):
+        edges = sorted({0, len(text), *(edge for span in spans for edge in span)})
+        ids, offsets = [], []
+        for begin, end in zip(edges, edges[1:]):
+            piece = tokenizer(text[begin:end], add_special_tokens=False)["input_ids"]
+            ids += piece
+            offsets += [(begin, end)] * len(piece)
+        if ids != whole:
+            raise Eagle3Error(
+                f"the target's tokenizer ({type(tokenizer).__name__}, which gives no character "
+                "offsets) joins characters across an assistant turn's edge into one token: the loss "
+                "mask cannot be placed; set data.end_of_turn to the token that closes a turn"
+            )
+        encoded.append((ids, offsets))
+    return encoded
 
 
 def loss_mask_of(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
@@ -114,8 +140,13 @@ def load_tokenizer(cfg: Config):
     trust = trust_remote_code(cfg.target)
     try:
         tokenizer = target_tokenizer(path, cfg.target)
-        return tokenizer, AutoConfig.from_pretrained(path, trust_remote_code=trust).vocab_size
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+        # a multimodal wrapper (Kimi-K2.5) keeps the vocabulary in its text config
+        return tokenizer, config.get_text_config().vocab_size
     except OSError as err:
+        if isinstance(path, str):  # a hub id this machine cannot reach
+            hint = download_hint(cfg.target, Path(cfg.paths.artifacts))
+            raise Eagle3Error(f"cannot load the tokenizer of target {path}: {hint}") from err
         raise Eagle3Error(f"cannot load the tokenizer of target {path!s}: {err}") from err
     except ValueError as err:
         raise remote_code_error(path, err) from err

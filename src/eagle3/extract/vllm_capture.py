@@ -160,6 +160,10 @@ def capture_launch(cfg: Config, shape: TargetShape, states_dir: Path, port: int 
         "--max-num-batched-tokens",
         str(max(int(ecfg.batch_tokens), int(cfg.data.max_length) + 1)),
         "--no-enable-prefix-caching",
+        # vLLM's own hidden-state extraction example marks enable_chunked_prefill=False as
+        # required; each prompt (at most data.max_length tokens) then prefills in one forward,
+        # which --max-num-batched-tokens >= max_model_len above allows
+        "--no-enable-chunked-prefill",
         "--speculative-config",
         json.dumps(speculative),
         "--kv-transfer-config",

@@ -27,8 +27,9 @@ from eagle3.core.config import Config
 from eagle3.core.lifecycle import run_child
 from eagle3.core.outputs import STAGE_OUTPUTS
 from eagle3.core.spec import resolve_spec
-from eagle3.core.target import resolve_target_path
+from eagle3.core.target import download_hint, downloaded, resolve_target_path
 from eagle3.data import app as data
+from eagle3.data.regen import regen_engine_config
 from eagle3.export import app as export
 from eagle3.extract import app as extract
 from eagle3.extract.vllm_capture import capture_launch, target_shape
@@ -157,7 +158,7 @@ def print_plan(cfg: Config, sweep_dir: Path) -> None:
     target = cfg.target.path or cfg.target.name
     if cfg.data.regenerate and cfg.data.regen.backend in ("openai", "engine"):
         launch = compose_launch(
-            cfg,
+            regen_engine_config(cfg) if cfg.data.regen.backend == "engine" else cfg,
             resolve_spec(compose([*user_overrides(), "spec=off"]).spec),
             None,
             target,
@@ -185,10 +186,24 @@ def print_plan(cfg: Config, sweep_dir: Path) -> None:
             f"    bench job {' '.join(job)} ({spec.label}, {job_cfg.serve.engine}): {' '.join(launch.argv)}"
         )
     check_plans(cfg, plans)
+    missing = missing_download(cfg)
+    if missing:
+        print(f"    {missing}")
     print(
         "plan valid: every stage fits its GPUs and one host process, and every bench job's spec "
         "and engine command passed validation"
+        + ("; train and export need the target downloaded first (above)" if missing else "")
     )
+
+
+def missing_download(cfg: Config) -> str | None:
+    """download_hint when a stage that reads the target's files by name (train, export: its
+    embedding, head and norm) is planned on a hub id this machine has not downloaded."""
+    path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
+    reads_files = {"train", "export"} & set(planned_stages(cfg))
+    if isinstance(path, Path) or not reads_files or downloaded(path) is not None:
+        return None
+    return download_hint(cfg.target, Path(cfg.paths.artifacts))
 
 
 def capture_command(cfg: Config, extract_dir: Path) -> list[str]:
