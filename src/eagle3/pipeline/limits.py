@@ -24,6 +24,12 @@ def check_stage(cfg, stage: str, launcher: str | None = None) -> None:
 
 
 class StageLimits(Callback):
+    """Checked on the submitting host before a multirun's jobs go out (its config without the sweep
+    values), and in each job before the stage starts."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self.on_job_start(config)
+
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
         stage = config.hydra.job.name
         if stage not in CHECKED:
