@@ -46,8 +46,8 @@ STAGE_RUNS = {"data": data.run, "extract": extract.run, "train": train.run, "exp
 
 
 def planned_stages(cfg: Config) -> list[str]:
-    online = cfg.train.hidden_states == "online"
-    return [s for s in cfg.pipeline.stages if not (s == "extract" and online)]
+    no_shards = cfg.train.hidden_states in ("online", "engine")
+    return [s for s in cfg.pipeline.stages if not (s == "extract" and no_shards)]
 
 
 def stage_output(cfg: Config, stage: str) -> StageOutput:
