@@ -406,12 +406,33 @@ class SearchConfig:
 
 
 @dataclass
+class EngineRateConfig:
+    tokens_per_s: float = MISSING
+    active_params: int = MISSING
+    engine: str = MISSING
+    hardware: str = MISSING
+    concurrency: Optional[int] = None
+    document: str = MISSING
+
+
+@dataclass
 class PlanRatesConfig:
     active_params: int = MISSING
     regen_tokens_per_s: int = MISSING
+    regen_document: str = MISSING
     capture_tokens_per_s: int = MISSING
+    capture_document: str = MISSING
     train_tokens_per_s: int = MISSING
     train_cost_per_token: int = MISSING
+    regen_engine: Optional[EngineRateConfig] = None
+    capture_engine: Optional[EngineRateConfig] = None
+
+
+@dataclass
+class EngineOverheadConfig:
+    sglang_gb: Optional[float] = None
+    vllm_gb: Optional[float] = None
+    document: Optional[str] = None
 
 
 @dataclass
@@ -421,6 +442,7 @@ class PlanConfig:
     vllm_memory_fraction: float = MISSING
     logit_copies: int = MISSING
     hidden_copies: int = MISSING
+    engine_overhead: EngineOverheadConfig = field(default_factory=EngineOverheadConfig)
     rates: PlanRatesConfig = field(default_factory=PlanRatesConfig)
 
 
@@ -489,6 +511,7 @@ class JobShapeConfig:
     nodes: int = MISSING
     tasks_per_node: int = MISSING
     gpus_per_node: int = MISSING
+    timeout_min: int = MISSING
 
 
 @dataclass
@@ -500,6 +523,8 @@ class ClusterConfig:
     timeout_min: int = MISSING
     cpus_per_task: int = MISSING
     mem_gb: int = MISSING
+    gpus_per_node: int = MISSING
+    disk_gb: Optional[float] = None
     array_parallelism: int = MISSING
     requeue_signal: str = MISSING
     requeue_warning_s: int = MISSING

@@ -155,6 +155,8 @@ def upstream_hashes(cfg: Config) -> dict:
     upstream = {"data": data_output(cfg).hash}
     if cfg.train.hidden_states == "offline":
         upstream["extract"] = shards_output(cfg).hash
+    if cfg.train.hidden_states == "engine":  # the capture settings that make the states
+        upstream["capture"] = extract_output(cfg).hash
     return upstream
 
 

@@ -33,7 +33,13 @@ from eagle3.data.regen import regen_engine_config
 from eagle3.export import app as export
 from eagle3.extract import app as extract
 from eagle3.extract.vllm_capture import capture_launch, target_shape
-from eagle3.pipeline.plan import check_plans, check_process_fit, disk_lines, stage_plans
+from eagle3.pipeline.plan import (
+    check_plans,
+    check_process_fit,
+    disk_line,
+    disk_lines,
+    stage_plans,
+)
 from eagle3.serve.launch import compose_launch
 from eagle3.train import app as train
 
@@ -41,8 +47,8 @@ STAGE_RUNS = {"data": data.run, "extract": extract.run, "train": train.run, "exp
 
 
 def planned_stages(cfg: Config) -> list[str]:
-    online = cfg.train.hidden_states == "online"
-    return [s for s in cfg.pipeline.stages if not (s == "extract" and online)]
+    no_shards = cfg.train.hidden_states in ("online", "engine")
+    return [s for s in cfg.pipeline.stages if not (s == "extract" and no_shards)]
 
 
 def stage_output(cfg: Config, stage: str) -> StageOutput:
@@ -185,13 +191,18 @@ def print_plan(cfg: Config, sweep_dir: Path) -> None:
         print(
             f"    bench job {' '.join(job)} ({spec.label}, {job_cfg.serve.engine}): {' '.join(launch.argv)}"
         )
+    if plans:
+        print(disk_line(cfg, plans))
     check_plans(cfg, plans)
     missing = missing_download(cfg)
     if missing:
         print(f"    {missing}")
+    limits = "its GPUs and one host process"
+    if cfg.pipeline.launcher:
+        limits += ", its job's GPUs per node, host memory and time limit"
     print(
-        "plan valid: every stage fits its GPUs and one host process, and every bench job's spec "
-        "and engine command passed validation"
+        f"plan valid: every stage fits {limits}, the outputs fit the disk, and every bench job's "
+        "spec and engine command passed validation"
         + ("; train and export need the target downloaded first (above)" if missing else "")
     )
 

@@ -6,6 +6,8 @@ process can hold is refused, naming the setting to change.
 
 from __future__ import annotations
 
+import math
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import torch
 from eagle3.core.common import Eagle3Error, resolve_dtype
 from eagle3.core.config import Config, plain
 from eagle3.core.drafter import Eagle3Drafter, drafter_config
-from eagle3.core.outputs import data_output
+from eagle3.core.outputs import STAGE_OUTPUTS, data_output
 from eagle3.core.target import default_aux_layer_ids, folder_text_config, resolve_target_path
 from eagle3.extract.app import STORAGE_DTYPES
 from eagle3.extract.vllm_capture import text_config
@@ -37,9 +39,10 @@ def target_weights_gb(cfg: Config) -> float | None:
     return sum(f.stat().st_size for f in files) / 1e9
 
 
-def in_process_loads(cfg: Config) -> list[tuple[str, str]]:
-    """(setting, what it does) for every planned stage that loads the whole target in one process."""
-    stages = list(cfg.pipeline.stages)
+def in_process_loads(cfg: Config, stages: list[str] | None = None) -> list[tuple[str, str]]:
+    """(setting, what it does) for every planned stage (pipeline.stages, or `stages`) that loads the
+    whole target in one process."""
+    stages = list(cfg.pipeline.stages if stages is None else stages)
     loads = []
     if "data" in stages and cfg.data.regenerate and cfg.data.regen.backend == "local":
         loads.append(("data.regen.backend=local", "regenerates answers with HF generate"))
@@ -51,13 +54,14 @@ def in_process_loads(cfg: Config) -> list[tuple[str, str]]:
     return loads
 
 
-def check_process_fit(cfg: Config) -> float | None:
-    """Refuse a plan that loads a target larger than pipeline.process_memory_gb into one process."""
+def check_process_fit(cfg: Config, stages: list[str] | None = None) -> float | None:
+    """Refuse a plan (pipeline.stages, or `stages`) that loads a target larger than
+    pipeline.process_memory_gb into one process."""
     weights = target_weights_gb(cfg)
     limit = float(cfg.pipeline.process_memory_gb)
     if weights is None or weights <= limit:
         return weights
-    for setting, action in in_process_loads(cfg):
+    for setting, action in in_process_loads(cfg, stages):
         raise Eagle3Error(
             f"{setting} {action} in one process, but target {cfg.target.name} has {weights:,.0f} GB "
             f"of weights and one process holds pipeline.process_memory_gb={limit:g}: use "
@@ -114,7 +118,8 @@ def disk_lines(cfg: Config) -> list[str]:
 @dataclass
 class StagePlan:
     """Where one stage runs and what it takes: GPU memory per GPU (parts in GB), the target tensors one
-    host process holds, disk written, and the estimated time."""
+    host process holds, disk written, the estimated time, and the cluster job it runs as (nodes,
+    tasks and GPUs per node, time limit in minutes; none when it runs on this host)."""
 
     stage: str
     where: str
@@ -125,6 +130,10 @@ class StagePlan:
     disk_gb: float = 0.0
     hours: float | None = None
     time_note: str = ""
+    time_short: str = ""  # tokens and rate, for a one-line refusal
+    job: dict | None = None  # {nodes, tasks_per_node, gpus_per_node, timeout_min} on a cluster
+    engine_room_gb: float | None = None  # an engine's KV pool: less than one sequence = no start
+    engine_sequence_gb: float | None = None
 
     def gpu_gb(self) -> float:
         return sum(self.gpu_parts.values())
@@ -147,6 +156,12 @@ class StagePlan:
         return lines
 
     def refusal(self, gpu_limit: float, host_limit: float) -> str | None:
+        if self.engine_room_gb is not None and self.engine_room_gb < self.engine_sequence_gb:
+            return (
+                f"{self.stage} does not fit its GPUs: weights {self.gpu_parts['weights']:,.1f} GB per "
+                f"GPU leave its engine a KV pool of {self.engine_room_gb:,.1f} GB, less than one "
+                f"data.max_length sequence ({self.engine_sequence_gb:,.2f} GB) ({self.where})"
+            )
         if self.gpu_parts and self.gpu_gb() > gpu_limit:
             parts = " + ".join(f"{name} {gb:,.1f}" for name, gb in self.gpu_parts.items())
             return (
@@ -159,6 +174,102 @@ class StagePlan:
                 f"target ({self.host_what}) > pipeline.process_memory_gb={host_limit:g}"
             )
         return None
+
+    def cluster_refusal(self, cfg: Config) -> str | None:
+        """The job against the cluster's limits: GPUs per node, host memory per node, time limit
+        (training is requeued past it: a note, not a refusal)."""
+        if self.job is None:
+            return None
+        cluster = cfg.cluster
+        gpus, tasks = int(self.job["gpus_per_node"]), int(self.job["tasks_per_node"])
+        if gpus > int(cluster.gpus_per_node):
+            single = (
+                "; data and extract are single-node jobs: their engine's GPUs must fit one node"
+                if self.stage in ("data", "extract", "bench")
+                else "; spread training over trainer.num_nodes instead"
+            )
+            return (
+                f"{self.stage} asks for {gpus} GPUs on one node > cluster.gpus_per_node="
+                f"{cluster.gpus_per_node}{single}"
+            )
+        held = tasks * self.host_gb
+        if held > float(cluster.mem_gb):
+            return (
+                f"{self.stage} holds {tasks} task(s) x {self.host_gb:,.2f} GB = {held:,.1f} GB of the "
+                f"target on one node ({self.host_what}) > cluster.mem_gb={cluster.mem_gb}"
+            )
+        limit = int(self.job["timeout_min"])
+        if self.stage != "train" and self.hours is not None and self.hours * 60 > limit:
+            return (
+                f"{self.stage} takes {self.hours:,.2f} h ({self.time_short}) > cluster.{self.stage}"
+                f".timeout_min={limit} ({limit / 60:,.1f} h): raise it to what the partition allows, "
+                f"or plan less work (data.limit); a stopped {self.stage} stage resumes when started again"
+            )
+        return None
+
+
+def on_cluster(cfg: Config, launcher: str | None = None) -> bool:
+    """Whether the stages run as cluster jobs whose limits conf/cluster states: pipeline.launcher,
+    or the Hydra launcher a stage started alone was given (`launcher`)."""
+    return bool(cfg.pipeline.launcher) or bool(launcher and "slurm" in launcher)
+
+
+def job_shape(cfg: Config, stage: str) -> dict:
+    res = getattr(cfg.cluster, stage, None) or cfg.cluster.job
+    return {
+        "nodes": int(res.nodes),
+        "tasks_per_node": int(res.tasks_per_node),
+        "gpus_per_node": int(res.gpus_per_node),
+        "timeout_min": int(res.timeout_min),
+    }
+
+
+def free_disk_gb(cfg: Config) -> tuple[float, str]:
+    """(GB free for stage outputs, where that number comes from): cluster.disk_gb when stated, else
+    the free space of the filesystem that holds paths.artifacts (its nearest existing folder)."""
+    if cfg.cluster.disk_gb is not None:
+        return float(cfg.cluster.disk_gb), f"cluster.disk_gb={cfg.cluster.disk_gb:g}"
+    folder = Path(cfg.paths.artifacts).absolute()
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free / 1e9
+    return free, f"{free:,.1f} GB free at paths.artifacts={cfg.paths.artifacts}"
+
+
+def disk_writes(cfg: Config, plans: dict[str, StagePlan]) -> dict[str, float]:
+    """GB each stage still to run writes under paths.artifacts (a complete output writes nothing)."""
+    return {
+        stage: plan.disk_gb
+        for stage, plan in plans.items()
+        if plan.disk_gb > 0 and (stage == "bench" or not STAGE_OUTPUTS[stage](cfg).complete)
+    }
+
+
+def disk_line(cfg: Config, plans: dict[str, StagePlan]) -> str:
+    writes = disk_writes(cfg, plans)
+    free, source = free_disk_gb(cfg)
+    return f"disk: the stages to run write {sum(writes.values()):,.1f} GB; {source}"
+
+
+def disk_refusal(cfg: Config, plans: dict[str, StagePlan]) -> str | None:
+    """The disk the stages still to run will write, against the free space (or cluster.disk_gb)."""
+    writes = disk_writes(cfg, plans)
+    total = sum(writes.values())
+    if not writes:
+        return None
+    free, source = free_disk_gb(cfg)
+    if total <= free:
+        return None
+    if len(writes) == 1:
+        written = f"{next(iter(writes))} writes {total:,.1f} GB"
+    else:
+        parts = " + ".join(f"{stage} {gb:,.1f}" for stage, gb in writes.items())
+        written = f"the stages write {parts} = {total:,.1f} GB"
+    return (
+        f"{written} > {source}: free space there, point "
+        "paths.artifacts (EAGLE3_ROOT) at a larger filesystem, or state its capacity with "
+        "cluster.disk_gb"
+    )
 
 
 def plan_settings(cfg: Config) -> Config:
@@ -197,57 +308,151 @@ def where(cfg: Config, stage: str, gpus: int) -> str:
         kind = cfg.cluster.constraint or "any"
         return (
             f"{cfg.pipeline.launcher} job, {res.nodes} node(s) ({kind}) x {res.gpus_per_node} GPU(s), "
-            f"{res.tasks_per_node} task(s) per node"
+            f"{res.tasks_per_node} task(s) per node, {res.timeout_min} min "
+            f"(cluster.{stage if getattr(cfg.cluster, stage, None) else 'job'}.timeout_min)"
         )
     return f"this host, {gpus} GPU(s)" if gpus else "this host, no GPU"
 
 
 def engine_gpu(
-    cfg: Config, config: dict, weights: float, gpus: int, fraction: float, dtype, tokens: int
-) -> tuple[dict[str, float], str]:
-    """GPU memory per GPU of a serving engine over `gpus` GPUs: the weights' share, the KV cache the
-    engine keeps for `tokens` in flight (what fits in `fraction` of the GPU after the weights, at
-    least one data.max_length sequence), and the rest of the GPU the engine leaves to activations
-    and CUDA graphs."""
-    gpu = float(plan_settings(cfg).gpu_memory_gb)
-    per_token, latent = kv_bytes_per_token(config, engine_itemsize(dtype))
-    per_gpu_token = per_token if latent else per_token / gpus
-    room = fraction * gpu - weights / gpus
-    one_sequence = int(cfg.data.max_length) * per_gpu_token / 1e9
-    kv = max(min(tokens * per_gpu_token / 1e9, room), one_sequence)
-    held = max(int(room * 1e9 / per_gpu_token), 0)
+    cfg: Config,
+    config: dict,
+    weights: float,
+    gpus: int,
+    fraction: float,
+    dtype,
+    tokens: int,
+    engine: str,
+    captured_states: int = 0,
+) -> tuple[dict[str, float], str, float, float]:
+    """GPU memory per GPU of a serving engine over `gpus` GPUs: the weights' share, the KV pool the
+    engine reserves (SGLang: mem_fraction_static of the GPU less the weights; vLLM:
+    --gpu-memory-utilization less the weights and its overhead), split into the target's KV cache
+    and, for vLLM's hidden-state capture, the cache-only layer that holds `captured_states` states
+    of the hidden size per token on every rank, and the engine's measured overhead
+    (pipeline.plan.engine_overhead). Returns (parts, note, KV pool GB, one data.max_length
+    sequence's GB)."""
+    settings = plan_settings(cfg)
+    gpu = float(settings.gpu_memory_gb)
+    itemsize = engine_itemsize(dtype)
+    per_token, latent = kv_bytes_per_token(config, itemsize)
+    kv_rank = per_token if latent else per_token / gpus
+    capture_rank = captured_states * int(config["hidden_size"]) * itemsize
+    per_rank = kv_rank + capture_rank
+    measured = getattr(settings.engine_overhead, f"{engine}_gb", None)
+    source = settings.engine_overhead.document
+    overhead_part: dict[str, float] = {}
+    if engine == "sglang":
+        pool = fraction * gpu - weights / gpus
+        if measured is not None:
+            overhead_part = {"engine overhead": float(measured)}
+            overhead_note = f"engine overhead measured: {source}"
+        else:
+            overhead_part = {"unreserved": (1 - fraction) * gpu}
+            overhead_note = (
+                f"unreserved = (1 - {fraction:g}) of the GPU: SGLang's overhead not measured "
+                "(pipeline.plan.engine_overhead.sglang_gb)"
+            )
+    else:
+        pool = fraction * gpu - weights / gpus - float(measured or 0.0)
+        if measured is not None:
+            overhead_part = {"engine overhead": float(measured)}
+            overhead_note = f"engine overhead measured: {source}"
+        else:
+            overhead_note = (
+                f"vLLM's overhead not measured (pipeline.plan.engine_overhead.vllm_gb): it comes "
+                f"out of the KV pool inside --gpu-memory-utilization {fraction:g}"
+            )
+    sequence = int(cfg.data.max_length) * per_rank / 1e9
+    room = max(pool, 0.0)
+    held = int(room * 1e9 / per_rank)
+    parts = {"weights": weights / gpus, "KV cache": room * kv_rank / per_rank}
+    if capture_rank:
+        parts["capture cache"] = room * capture_rank / per_rank
+    parts.update(overhead_part)
     note = (
         f"KV {per_token / 1e3:,.1f} kB a token"
         + (", MLA's latent: every rank holds all of it" if latent else f" over {gpus} ranks")
-        + f"; room for {min(held, tokens):,} of {tokens:,} tokens in flight"
-        + f"; activations = (1 - {fraction:g}) of the GPU"
+        + (
+            f"; capture {capture_rank / 1e3:,.1f} kB a token on every rank ({captured_states} "
+            f"states x {config['hidden_size']} x {itemsize} B)"
+            if capture_rank
+            else ""
+        )
+        + f"; room for {min(held, tokens):,} of {tokens:,} tokens in flight; {overhead_note}"
     )
-    parts = {"weights": weights / gpus, "KV cache": kv, "activations": (1 - fraction) * gpu}
-    return parts, note
+    return parts, note, pool, sequence
 
 
-def engine_hours(cfg: Config, rate_key: str, config: dict, gpus: int, tokens: int | None):
-    """Time at the measured rate scaled by the rule in conf/pipeline (GPUs x measured active
-    parameters / the target's)."""
+def engine_rate(cfg: Config, kind: str, config: dict, gpus: int, engine: bool) -> tuple[float, str]:
+    """(tokens/s, where it comes from) of regeneration or capture (`kind`): an engine stage at its
+    engine's measured rate (pipeline.plan.rates.<kind>_engine) scaled by active parameters; else
+    the HF rate scaled by GPUs x active parameters, named as the fallback for an engine stage."""
     rates = plan_settings(cfg).rates
-    rate = getattr(rates, rate_key) * gpus * rates.active_params / active_params(config)
+    target = active_params(config)
+    measured = getattr(rates, f"{kind}_engine", None) if engine else None
+    if measured is not None:
+        rate = float(measured.tokens_per_s) * int(measured.active_params) / target
+        at = f" at {measured.concurrency} concurrent requests" if measured.concurrency else ""
+        return rate, (
+            f"{measured.engine} {float(measured.tokens_per_s):,.0f} tok/s on {measured.hardware}{at} "
+            f"x {int(measured.active_params) / 1e9:,.2f} / {target / 1e9:,.2f} B active parameters; "
+            f"{measured.document}"
+        )
+    hf = getattr(rates, f"{kind}_tokens_per_s")
+    rate = hf * gpus * rates.active_params / target
+    document = getattr(rates, f"{kind}_document")
+    label = (
+        f"fallback: no engine rate in pipeline.plan.rates.{kind}_engine, so the HF rate"
+        if engine
+        else "the HF rate"
+    )
+    return rate, f"{label} {hf:,} tok/s of {document} x {gpus} GPU(s) x active parameters"
+
+
+def engine_hours(plan: StagePlan, cfg: Config, kind: str, config: dict, gpus: int, tokens, engine):
+    """Fills the plan's time: `tokens` at the stage's rate (engine_rate), the rate's source named."""
+    rate, source = engine_rate(cfg, kind, config, gpus, engine)
     if not tokens:
-        return None, f"{rate:,.0f} tok/s; token count unknown (set data.limit)"
-    return (
-        tokens / rate / 3600,
-        f"{tokens:,} tokens at {rate:,.0f} tok/s (scaled from {getattr(rates, rate_key):,} tok/s)",
+        plan.time_note = f"{rate:,.0f} tok/s ({source}); token count unknown (set data.limit)"
+        return
+    plan.hours = tokens / rate / 3600
+    plan.time_short = f"{tokens:,} tokens at {rate:,.0f} tok/s"
+    plan.time_note = f"{plan.time_short} ({source})"
+
+
+def answer_tokens(cfg: Config) -> tuple[int | None, str]:
+    """Regeneration's output tokens, at most: every user turn of a conversation is answered (up to
+    data.regen.max_new_tokens each, data.filters.max_turns turns) until its prompt reaches
+    data.max_length, so the answers of one conversation stay below data.max_length plus one answer."""
+    if not cfg.data.limit:
+        return None, ""
+    new, length = int(cfg.data.regen.max_new_tokens), int(cfg.data.max_length)
+    per_conversation = length + new
+    turns = cfg.data.filters.max_turns
+    if turns:
+        per_conversation = min(per_conversation, int(turns) * new)
+    return int(cfg.data.limit) * per_conversation, (
+        f"at most {int(cfg.data.limit):,} conversations x {per_conversation:,} answer tokens: "
+        f"every turn answered, up to {new:,} tokens each"
+        + (f", {turns} turns" if turns else "")
+        + f", within data.max_length {length:,} + one answer"
     )
 
 
 def data_plan(cfg: Config, config: dict, weights: float) -> StagePlan:
     regen = cfg.data.regen
-    answers = int(cfg.data.limit) * int(regen.max_new_tokens) if cfg.data.limit else None
+    answers, counted = answer_tokens(cfg)
     tokens_disk = (
         (int(cfg.data.limit) * int(cfg.data.max_length) * 5 / 1e9) if cfg.data.limit else 0.0
     )
     if not cfg.data.regenerate or regen.backend == "openai":
         what = "" if not cfg.data.regenerate else f"; answers from {regen.base_url}"
-        return StagePlan("data", where(cfg, "data", 0) + what, disk_gb=tokens_disk, hours=None)
+        plan = StagePlan("data", where(cfg, "data", 0) + what, disk_gb=tokens_disk, hours=None)
+        if cfg.data.regenerate:
+            engine_hours(plan, cfg, "regen", config, 1, answers, True)
+            plan.time_note += f"; {counted}" if counted else ""
+        return plan
     if regen.backend == "local":
         plan = StagePlan(
             "data",
@@ -258,16 +463,23 @@ def data_plan(cfg: Config, config: dict, weights: float) -> StagePlan:
             "the whole model: HF generate",
             tokens_disk,
         )
-        plan.hours, plan.time_note = engine_hours(cfg, "regen_tokens_per_s", config, 1, answers)
-        return plan
-    gpus = int(getattr(cfg.serve, "tp_size", None) or 1)
-    fraction = (
-        getattr(cfg.serve, "mem_fraction_static", None) or plan_settings(cfg).engine_memory_fraction
-    )
-    tokens = int(regen.concurrency) * int(cfg.data.max_length)
-    parts, note = engine_gpu(cfg, config, weights, gpus, float(fraction), cfg.serve.dtype, tokens)
-    plan = StagePlan("data", where(cfg, "data", gpus), parts, note, disk_gb=tokens_disk)
-    plan.hours, plan.time_note = engine_hours(cfg, "regen_tokens_per_s", config, gpus, answers)
+        engine_hours(plan, cfg, "regen", config, 1, answers, False)
+    else:
+        gpus = int(getattr(cfg.serve, "tp_size", None) or 1)
+        engine = str(cfg.serve.engine)
+        fraction = getattr(cfg.serve, "mem_fraction_static", None) or flag_value(
+            getattr(cfg.serve, "extra_args", None), "--gpu-memory-utilization"
+        )
+        default = "engine_memory_fraction" if engine == "sglang" else "vllm_memory_fraction"
+        fraction = float(fraction or getattr(plan_settings(cfg), default))
+        tokens = int(regen.concurrency) * int(cfg.data.max_length)
+        parts, note, pool, sequence = engine_gpu(
+            cfg, config, weights, gpus, fraction, cfg.serve.dtype, tokens, engine
+        )
+        plan = StagePlan("data", where(cfg, "data", gpus), parts, note, disk_gb=tokens_disk)
+        plan.engine_room_gb, plan.engine_sequence_gb = pool, sequence
+        engine_hours(plan, cfg, "regen", config, gpus, answers, True)
+    plan.time_note += f"; {counted}" if counted else ""
     return plan
 
 
@@ -285,16 +497,21 @@ def extract_plan(cfg: Config, config: dict, weights: float) -> StagePlan:
             "the whole model: HF forward",
             disk,
         )
-        plan.hours, plan.time_note = engine_hours(cfg, "capture_tokens_per_s", config, 1, tokens)
+        engine_hours(plan, cfg, "capture", config, 1, tokens, False)
         return plan
     engine = cfg.extract.engine
     gpus = int(cfg.extract.tensor_parallel_size) * int(cfg.extract.pipeline_parallel_size)
     fraction = flag_value(engine.extra_args, "--gpu-memory-utilization")
     fraction = fraction or plan_settings(cfg).vllm_memory_fraction
     tokens_in_flight = int(cfg.extract.batch_tokens)
-    parts, note = engine_gpu(cfg, config, weights, gpus, fraction, engine.dtype, tokens_in_flight)
+    layers = int(config["num_hidden_layers"])
+    captured = len(list(cfg.target.aux_layer_ids or default_aux_layer_ids(layers))) + 1
+    parts, note, pool, sequence = engine_gpu(
+        cfg, config, weights, gpus, fraction, engine.dtype, tokens_in_flight, "vllm", captured
+    )
     plan = StagePlan("extract", where(cfg, "extract", gpus), parts, note, disk_gb=disk)
-    plan.hours, plan.time_note = engine_hours(cfg, "capture_tokens_per_s", config, gpus, tokens)
+    plan.engine_room_gb, plan.engine_sequence_gb = pool, sequence
+    engine_hours(plan, cfg, "capture", config, gpus, tokens, True)
     return plan
 
 
@@ -378,11 +595,13 @@ def train_plan(cfg: Config, config: dict, weights: float) -> StagePlan:
         tokens *= int(cfg.train.epochs)
         plan.hours = tokens / rate / 3600
         plan.time_note = f"{tokens:,} tokens at {rate:,.0f} tok/s over {world} GPU(s)"
-        limit = cfg.cluster.timeout_min
+        limit = int(cfg.cluster.train.timeout_min)
         if cfg.pipeline.launcher and plan.hours * 60 > limit:
+            jobs = math.ceil(plan.hours * 60 / limit)
             plan.time_note += (
-                f"; longer than cluster.timeout_min={limit}: the job stops at its limit and a "
-                "rerun resumes from last.ckpt"
+                f"; longer than cluster.train.timeout_min={limit}: {jobs} jobs, each requeued at its "
+                f"limit (cluster.requeue_signal={cfg.cluster.requeue_signal}) and resumed from its "
+                "checkpoint"
             )
     return plan
 
@@ -420,16 +639,25 @@ def bench_plan(cfg: Config, config: dict, weights: float) -> StagePlan:
     fraction = getattr(scfg, "mem_fraction_static", None) or flag_value(
         scfg.extra_args, "--gpu-memory-utilization"
     )
-    fraction = fraction or plan_settings(cfg).vllm_memory_fraction
+    default = "engine_memory_fraction" if scfg.engine == "sglang" else "vllm_memory_fraction"
+    fraction = float(fraction or getattr(plan_settings(cfg), default))
     tokens = int(cfg.bench.batch_size) * int(cfg.data.max_length)
-    parts, note = engine_gpu(cfg, config, weights, gpus, float(fraction), scfg.dtype, tokens)
-    return StagePlan(
+    parts, note, pool, sequence = engine_gpu(
+        cfg, config, weights, gpus, fraction, scfg.dtype, tokens, str(scfg.engine)
+    )
+    plan = StagePlan(
         "bench", where(cfg, "bench", gpus), parts, note, time_note="measured by the bench"
     )
+    plan.engine_room_gb, plan.engine_sequence_gb = pool, sequence
+    return plan
 
 
-def stage_plans(cfg: Config, stages: list[str]) -> dict[str, StagePlan]:
-    """Every stage's plan; none for a hub id given without target.plan.config (nothing to size)."""
+def stage_plans(
+    cfg: Config, stages: list[str], launcher: str | None = None
+) -> dict[str, StagePlan]:
+    """Every stage's plan; none for a hub id given without target.plan.config (nothing to size).
+    On a cluster (pipeline.launcher, or the Hydra `launcher` a stage was started with) each plan
+    carries its job's shape and time limit from conf/cluster."""
     config = target_config(cfg)
     if config is None:
         return {}
@@ -441,13 +669,22 @@ def stage_plans(cfg: Config, stages: list[str]) -> dict[str, StagePlan]:
         "export": lambda: export_plan(cfg, config),
         "bench": lambda: bench_plan(cfg, config, weights),
     }
-    return {stage: build[stage]() for stage in stages}
+    plans = {stage: build[stage]() for stage in stages}
+    if on_cluster(cfg, launcher):
+        for stage, plan in plans.items():
+            plan.job = job_shape(cfg, stage)
+    return plans
 
 
 def check_plans(cfg: Config, plans: dict[str, StagePlan]) -> None:
-    """Refuse the first stage that does not fit its GPUs or one host process, with its numbers."""
+    """Refuse the first stage that does not fit its GPUs, one host process or its cluster job (GPUs
+    per node, host memory per node, time limit), then a plan whose outputs do not fit the disk;
+    each with its numbers."""
     gpu, host = float(plan_settings(cfg).gpu_memory_gb), float(cfg.pipeline.process_memory_gb)
     for plan in plans.values():
-        refusal = plan.refusal(gpu, host)
+        refusal = plan.cluster_refusal(cfg) or plan.refusal(gpu, host)
         if refusal:
             raise Eagle3Error(refusal)
+    refusal = disk_refusal(cfg, plans)
+    if refusal:
+        raise Eagle3Error(refusal)

@@ -2,7 +2,9 @@
 
 Data: `train.hidden_states=offline` reads the extract stage's shards (aux + final hidden
 states per token); `online` reads the data stage's token ids and runs the target inside
-the step through the same capture code (eagle3.core.target.capture_hidden_states).
+the step through the same capture code (eagle3.core.target.capture_hidden_states); `engine`
+reads the token ids and a vLLM server this stage starts captures each item's states, as the
+extract stage's vllm backend writes them to shards (eagle3.train.engine_states).
 Start: a fresh drafter, or train.init_from's weights (same shapes and vocab map).
 Batches: length-bucketed, right-padded, one deterministic order per (seed, epoch), sharded
 over DDP ranks, resumable mid-epoch. AdamW, linear warmup then cosine, grad clipping.
@@ -19,6 +21,7 @@ trainer and runs the stage.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from pathlib import Path
 
@@ -72,6 +75,19 @@ from eagle3.train.distributed import (
 from eagle3.train.drafter_module import DrafterModule
 
 # ---------------------------------------------------------------- guard rails
+
+
+def check_engine_states(cfg: Config) -> None:
+    """train.hidden_states=engine: one capture server per training process, so one process."""
+    if cfg.train.hidden_states != "engine":
+        return
+    devices = str(cfg.trainer.devices)
+    if (devices.isdigit() and int(devices) > 1) or int(cfg.trainer.num_nodes) > 1:
+        raise Eagle3Error(
+            f"train.hidden_states=engine starts one capture server in the training process: train "
+            f"with trainer.devices=1 and trainer.num_nodes=1 (not {cfg.trainer.devices} x "
+            f"{cfg.trainer.num_nodes}), or extract the shards and train offline"
+        )
 
 
 def check_inputs(
@@ -437,9 +453,21 @@ def train_into(cfg: Config, out: StageOutput, callbacks=()) -> StageOutput:
     data.check_files(cfg.verify)
     if cfg.train.hidden_states == "offline":
         check_shards(cfg, shards_output(cfg), data.hash)
+    check_engine_states(cfg)
     target = target_for(cfg)
+    with contextlib.ExitStack() as stack:
+        capture = None
+        if cfg.train.hidden_states == "engine":  # a vLLM server captures every item's states
+            from eagle3.train.engine_states import capture_server
+
+            capture = stack.enter_context(capture_server(cfg))
+        return train_with(cfg, out, data, target, capture, callbacks)
+
+
+def train_with(cfg: Config, out: StageOutput, data: StageOutput, target, capture, callbacks):
+    """Train on the data stage's rows (states from shards, the target, or `capture`'s server)."""
     d2t, t2d = load_vocab_map(data.path)
-    train_set, val_set = datasets_for(cfg, data.path)
+    train_set, val_set = datasets_for(cfg, data.path, capture)
     check_inputs(cfg, target, data.manifest(), d2t, t2d, train_set[0] if len(train_set) else None)
     datamodule = DrafterData(
         train_set,

@@ -224,8 +224,9 @@ class DrafterData(L.LightningDataModule):
             self.train_sampler.resume(*self.pending_resume)
 
 
-def datasets_for(cfg: Config, data_dir: Path) -> tuple[Dataset, Dataset]:
-    train_set, val_set = split_datasets(cfg, data_dir)
+def datasets_for(cfg: Config, data_dir: Path, capture=None) -> tuple[Dataset, Dataset]:
+    """Train and val datasets; with train.hidden_states=engine, over `capture` (a started server)."""
+    train_set, val_set = split_datasets(cfg, data_dir, capture)
     return first_rows(train_set, cfg.train.limit), val_set
 
 
@@ -242,12 +243,22 @@ def first_rows(dataset: Dataset, limit: int | None) -> Dataset:
     return subset
 
 
-def split_datasets(cfg: Config, data_dir: Path) -> tuple[Dataset, Dataset]:
+def split_datasets(cfg: Config, data_dir: Path, capture=None) -> tuple[Dataset, Dataset]:
     if cfg.train.hidden_states == "online":
         splits = load_splits(data_dir)
         return TokenDataset(splits["train"]), TokenDataset(splits["val"])
+    if cfg.train.hidden_states == "engine":
+        from eagle3.train.engine_states import EngineStates
+
+        splits = load_splits(data_dir)
+        return tuple(
+            EngineStates(splits[name], name, capture, cfg.extract.dtype)
+            for name in ("train", "val")
+        )
     if cfg.train.hidden_states != "offline":
-        raise Eagle3Error(f"train.hidden_states={cfg.train.hidden_states}: use offline or online")
+        raise Eagle3Error(
+            f"train.hidden_states={cfg.train.hidden_states}: use offline, online or engine"
+        )
     shards, splits = shards_output(cfg), load_splits(data_dir)
     return tuple(
         with_lengths(ShardDataset(shards.path, split=name), splits[name])
