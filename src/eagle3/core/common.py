@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from eagle3.core import config as schema  # registers the typed schemas before any composition
-from eagle3.core.config import ServeConfig
+from eagle3.core.config import OutOfRange, ServeConfig
 from eagle3.core.lifecycle import Stopped, raise_on_signals
 
 CONF_DIR = str(Path(__file__).resolve().parents[3] / "conf")
@@ -58,7 +58,7 @@ def app(task):
         raise_on_signals()
         try:
             return task(schema.typed(cfg))
-        except (Eagle3Error, FileNotFoundError, MissingMandatoryValue) as err:
+        except (Eagle3Error, FileNotFoundError, MissingMandatoryValue, OutOfRange) as err:
             if cfg.get("debug"):
                 raise
             print(f"eagle3 error: {err}  (add debug=true for the traceback)", file=sys.stderr)
