@@ -30,6 +30,7 @@ from eagle3.bench.verdict import (
 from eagle3.core.artifacts import stage_output
 from eagle3.core.common import Eagle3Error, app, log
 from eagle3.core.config import BenchConfig, Config, plain
+from eagle3.core.redact import mask_text
 from eagle3.core.spec import OFF, Spec, resolve_spec
 from eagle3.core.target import (
     folder_text_config,
@@ -691,7 +692,7 @@ def run_job(
         except (Eagle3Error, OSError, httpx.HTTPError) as err:
             result.update(
                 status="failed",
-                error=f"{type(err).__name__}: {err}",
+                error=mask_text(f"{type(err).__name__}: {err}"),
                 log_tail=getattr(err, "log_tail", ""),
             )
             log.error("bench job %s failed: %s", name, err)

@@ -23,6 +23,7 @@ from omegaconf.errors import MissingMandatoryValue
 from eagle3.core import config as schema  # registers the typed schemas before any composition
 from eagle3.core.config import OutOfRange, ServeConfig
 from eagle3.core.lifecycle import Stopped, raise_on_signals
+from eagle3.core.redact import mask_logs, mask_text
 
 CONF_DIR = str(Path(__file__).resolve().parents[3] / "conf")
 log = logging.getLogger("eagle3")
@@ -56,12 +57,16 @@ def app(task):
     @functools.wraps(task)
     def guarded(cfg: DictConfig):
         raise_on_signals()
+        mask_logs()
         try:
             return task(schema.typed(cfg))
         except (Eagle3Error, FileNotFoundError, MissingMandatoryValue, OutOfRange) as err:
             if cfg.get("debug"):
                 raise
-            print(f"eagle3 error: {err}  (add debug=true for the traceback)", file=sys.stderr)
+            print(
+                f"eagle3 error: {mask_text(str(err))}  (add debug=true for the traceback)",
+                file=sys.stderr,
+            )
             sys.exit(1)
 
     # Hydra names a job after the (unwrapped) task's module, or its file when run as __main__; the

@@ -427,8 +427,17 @@ class OpenAIGenerator:
     The API key comes from the environment variable data.regen.api_key_env and is never logged."""
 
     def __init__(self, cfg: Config):
+        import httpx
+
         self.rcfg = cfg.data.regen
         self.url = str(self.rcfg.base_url).rstrip("/")
+        try:
+            httpx.URL(self.url)
+        except httpx.InvalidURL:  # its message may quote part of a password: not repeated
+            raise Eagle3Error(
+                f"data.regen.base_url={self.url} is not a URL the client can request (a '/' in "
+                "its password must be percent-encoded as %2F)"
+            ) from None
         key = os.environ.get(str(self.rcfg.api_key_env))
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
