@@ -27,7 +27,7 @@ from eagle3.bench.verdict import (
     combine_repeats,
     speedup_fields,
 )
-from eagle3.core.artifacts import stage_output
+from eagle3.core.artifacts import read_json, stage_output
 from eagle3.core.common import Eagle3Error, app, log
 from eagle3.core.config import BenchConfig, Config, plain
 from eagle3.core.drafter_io import check_folder_for_target
@@ -405,7 +405,9 @@ def earlier_baseline(cfg: Config):
     wanted = json.loads(json.dumps(baseline_output(cfg).config, default=str))
     found = []
     for manifest_path in Path(cfg.paths.artifacts, "bench_baseline").glob("*/manifest.json"):
-        manifest = json.loads(manifest_path.read_text())
+        manifest = read_json(
+            manifest_path, f"remove {manifest_path.parent}: the next job measures again"
+        )
         config = {k: v for k, v in manifest.get("config", {}).items() if k != "scope"}
         if manifest.get("complete") and config == wanted:
             found.append((manifest.get("measured_at", 0.0), manifest_path.parent, manifest))
@@ -821,7 +823,7 @@ def drafter_hash(path) -> str | None:
     for folder in (Path(path), Path(path).parent):
         manifest = folder / "manifest.json"
         if manifest.exists():
-            return json.loads(manifest.read_text()).get("hash") or folder.name
+            return read_json(manifest, "export the drafter again").get("hash") or folder.name
     return Path(path).name
 
 

@@ -697,7 +697,9 @@ def load_trained_drafter(
             f"{train_dir} holds no trained drafter ({weights.name}, {DRAFTER_CONFIG}): "
             "run `python -m eagle3.train`"
         )
-    config = LlamaConfig.from_dict(json.loads((train_dir / DRAFTER_CONFIG).read_text()))
+    config = LlamaConfig.from_dict(
+        read_json(train_dir / DRAFTER_CONFIG, "rerun `python -m eagle3.train` for that folder")
+    )
     drafter = Eagle3Drafter(config)
     missing, unexpected = drafter.load_state_dict(load_safetensors(weights), strict=False)
     missing = [

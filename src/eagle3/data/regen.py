@@ -44,7 +44,9 @@ def seed_regen_log(cfg: Config, shared: Path) -> None:
     same answer_sections starts the shared log."""
     wanted = json.loads(json.dumps(answer_sections(cfg), default=str))
     for manifest in sorted(Path(cfg.paths.artifacts, "data").glob("*/manifest.json")):
-        config = json.loads(manifest.read_text()).get("config", {})
+        config = read_json(
+            manifest, "remove that data output and rerun `python -m eagle3.data`"
+        ).get("config", {})
         answers = manifest.parent / "regen" / "turns.jsonl"
         if answers.exists() and {name: config.get(name) for name in wanted} == wanted:
             shared.parent.mkdir(parents=True, exist_ok=True)
