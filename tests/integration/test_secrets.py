@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from eagle3.core.redact import MASK, mask, mask_argv, mask_text
 
 SECRETS = ("hf_s3cr3tvalue", "sk-0penai0000", "p4ssw0rd!x", "bench-k3y-xyz", "hf_f1ag")
@@ -86,16 +88,20 @@ def files_containing(root: Path, needles) -> list[str]:
     return hits
 
 
-def test_no_secret_reaches_any_file(test_root, tmp_path):
-    """A bench run given secrets on the command line and in the environment (refused before
-    launch, so it is fast) writes none of them: Hydra's .hydra files, the MLflow store (params,
-    tags, config.yaml artifact) and the job's files all hold *** instead."""
+@pytest.mark.parametrize("sweep", [False, True], ids=["run", "sweep"])
+def test_no_secret_reaches_any_file(test_root, tmp_path, sweep):
+    """A bench run (or a one-job sweep, whose saved overrides Hydra escapes and whose multirun.yaml
+    it saves after the sweep starts) given secrets on the command line and in the environment
+    (refused before launch, so it is fast) writes none of them: Hydra's .hydra files and
+    multirun.yaml, the MLflow store (params, tags, config.yaml artifact) and the job's files all
+    hold *** instead."""
     env = {**os.environ, "EAGLE3_API_KEY": SECRETS[3]}
     out = subprocess.run(
         [
             sys.executable,
             "-m",
             "eagle3.bench",
+            *(["-m"] if sweep else []),
             f"paths.root={tmp_path}",
             f"paths.artifacts={test_root / 'artifacts'}",
             f"tracking.uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
@@ -124,6 +130,7 @@ def test_no_secret_reaches_any_file(test_root, tmp_path):
     assert out.returncode == 1 and "no exported drafter" in out.stderr, out.stderr[-2000:]
     saved = list(tmp_path.rglob(".hydra/*.yaml"))
     assert {p.name for p in saved} == {"config.yaml", "hydra.yaml", "overrides.yaml"}
+    assert len(list(tmp_path.rglob("multirun.yaml"))) == int(sweep)
     overrides = (saved[0].parent / "overrides.yaml").read_text()
     assert "HF_TOKEN=***" in overrides and "DATABASE_URL=***" in overrides
     assert (tmp_path / "mlruns" / "mlflow.db").exists()

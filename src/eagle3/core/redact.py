@@ -51,8 +51,9 @@ ASSIGNMENT = re.compile(r"(?<![\w-])([\w.+~]*?(?:token|key|secret|passw)\w*)=" +
 ENV_ASSIGNMENT = re.compile(
     r"(?<![\w-])([\w.+~]*?\b(?:" + "|".join(ENV_SECTIONS) + r")\.[^=,\s]+)=" + VALUE
 )
-# a URL in text: scheme:// up to a space or quote (what urllib.parse reads as one URL)
-URL = re.compile(r"\b[a-z][\w+.-]*://[^\s'\"<>]+", re.I)
+# a URL in text: scheme:// up to a space or quote (what urllib.parse reads as one URL); a sweep job's
+# saved overrides escape its colons (`http\://bob\:pw@h`)
+URL = re.compile(r"\b[a-z][\w+.-]*\\?://[^\s'\"<>]+", re.I)
 FLAG = re.compile(r"(--[\w-]*(?:token|key|secret|passw)[\w-]*)(=|,|\s+)([^\s,\]]+)", re.I)
 # one override argument: [+~]key=value (Hydra's grammar; the value is everything after the first =)
 OVERRIDE = re.compile(r"([+~]{0,2}[\w.-]+(?:@[\w.]+)?)=(.*)", re.S)
@@ -142,28 +143,37 @@ def mask_yaml_file(path: Path) -> None:
     path.write_text(OmegaConf.to_yaml(OmegaConf.create(mask(data))))
 
 
-class MaskLogRecords(logging.Filter):
-    """A log handler's filter: every record's message masked (mask_text) before it is written."""
+def mask_logs() -> None:
+    """Mask every log record this process makes from now on (mask_text), whichever handler writes it:
+    the record factory masks its message as it is made, so Hydra reconfiguring its handlers (the
+    launcher does before it logs each job's overrides) keeps it."""
+    make = logging.getLogRecordFactory()
+    if getattr(make, "masks_secrets", False):
+        return
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
+    def masked_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format string: logging reports it when the record is written
+            return record
         masked = mask_text(message)
         if masked != message:
             record.msg, record.args = masked, None
-        return True
+        return record
 
-
-def mask_logs() -> None:
-    """Mask what every handler of the root logger writes (the console and a Hydra job's log file)."""
-    for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, MaskLogRecords) for f in handler.filters):
-            handler.addFilter(MaskLogRecords())
+    masked_record.masks_secrets = True
+    logging.setLogRecordFactory(masked_record)
 
 
 class MaskSecrets(Callback):
     """Hydra writes .hydra/*.yaml (and a sweep's multirun.yaml) before the app runs: mask them."""
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.types import RunMode
+
+        if config.hydra.mode == RunMode.MULTIRUN:  # Hydra saves it after on_multirun_start
+            mask_yaml_file(Path(config.hydra.sweep.dir) / "multirun.yaml")
         output_subdir = config.hydra.output_subdir
         if output_subdir is None:
             return
@@ -172,4 +182,8 @@ class MaskSecrets(Callback):
             mask_yaml_file(folder / name)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        mask_logs()  # the launcher logs each job's overrides before the job starts
+        mask_yaml_file(Path(config.hydra.sweep.dir) / "multirun.yaml")
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         mask_yaml_file(Path(config.hydra.sweep.dir) / "multirun.yaml")
