@@ -1170,3 +1170,28 @@ def test_two_data_stages_started_at_once_build_one_folder(test_root, own_artifac
     assert sum("is complete, nothing to do" in log for log in logs) == 1, logs
     folders = [p for p in (own_artifacts / "data").iterdir() if p.is_dir()]
     assert len(folders) == 1 and json.loads((folders[0] / "manifest.json").read_text())["complete"]
+
+
+def test_reuse_answers_of_another_target_is_refused_naming_both_targets(make_cfg, own_artifacts):
+    """Answers tiny-llama (seed 0) wrote, in the shared log (answers.json beside it) and in the data
+    output's copy (its manifest above it), offered to a tiny-llama of seed 1: refused, naming both
+    targets, before anything is generated or taken."""
+    first_cfg = regen_cfg(make_cfg, own_artifacts, "data.limit=3")
+    first = data.run(first_cfg)
+    for source in (regen.regen_log_path(first_cfg), first.path / "regen" / "turns.jsonl"):
+        cfg = regen_cfg(
+            make_cfg,
+            own_artifacts,
+            "data.limit=3",
+            "target.seed=1",
+            f"data.regen.reuse_answers={source}",
+        )
+        with pytest.raises(Eagle3Error) as refused:
+            data.run(cfg)
+        assert str(refused.value) == (
+            f"data.regen.reuse_answers={source}: its answers were written by target tiny-llama "
+            "(seed 0), this config's target is tiny-llama (seed 1); another target's answers are "
+            "not this one's: leave that log out"
+        )
+        log = regen.regen_log_path(cfg)  # nothing taken into this target's log
+        assert not log.exists() or log.read_text() == ""

@@ -9,11 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from eagle3.core.redact import MASK, mask, mask_argv, mask_text
 
 SECRETS = ("hf_s3cr3tvalue", "sk-0penai0000", "p4ssw0rd!x", "bench-k3y-xyz", "hf_f1ag")
 # values whose names say nothing: an engine's environment keeps its names only, a URL its user
 ENV_SECRETS = ("dbPW0rdq", "hfAuthV4lue", "awsS3ssionV4l", "urlPW0rdz")
+# parts of values that a pattern ending at `/`, `@`, `,` or a space would leave in clear: a URL password
+# holding `/` or `@`, an environment value holding a comma or a space
+PARTS = ("sl4shPre", "sl4shPost", "atPre9", "atPost9", "cmA1x", "cmB2y", "spA1x", "spB2y")
 
 
 def test_mask_rules():
@@ -57,6 +62,21 @@ def test_mask_rules():
         "uri": f"postgres://bob:{MASK}@db/x",
         "url": "http://bob@h:80/v1",
     }
+    # a password holding `/`, `@` or `:` is masked whole; an `@` in a path is no password
+    assert mask_text("at http://bob:a/b@c:d@h:9/v1 (x)") == f"at http://bob:{MASK}@h:9/v1 (x)"
+    assert mask_text("git+https://host/org/repo@v1 http://h:80/v1") == (
+        "git+https://host/org/repo@v1 http://h:80/v1"
+    )
+    # an override's value is masked whole, whatever quotes, commas or spaces it holds
+    assert mask_argv(["+serve.env.A='x1,y2'", 'serve.env.B="x1 y2"', "a.api_key=x\\,y"]) == [
+        f"+serve.env.A={MASK}",
+        f"serve.env.B={MASK}",
+        f"a.api_key={MASK}",
+    ]
+    assert (
+        mask_text("spec.depth=3,+serve.env.A='x1, y2',b=1")
+        == f"spec.depth=3,+serve.env.A={MASK},b=1"
+    )
 
 
 def files_containing(root: Path, needles) -> list[str]:
@@ -68,16 +88,20 @@ def files_containing(root: Path, needles) -> list[str]:
     return hits
 
 
-def test_no_secret_reaches_any_file(test_root, tmp_path):
-    """A bench run given secrets on the command line and in the environment (refused before
-    launch, so it is fast) writes none of them: Hydra's .hydra files, the MLflow store (params,
-    tags, config.yaml artifact) and the job's files all hold *** instead."""
+@pytest.mark.parametrize("sweep", [False, True], ids=["run", "sweep"])
+def test_no_secret_reaches_any_file(test_root, tmp_path, sweep):
+    """A bench run (or a one-job sweep, whose saved overrides Hydra escapes and whose multirun.yaml
+    it saves after the sweep starts) given secrets on the command line and in the environment
+    (refused before launch, so it is fast) writes none of them: Hydra's .hydra files and
+    multirun.yaml, the MLflow store (params, tags, config.yaml artifact) and the job's files all
+    hold *** instead."""
     env = {**os.environ, "EAGLE3_API_KEY": SECRETS[3]}
     out = subprocess.run(
         [
             sys.executable,
             "-m",
             "eagle3.bench",
+            *(["-m"] if sweep else []),
             f"paths.root={tmp_path}",
             f"paths.artifacts={test_root / 'artifacts'}",
             f"tracking.uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
@@ -92,6 +116,10 @@ def test_no_secret_reaches_any_file(test_root, tmp_path):
             f"+serve.env.AWS_SESSION_CREDENTIALS={ENV_SECRETS[2]}",
             f"data.regen.base_url=http://bob:{ENV_SECRETS[3]}@127.0.0.1:9/v1",
             f"+serve.env.DB_PASSWORD='{SECRETS[2]}'",
+            f"data.regen.model=http://bob:{PARTS[0]}/{PARTS[1]}@127.0.0.1:9/v1",
+            f"data.source=postgres://bob:{PARTS[2]}@{PARTS[3]}@db/x",
+            f"+serve.env.COMMA_VALUE='{PARTS[4]},{PARTS[5]}'",
+            f"+serve.env.SPACE_VALUE='{PARTS[6]} {PARTS[7]}'",
             f"serve.extra_args=[--hf-token,{SECRETS[4]},--api-key,{SECRETS[1]}]",
         ],
         capture_output=True,
@@ -102,11 +130,12 @@ def test_no_secret_reaches_any_file(test_root, tmp_path):
     assert out.returncode == 1 and "no exported drafter" in out.stderr, out.stderr[-2000:]
     saved = list(tmp_path.rglob(".hydra/*.yaml"))
     assert {p.name for p in saved} == {"config.yaml", "hydra.yaml", "overrides.yaml"}
+    assert len(list(tmp_path.rglob("multirun.yaml"))) == int(sweep)
     overrides = (saved[0].parent / "overrides.yaml").read_text()
     assert "HF_TOKEN=***" in overrides and "DATABASE_URL=***" in overrides
     assert (tmp_path / "mlruns" / "mlflow.db").exists()
-    assert files_containing(tmp_path, SECRETS + ENV_SECRETS) == []
-    assert not any(s in out.stdout + out.stderr for s in SECRETS + ENV_SECRETS)
+    assert files_containing(tmp_path, SECRETS + ENV_SECRETS + PARTS) == []
+    assert not any(s in out.stdout + out.stderr for s in SECRETS + ENV_SECRETS + PARTS)
 
 
 STORE_USER = """
@@ -197,3 +226,52 @@ def test_an_engine_log_tail_is_masked(tmp_path):
     engine = EngineProcess(Launch("sglang", ["true"], {}, "127.0.0.1", 1), tmp_path)
     engine.log_path.write_text("server_args=ServerArgs(api_key='k-9', port=1)\n--api-key k-9\n")
     assert "k-9" not in engine.log_tail() and engine.log_tail().count(MASK) == 2
+
+
+def test_a_url_password_in_an_error_line_is_masked(test_root, own_artifacts, tmp_path):
+    """The regeneration endpoint is down: the one-line error names the URL with its password masked
+    (one holding `@` and `:`), in the terminal and the job's log; a password holding `/` (which the
+    client cannot send unencoded) is refused naming the URL masked, before any request."""
+    from support import FIXTURES
+
+    def data_app(url: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "eagle3.data",
+                f"paths.root={tmp_path}",
+                f"paths.artifacts={own_artifacts}",
+                "tracking.enabled=false",
+                "target=tiny-llama",
+                "data=file",
+                f"data.source={FIXTURES / 'conversations.jsonl'}",
+                "data.limit=2",
+                "data.regenerate=true",
+                "data.regen.backend=openai",
+                f"data.regen.base_url={url}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    def error_lines(proc) -> list[str]:  # the line may follow a progress bar's last state
+        lines = proc.stderr.splitlines()
+        return [line[line.index("eagle3 error") :] for line in lines if "eagle3 error" in line]
+
+    down = data_app(f"http://bob:{PARTS[2]}@:{PARTS[3]}@127.0.0.1:9/v1")
+    assert down.returncode == 1
+    assert error_lines(down) == [
+        "eagle3 error: cannot list models at http://bob:***@127.0.0.1:9/v1/models (ConnectError); "
+        "is the server up? Or set data.regen.model  (add debug=true for the traceback)"
+    ]
+    slash = data_app(f"http://bob:{PARTS[0]}/{PARTS[1]}@127.0.0.1:9/v1")
+    assert slash.returncode == 1
+    assert error_lines(slash) == [
+        "eagle3 error: data.regen.base_url=http://bob:***@127.0.0.1:9/v1 is not a URL the client "
+        "can request (a '/' in its password must be percent-encoded as %2F)  "
+        "(add debug=true for the traceback)"
+    ]
+    assert not any(p in down.stderr + slash.stderr for p in PARTS)
+    assert files_containing(tmp_path, PARTS) == []

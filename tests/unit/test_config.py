@@ -92,3 +92,53 @@ def test_copies_replace_one_field_and_leave_the_original():
     sized = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, limit=7))
     assert (sized.train.limit, cfg.train.limit) == (7, None)
     assert sized.target is cfg.target
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.val_fraction=1.5", "data.val_fraction=1.5 is out of range: it must be in [0, 1)"),
+        ("data.limit=-5", "data.limit=-5 is out of range: it must be >= 1 or null"),
+        ("train.epochs=0", "train.epochs=0 is out of range: it must be >= 1"),
+        ("train.lr=-1", "train.lr=-1.0 is out of range: it must be >= 0"),
+        ("train.ttt_length=0", "train.ttt_length=0 is out of range: it must be >= 1"),
+        ("train.warmup_ratio=1.5", "train.warmup_ratio=1.5 is out of range: it must be in [0, 1]"),
+        ("data.regen.top_p=0", "data.regen.top_p=0.0 is out of range: it must be in (0, 1]"),
+    ],
+)
+def test_a_value_out_of_its_range_fails_at_composition_naming_key_value_and_range(
+    override, message
+):
+    with pytest.raises(schema.OutOfRange) as refused:
+        compose([override])
+    assert str(refused.value) == message
+
+
+def test_values_at_the_ends_of_their_ranges_compose():
+    cfg = compose(["data.val_fraction=0", "data.limit=1", "train.lr=0", "train.ttt_length=1"])
+    assert (cfg.data.val_fraction, cfg.data.limit, cfg.train.lr, cfg.train.ttt_length) == (
+        0,
+        1,
+        0,
+        1,
+    )
+    assert compose(["data.limit=null"]).data.limit is None
+
+
+def test_the_dry_run_refuses_a_value_out_of_range_in_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle3.pipeline", "pipeline.dry_run=true", "train.epochs=0"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "EAGLE3_ROOT": str(tmp_path)},
+        timeout=300,
+    )
+    assert proc.returncode == 1 and "plan valid" not in proc.stdout
+    assert proc.stderr.strip().splitlines() == [
+        "eagle3 error: train.epochs=0 is out of range: it must be >= 1  "
+        "(add debug=true for the traceback)"
+    ]

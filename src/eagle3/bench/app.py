@@ -27,9 +27,11 @@ from eagle3.bench.verdict import (
     combine_repeats,
     speedup_fields,
 )
-from eagle3.core.artifacts import stage_output
+from eagle3.core.artifacts import read_json, stage_output
 from eagle3.core.common import Eagle3Error, app, hardware, local_engine_version, log
 from eagle3.core.config import BenchConfig, Config, plain
+from eagle3.core.drafter_io import check_folder_for_target
+from eagle3.core.redact import mask_text
 from eagle3.core.spec import OFF, Spec, resolve_spec
 from eagle3.core.target import (
     folder_text_config,
@@ -403,7 +405,9 @@ def earlier_baseline(cfg: Config):
     wanted = json.loads(json.dumps(baseline_output(cfg).config, default=str))
     found = []
     for manifest_path in Path(cfg.paths.artifacts, "bench_baseline").glob("*/manifest.json"):
-        manifest = json.loads(manifest_path.read_text())
+        manifest = read_json(
+            manifest_path, f"remove {manifest_path.parent}: the next job measures again"
+        )
         config = {k: v for k, v in manifest.get("config", {}).items() if k != "scope"}
         if manifest.get("complete") and config == wanted:
             found.append((manifest.get("measured_at", 0.0), manifest_path.parent, manifest))
@@ -493,6 +497,7 @@ def bench_requests(cfg: Config) -> tuple[Path | str, list[list[int]]]:
     (before the target is converted), then that each prompt and its completion fit the engine's
     context (before an engine is built) -> (the target's folder, the prompts' token ids)."""
     check_bench_settings(cfg.bench)
+    check_tokens_fit(cfg, *settings_context(cfg))
     prompts = load_suite(cfg.bench)
     target_path = target_path_for(cfg)
     requests = tokenize_prompts(target_tokenizer(target_path, cfg.target), prompts)
@@ -514,6 +519,32 @@ def engine_context(cfg: Config, target_path) -> tuple[int | None, str]:
     return positions, "the target's max_position_embeddings"
 
 
+def settings_context(cfg: Config) -> tuple[int | None, str]:
+    """engine_context as far as the settings say, before the target's folder exists (a converted
+    or built target's config.json holds the rest): serve.max_model_len, engine.max_context, a
+    random target's max_position_embeddings, a local target folder's config.json."""
+    if cfg.serve.engine == "vllm":
+        return int(cfg.serve.max_model_len), "serve.max_model_len"
+    positions = getattr(cfg.target, "max_position_embeddings", None)
+    folder = Path(str(cfg.target.path)).expanduser() if cfg.target.path else None
+    if positions is None and folder is not None and (folder / "config.json").is_file():
+        positions = (folder_text_config(folder) or {}).get("max_position_embeddings")
+    if cfg.serve.engine in inprocess.ENGINES:
+        limit = int(cfg.engine.max_context)
+        return (min(limit, int(positions)) if positions else limit), "engine.max_context"
+    return (int(positions), "the target's max_position_embeddings") if positions else (None, "")
+
+
+def check_tokens_fit(cfg: Config, context: int | None, setting: str) -> None:
+    """bench.max_new_tokens leaves room for a prompt in the engine's context."""
+    wanted = int(cfg.bench.max_new_tokens)
+    if context is not None and wanted >= context:
+        raise Eagle3Error(
+            f"bench.max_new_tokens={wanted} does not fit the {cfg.serve.engine} engine's context "
+            f"of {context:,} tokens ({setting}), prompt and completion together: ask for fewer tokens"
+        )
+
+
 def check_context(cfg: Config, prompts, requests: list[list[int]], target_path) -> None:
     """Every prompt with bench.max_new_tokens after it fits the engine's context (an engine
     would refuse it, or cut its answer short, after it was built and other prompts ran)."""
@@ -522,11 +553,7 @@ def check_context(cfg: Config, prompts, requests: list[list[int]], target_path) 
     if context is None or not requests:
         return
     engine = f"the {cfg.serve.engine} engine's context of {context:,} tokens ({setting})"
-    if wanted >= context:
-        raise Eagle3Error(
-            f"bench.max_new_tokens={wanted} does not fit {engine}, prompt and completion together: "
-            f"ask for fewer tokens"
-        )
+    check_tokens_fit(cfg, context, setting)
     longest = max(range(len(requests)), key=lambda i: len(requests[i]))
     if len(requests[longest]) + wanted > context:
         raise Eagle3Error(
@@ -534,6 +561,22 @@ def check_context(cfg: Config, prompts, requests: list[list[int]], target_path) 
             f"{len(requests[longest]):,} tokens: with bench.max_new_tokens={wanted} it does not fit "
             f"{engine}; lower bench.max_new_tokens, raise {setting}, or set bench.limit to leave it out"
         )
+
+
+def check_drafter_fits(cfg: Config, drafter_path: Path | None, target_path) -> None:
+    """The drafter drafts for this target (hidden size, vocab, positions, aux layers, tokenizer,
+    from the two folders' config.json), refused before spec=off is measured or an engine starts."""
+    target_config = folder_text_config(target_path)
+    if drafter_path is None or target_config is None:  # no drafter, or a hub id: the engine checks
+        return
+    check_folder_for_target(
+        Path(drafter_path),
+        target_config,
+        target_path,
+        cfg.target.aux_layer_ids,
+        lambda: target_tokenizer(target_path, cfg.target),
+        "vllm" if cfg.serve.engine == "vllm" else "sglang",
+    )
 
 
 def job_spec(cfg: Config) -> Spec:
@@ -561,6 +604,7 @@ def measure_job(cfg: Config, folder: Path, scope: str | None = None) -> dict:
     target_path, requests = bench_requests(cfg)
     check_engine_supports(cfg, target_path)
     drafter_path = drafter_for(cfg, spec)
+    check_drafter_fits(cfg, drafter_path, target_path)
     base = baseline(cfg, target_path, requests, folder, str(scope or folder))
     metrics = (
         measure(cfg, spec, drafter_path, target_path, requests, folder / "spec", off_spread(base))
@@ -696,7 +740,7 @@ def run_job(
         except (Eagle3Error, OSError, httpx.HTTPError) as err:
             result.update(
                 status="failed",
-                error=f"{type(err).__name__}: {err}",
+                error=mask_text(f"{type(err).__name__}: {err}"),
                 log_tail=getattr(err, "log_tail", ""),
             )
             log.error("bench job %s failed: %s", name, err)
@@ -767,7 +811,7 @@ def drafter_hash(path) -> str | None:
     for folder in (Path(path), Path(path).parent):
         manifest = folder / "manifest.json"
         if manifest.exists():
-            return json.loads(manifest.read_text()).get("hash") or folder.name
+            return read_json(manifest, "export the drafter again").get("hash") or folder.name
     return Path(path).name
 
 

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 from eagle3.bench.concurrency import write_load_summary
 from eagle3.bench.costmodel import fit_step_cost, predict
 from eagle3.core import tracking
+from eagle3.core.common import check_group_choices
 from eagle3.core.config import Config
 from eagle3.core.lifecycle import process_identity, watch_runs
 from eagle3.core.redact import mask_argv
@@ -110,33 +111,6 @@ class BenchSweepCallback(Callback):
         if failed:  # the summary lists every job; the exit status says not all were measured
             print(failed_jobs_report(failed, len(results)), file=sys.stderr)
             sys.exit(1)
-
-
-def check_group_choices(overrides: list[str]) -> None:
-    """Every option a sweep names for a config group (`spec=d2,d4`) exists, or one line names the
-    missing one and the options there are: before the parent run is opened (Hydra would fail on
-    that job only after the sweep had started)."""
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.object_type import ObjectType
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    loader = GlobalHydra.instance().config_loader()
-    for override in OverridesParser.create().parse_overrides(overrides):
-        group = override.key_or_group
-        options = loader.get_group_options(group, results_filter=ObjectType.CONFIG)
-        if override.is_delete() or override.package is not None or not options:
-            continue
-        values = (
-            override.sweep_string_iterator() if override.is_sweep_override() else [override.value()]
-        )
-        for value in values:
-            if str(value) not in options:
-                print(
-                    f"eagle3 error: {group}={value}: no such option; {group} is one of "
-                    f"{', '.join(options)}",
-                    file=sys.stderr,
-                )
-                sys.exit(1)
 
 
 def job_count(hydra_cfg) -> int | None:

@@ -84,6 +84,18 @@ def git_commit(cwd: Path | None = None) -> str | None:
     return f"{commit}-dirty" if changed else commit
 
 
+def read_json(path: Path, redo: str = "") -> Any:
+    """A JSON file's content; one line naming the file (and `redo`, how to make it again) when it
+    is cut short, damaged or not text."""
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        problem = f"is not valid JSON ({err.msg} at line {err.lineno} column {err.colno})"
+    except UnicodeDecodeError as err:
+        problem = f"is not a JSON text file ({err.reason} at byte {err.start})"
+    raise Eagle3Error(f"{path} {problem}: cut short or damaged" + (f"; {redo}" if redo else ""))
+
+
 @contextlib.contextmanager
 def folder_lock(folder: Path) -> Iterator[None]:
     """Hold an exclusive flock on `<folder>.lock` (beside the folder) for the block. Processes
@@ -114,7 +126,10 @@ class StageOutput:
     def manifest(self) -> dict:
         if not self.manifest_path.exists():
             return {}
-        return json.loads(self.manifest_path.read_text())
+        return read_json(
+            self.manifest_path,
+            f"remove {self.path} and rerun `python -m eagle3.{self.stage}` to redo the output",
+        )
 
     @property
     def complete(self) -> bool:
@@ -234,23 +249,63 @@ def listed_file_problem(path: Path, record: dict, verify: bool) -> str | None:
 
 def check_safetensors(path: Path) -> None:
     """A safetensors file holds every byte its own header promises (one cut short fails here, not
-    inside an engine)."""
+    inside an engine), and its header is one safetensors reads (an entry overwritten in place keeps
+    the size but not the header: named here too)."""
     size = path.stat().st_size
     try:
         with open(path, "rb") as handle:
             length = int.from_bytes(handle.read(8), "little")
             header = json.loads(handle.read(length)) if 8 + length <= size else None
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # a UnicodeDecodeError or JSONDecodeError is a ValueError
         header = None
-    if header is None:
+    if not isinstance(header, dict):
         raise Eagle3Error(f"{path} is not a readable safetensors file (its header is cut or bad)")
-    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    ends = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)
+        ):
+            raise Eagle3Error(
+                f"{path} is not a readable safetensors file: its header's entry {name!r} has no "
+                "data offsets (the header was overwritten or damaged); copy or export it again"
+            )
+        ends.append(offsets[1])
     expected = 8 + length + max(ends, default=0)
     if size < expected:
         raise Eagle3Error(
             f"{path} has {size:,} bytes where its header promises {expected:,}: the file was cut "
             "short; copy or export it again"
         )
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt"):
+            pass  # safetensors' own header checks: dtypes, shapes against offsets, their order
+    except Exception as err:  # SafetensorError and the like: the file's fault, named below
+        raise Eagle3Error(
+            f"{path} is not a readable safetensors file ({err}): the header was overwritten or "
+            "damaged; copy or export it again"
+        ) from None
+
+
+def load_safetensors(path: Path | str) -> dict:
+    """safetensors.torch.load_file, one line naming the file when it cannot be read."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as err:  # SafetensorError, a header that is not JSON, ...
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise Eagle3Error(
+            f"{path} is not a readable safetensors file ({type(err).__name__}: {err}): cut short, "
+            "overwritten or damaged; copy or make it again"
+        ) from None
 
 
 def _now() -> str:

@@ -3,6 +3,7 @@ device/dtype choice."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import inspect
 import logging
@@ -17,12 +18,13 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
 from eagle3.core import config as schema  # registers the typed schemas before any composition
-from eagle3.core.config import ServeConfig
+from eagle3.core.config import OutOfRange, ServeConfig
 from eagle3.core.lifecycle import Stopped, raise_on_signals
+from eagle3.core.redact import mask_argv, mask_logs, mask_text
 
 CONF_DIR = str(Path(__file__).resolve().parents[3] / "conf")
 log = logging.getLogger("eagle3")
@@ -56,12 +58,28 @@ def app(task):
     @functools.wraps(task)
     def guarded(cfg: DictConfig):
         raise_on_signals()
+        mask_logs()
         try:
             return task(schema.typed(cfg))
-        except (Eagle3Error, FileNotFoundError, MissingMandatoryValue) as err:
+        except (Eagle3Error, FileNotFoundError, MissingMandatoryValue, OutOfRange) as err:
             if cfg.get("debug"):
                 raise
-            print(f"eagle3 error: {err}  (add debug=true for the traceback)", file=sys.stderr)
+            print(
+                f"eagle3 error: {mask_text(str(err))}  (add debug=true for the traceback)",
+                file=sys.stderr,
+            )
+            sys.exit(1)
+        except OSError as err:  # a folder or file eagle3 may not write (or read)
+            if cfg.get("debug") or not (
+                isinstance(err, PermissionError) or err.errno == errno.EROFS
+            ):
+                raise
+            print(
+                f"eagle3 error: {err.filename}: {err.strerror}; make it writable, or set "
+                "paths.artifacts (or paths.root) to a folder you can write  (add debug=true for "
+                "the traceback)",
+                file=sys.stderr,
+            )
             sys.exit(1)
 
     # Hydra names a job after the (unwrapped) task's module, or its file when run as __main__; the
@@ -97,7 +115,90 @@ class WritableOutputs(Callback):
         make_output_folder(config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        check_sweep_jobs(config)
         make_output_folder(config.hydra.sweep.dir)
+
+
+def check_group_choices(overrides: list[str]) -> None:
+    """Every option a sweep names for a config group (`spec=d2,d4`) exists, or one line names the
+    missing one and the options there are: before the parent run is opened (Hydra would fail on
+    that job only after the sweep had started)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    loader = GlobalHydra.instance().config_loader()
+    for override in OverridesParser.create().parse_overrides(overrides):
+        group = override.key_or_group
+        options = loader.get_group_options(group, results_filter=ObjectType.CONFIG)
+        if override.is_delete() or override.package is not None or not options:
+            continue
+        values = (
+            override.sweep_string_iterator() if override.is_sweep_override() else [override.value()]
+        )
+        for value in values:
+            if str(value) not in options:
+                print(
+                    f"eagle3 error: {group}={value}: no such option; {group} is one of "
+                    f"{', '.join(options)}",
+                    file=sys.stderr,
+                )
+                sys.exit(1)
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """Override lists that together try every value of a sweep (`-m a=1,2 b=x,y`: each value with
+    the other sweeps' first values); a sweep the sweeper samples (an interval) is left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    fixed, sweeps = [], []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if not override.is_sweep_override():
+            fixed.append(override.input_line)
+            continue
+        try:
+            values = list(override.sweep_string_iterator())
+        except Exception:  # an interval or a range the sweeper samples: no list to try
+            continue
+        if values:
+            sweeps.append([f"{override.get_key_element()}={value}" for value in values])
+    firsts = [values[0] for values in sweeps]
+    jobs = [[*fixed, *firsts]]
+    for index, values in enumerate(sweeps):
+        jobs += [[*fixed, *firsts[:index], value, *firsts[index + 1 :]] for value in values[1:]]
+    return jobs
+
+
+def check_sweep_jobs(config: DictConfig) -> None:
+    """Every value a sweep names composes into the typed config (a misspelt key, a wrong type, a
+    value out of range), or one line names the first that does not and the sweep stops before its
+    folder or any MLflow run exists (Hydra would find it only when that job starts)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    loader = GlobalHydra.instance().config_loader()
+    try:
+        overrides = list(config.hydra.overrides.task)
+        check_group_choices(overrides)
+        jobs = sweep_jobs(overrides)
+    except HydraException:
+        return  # a syntax error: Hydra's own message says where
+    for job in jobs:
+        try:
+            job_cfg = loader.load_sweep_config(config, job)
+            with open_dict(job_cfg):  # what the job's task gets: its config without Hydra's node
+                del job_cfg["hydra"]
+            schema.typed(job_cfg)
+        except (HydraException, OutOfRange, MissingMandatoryValue, ValueError) as err:
+            # Hydra's first line, then its cause's first line ("Key 'x' not in 'SpecConfig'")
+            reasons = [str(e).strip().splitlines()[0] for e in (err, err.__cause__) if e]
+            swept = [o for o in job if o not in overrides]  # the sweep's values in this job
+            print(
+                f"eagle3 error: sweep job {' '.join(mask_argv(swept or job))}: "
+                f"{mask_text(' '.join(reasons))}",
+                file=sys.stderr,
+            )
+            sys.exit(1)
 
 
 def make_output_folder(folder: str) -> None:

@@ -6,7 +6,8 @@ the wrong type fails at composition with Hydra's own error. Groups whose options
 in its defaults list. What a field means is said beside it in its yaml under conf/.
 
 `typed(cfg)` turns a composed config into these dataclasses once, at each app's entry; functions below
-an entry take the typed sections they read.
+an entry take the typed sections they read. Fields declared with `ranged(...)` carry the values they may
+take; `typed` refuses one outside it with one line naming the key, its value and the range (OutOfRange).
 """
 
 # OmegaConf reads these annotations to type the nodes; it knows typing.Dict/List/Optional.
@@ -20,6 +21,66 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
+
+
+class OutOfRange(ValueError):
+    """A config value outside the range its schema allows (printed as one line by the apps)."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field may take: low/high bounds (None = unbounded), each closed or open;
+    null passes when the field is Optional."""
+
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def allows(self, value: Any) -> bool:
+        if value is None:
+            return True
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.low is None:
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return (
+            f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+            f"{')' if self.high_open else ']'}"
+        )
+
+
+def ranged(default: Any = MISSING, **bounds: Any) -> Any:
+    """A dataclass field whose value must lie in Range(**bounds) (checked by `typed`)."""
+    return field(default=default, metadata={"range": Range(**bounds)})
+
+
+def at_least(low: float, default: Any = MISSING) -> Any:
+    return ranged(default, low=low)
+
+
+def above(low: float, default: Any = MISSING) -> Any:
+    return ranged(default, low=low, low_open=True)
+
+
+def check_ranges(node: Any, prefix: str = "") -> None:
+    """Raise OutOfRange for the first field of a typed config (walked depth first) outside its range."""
+    if not dataclasses.is_dataclass(node) or isinstance(node, type):
+        return
+    for item in dataclasses.fields(node):
+        value = getattr(node, item.name)
+        key = f"{prefix}{item.name}"
+        bounds = item.metadata.get("range")
+        if bounds is not None and isinstance(value, (int, float)) and not bounds.allows(value):
+            nullable = " or null" if item.default is None else ""
+            raise OutOfRange(f"{key}={value} is out of range: it must be {bounds}{nullable}")
+        check_ranges(value, f"{key}.")
+
 
 # ------------------------------------------------------------------ target
 
@@ -155,16 +216,16 @@ class FiltersConfig:
 @dataclass
 class RegenConfig:
     backend: str = MISSING
-    max_new_tokens: int = MISSING
-    temperature: float = MISSING
-    top_p: float = MISSING
-    batch_size: int = MISSING
+    max_new_tokens: int = at_least(1)
+    temperature: float = at_least(0)
+    top_p: float = ranged(low=0, high=1, low_open=True)
+    batch_size: int = at_least(1)
     base_url: str = MISSING
     model: Optional[str] = None
     api_key_env: str = MISSING
-    concurrency: int = MISSING
+    concurrency: int = at_least(1)
     timeout_s: int = MISSING
-    max_retries: int = MISSING
+    max_retries: int = at_least(0)
     loop_ngram: int = MISSING
     backoff_s: float = MISSING
     drop_failed: bool = MISSING
@@ -201,19 +262,19 @@ class DataConfig:
     name: str = MISSING
     source: str = MISSING
     split: str = MISSING
-    limit: Optional[int] = None
+    limit: Optional[int] = at_least(1, default=None)
     seed: int = MISSING
-    val_fraction: float = MISSING
+    val_fraction: float = ranged(low=0, high=1, high_open=True)
     normalise: NormaliseConfig = field(default_factory=NormaliseConfig)
     filters: FiltersConfig = field(default_factory=FiltersConfig)
-    max_length: int = MISSING
+    max_length: int = at_least(1)
     truncation: str = MISSING
     end_of_turn: Optional[str] = None
-    tokenize_batch: int = MISSING
+    tokenize_batch: int = at_least(1)
     vocab_map_from: Optional[str] = None
     regenerate: bool = MISSING
     regen: RegenConfig = field(default_factory=RegenConfig)
-    first_turn_copies: int = MISSING
+    first_turn_copies: int = at_least(0)
     extra_sources: List[ExtraSourceConfig] = field(default_factory=list)
     # a dict here (Hydra cannot override a null dataclass node); typed() reads it as SelfPromptsConfig
     self_prompts: Any = None
@@ -224,8 +285,8 @@ class DataConfig:
 
 @dataclass
 class DrafterConfig:
-    num_layers: int = MISSING
-    draft_vocab_size: int = MISSING
+    num_layers: int = at_least(1)
+    draft_vocab_size: int = at_least(1)
     hidden_size: Optional[int] = None
     intermediate_size: Optional[int] = None
     num_heads: Optional[int] = None
@@ -260,31 +321,31 @@ class ExtractConfig:
 class TrainConfig:
     hidden_states: str = MISSING
     shards: Optional[str] = None
-    ttt_length: int = MISSING
-    step_decay: float = MISSING
+    ttt_length: int = at_least(1)
+    step_decay: float = above(0)
     attention: str = MISSING
     compile_loss: Any = MISSING  # auto | true | false
     compile_unroll: Any = MISSING  # auto | true | false
     compile_target: Any = MISSING  # auto | true | false
-    max_length: int = MISSING
-    batch_size: int = MISSING
-    bucket_batches: int = MISSING
+    max_length: int = at_least(1)
+    batch_size: int = at_least(1)
+    bucket_batches: int = at_least(1)
     length_buckets: Optional[List[int]] = None
-    grad_accum: int = MISSING
-    epochs: int = MISSING
-    limit: Optional[int] = None
-    lr: float = MISSING
-    weight_decay: float = MISSING
+    grad_accum: int = at_least(1)
+    epochs: int = at_least(1)
+    limit: Optional[int] = at_least(1, default=None)
+    lr: float = at_least(0)  # 0 keeps the starting weights (train.init_from measured as it is)
+    weight_decay: float = at_least(0)
     betas: List[float] = MISSING
-    warmup_ratio: float = MISSING
-    grad_clip: float = MISSING
+    warmup_ratio: float = ranged(low=0, high=1)
+    grad_clip: float = at_least(0)
     adamw: str = MISSING
     init_from: Optional[str] = None
-    val_every_n_epochs: int = MISSING
+    val_every_n_epochs: int = at_least(1)
     val_head_tokens: int = MISSING
-    checkpoint_every_n_steps: int = MISSING
-    eval_prompts: int = MISSING
-    eval_max_new_tokens: int = MISSING
+    checkpoint_every_n_steps: int = at_least(1)
+    eval_prompts: int = at_least(0)
+    eval_max_new_tokens: int = at_least(1)
 
 
 @dataclass
@@ -625,11 +686,13 @@ def from_plain(job: dict) -> Config:
 
 
 def read_nested(cfg: Config) -> Config:
-    """Sections typed as a dict in the schema, read into their dataclass (missing keys fail here)."""
+    """Sections typed as a dict in the schema, read into their dataclass (missing keys fail here);
+    every ranged field checked (OutOfRange)."""
     if isinstance(cfg.data.self_prompts, dict):
         cfg.data.self_prompts = section(
             SelfPromptsConfig, cfg.data.self_prompts, "data.self_prompts"
         )
+    check_ranges(cfg)
     return cfg
 
 

@@ -21,11 +21,13 @@ import json
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import LlamaConfig
 
+from eagle3.core.artifacts import load_safetensors, read_json
 from eagle3.core.common import Eagle3Error, log, resolve_device
 from eagle3.core.config import plain
 from eagle3.core.drafter import Eagle3Drafter
@@ -368,7 +370,7 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     if files:
         tensors = {}
         for file in files:
-            tensors.update(load_file(str(file)))
+            tensors.update(load_safetensors(file))
         return tensors
     bins = sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
     if bins:
@@ -512,7 +514,7 @@ def load_drafter(
         else download_registered(str(path_or_uri), tracking_uri)
     )
     folder = engine_folder(folder, aux_convention)
-    raw = json.loads((folder / "config.json").read_text())
+    raw = read_drafter_config(folder)
     config = drafter_config_from(raw, folder, aux_convention)
     tensors = normalise_names(read_weights(folder), config)
     if "d2t" not in tensors and config.draft_vocab_size == config.vocab_size:
@@ -537,6 +539,37 @@ def attach_target_embedding(drafter: Eagle3Drafter, target) -> Eagle3Drafter:
     drafter.embed_tokens.weight.requires_grad_(False)
     drafter.config.has_embedding = True
     return drafter
+
+
+def check_folder_for_target(
+    folder: Path, target_config: dict, target_path, aux_layer_ids, tokenizer_of, aux_convention: str
+) -> None:
+    """check_drafter_for_target from the two folders' config.json alone (no weights loaded): hidden
+    size, vocab, positions, aux layers and, when the drafter records it, the tokenizer (tokenizer_of()
+    loads the target's). What a bench checks before it measures spec=off or starts an engine."""
+    config = drafter_config_from(read_drafter_config(folder), folder, aux_convention)
+    layers = int(target_config["num_hidden_layers"])
+    positions = target_config.get("max_position_embeddings") or config.max_position_embeddings
+    target = SimpleNamespace(
+        hidden_size=target_config.get("hidden_size"),
+        vocab_size=target_config.get("vocab_size"),
+        config=SimpleNamespace(max_position_embeddings=positions),
+        aux_layer_ids=list(aux_layer_ids or default_aux_layer_ids(layers)),
+        num_layers=layers,
+        path=target_path,
+    )
+    trained_with = (getattr(config, "recipe", None) or {}).get("tokenizer_hash")
+    tokenizer_hash = hash_of(tokenizer_of()) if trained_with else None
+    check_drafter_for_target(SimpleNamespace(config=config), target, tokenizer_hash)
+
+
+def read_drafter_config(folder: Path) -> dict:
+    """A drafter folder's config.json, or one line naming it when it is cut short or not JSON."""
+    path = Path(folder) / "config.json"
+    raw = read_json(path, "export or copy the drafter again")
+    if not isinstance(raw, dict):
+        raise Eagle3Error(f"{path} holds a JSON {type(raw).__name__}, not a drafter config object")
+    return raw
 
 
 def check_drafter_for_target(
@@ -664,9 +697,11 @@ def load_trained_drafter(
             f"{train_dir} holds no trained drafter ({weights.name}, {DRAFTER_CONFIG}): "
             "run `python -m eagle3.train`"
         )
-    config = LlamaConfig.from_dict(json.loads((train_dir / DRAFTER_CONFIG).read_text()))
+    config = LlamaConfig.from_dict(
+        read_json(train_dir / DRAFTER_CONFIG, "rerun `python -m eagle3.train` for that folder")
+    )
     drafter = Eagle3Drafter(config)
-    missing, unexpected = drafter.load_state_dict(load_file(str(weights)), strict=False)
+    missing, unexpected = drafter.load_state_dict(load_safetensors(weights), strict=False)
     missing = [
         k for k in missing if not k.startswith("embed_tokens.")
     ]  # the embedding is the target's

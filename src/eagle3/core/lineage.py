@@ -4,11 +4,11 @@ exported before that is found in a preset's `lineage` list (experiments/*.yaml) 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from eagle3.core.artifacts import read_json
 from eagle3.core.common import CONF_DIR, Eagle3Error
 from eagle3.core.config import Config
 from eagle3.core.drafter_io import RECIPE_KEY
@@ -21,7 +21,7 @@ def export_manifest(path: Path) -> dict:
     """The export manifest of a drafter folder: in the folder, or in the export folder above it."""
     for folder in (path, path.parent):
         if (folder / "manifest.json").exists():
-            return json.loads((folder / "manifest.json").read_text())
+            return read_json(folder / "manifest.json", "export the drafter again")
     return {}
 
 
@@ -51,7 +51,9 @@ def lineage_of(path: str | Path) -> list[dict]:
     if not config.exists() and (path / "sglang" / "config.json").exists():
         config = path / "sglang" / "config.json"
     if config.exists():
-        recipe = json.loads(config.read_text()).get(RECIPE_KEY, {}).get("recipe") or {}
+        recipe = (
+            read_json(config, "export the drafter again").get(RECIPE_KEY, {}).get("recipe") or {}
+        )
         if recipe.get("lineage"):
             return recipe["lineage"]
     manifest = export_manifest(config.parent if config.exists() else path)

@@ -4,13 +4,13 @@ pipeline find their upstream folders here, so no stage imports a later one to fi
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 from eagle3.core.artifacts import (
     StageOutput,
     check_listed_files,
     check_safetensors,
+    read_json,
     stage_output,
 )
 from eagle3.core.common import Eagle3Error, resolve_device, resolve_dtype
@@ -21,6 +21,7 @@ from eagle3.core.drafter_io import (
     RECIPE_KEY,
     download_registered,
     parse_models_uri,
+    read_drafter_config,
 )
 from eagle3.core.target import target_key
 
@@ -169,7 +170,7 @@ def shards_output(cfg: Config) -> StageOutput:
     manifest_path = path / "manifest.json"
     if not manifest_path.exists():
         raise Eagle3Error(f"train.shards={path} has no manifest.json: not an extract output folder")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = read_json(manifest_path, "rerun `python -m eagle3.extract` for that folder")
     return StageOutput(
         "extract",
         manifest.get("hash", "unknown"),
@@ -283,20 +284,20 @@ def check_drafter_files(folder: Path, verify: bool) -> None:
     for root, under in ((folder, ""), (folder.parent, folder.name)):
         manifest = root / "manifest.json"
         if manifest.exists():
-            listed = json.loads(manifest.read_text())
+            listed = read_json(manifest, "export the drafter again")
             check_listed_files(root, listed, verify, "python -m eagle3.export", under)
             return
 
 
 def read_config(folder: Path) -> dict:
-    return json.loads((folder / "config.json").read_text())
+    return read_drafter_config(folder)
 
 
 def neutral(config_path: Path) -> bool:
     """A drafter config that writes no aux-layer ids: every engine reads it the same way."""
     if not config_path.exists():
         return False
-    raw = json.loads(config_path.read_text())
+    raw = read_drafter_config(config_path.parent)
     nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     return not nested and not raw.get("eagle_aux_hidden_state_layer_ids")
 
@@ -306,7 +307,9 @@ def refuse_incomplete(folder: Path) -> None:
     if folder.name.endswith(".partial"):
         raise Eagle3Error(f"{folder} is a half-written export folder")
     for manifest in (folder / "manifest.json", folder.parent / "manifest.json"):
-        if manifest.exists() and not json.loads(manifest.read_text()).get("complete"):
+        if manifest.exists() and not read_json(manifest, "export the drafter again").get(
+            "complete"
+        ):
             raise Eagle3Error(
                 f"{folder} belongs to an incomplete export ({manifest} says complete: false): "
                 "finish it with `python -m eagle3.export`"

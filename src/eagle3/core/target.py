@@ -27,7 +27,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from eagle3.core.artifacts import config_hash, folder_lock
+from eagle3.core.artifacts import config_hash, folder_lock, read_json
 from eagle3.core.common import Eagle3Error, installed_file, log, resolve_device, resolve_dtype
 from eagle3.core.config import Config, TargetConfig, plain
 
@@ -440,7 +440,7 @@ def folder_text_config(path: Path | str) -> dict | None:
     Kimi-K2.5); None for a hub id."""
     if not isinstance(path, Path):
         return None
-    config = json.loads((path / "config.json").read_text())
+    config = read_json(path / "config.json", "convert or copy the target again")
     return config.get("text_config") or config
 
 

@@ -20,12 +20,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle3.core.artifacts import config_hash
+from eagle3.core.artifacts import config_hash, read_json
 from eagle3.core.common import Eagle3Error, log
 from eagle3.core.config import Config, DataConfig, RegenConfig
 from eagle3.core.outputs import answer_sections
+from eagle3.core.redact import mask
 from eagle3.core.spec import OFF
-from eagle3.core.target import load_target, target_path_for
+from eagle3.core.target import load_target, target_key, target_path_for
 from eagle3.data.conversations import user_turns
 from eagle3.data.tokens import end_of_turn, render
 from eagle3.serve.launch import start_engine
@@ -44,7 +45,9 @@ def seed_regen_log(cfg: Config, shared: Path) -> None:
     same answer_sections starts the shared log."""
     wanted = json.loads(json.dumps(answer_sections(cfg), default=str))
     for manifest in sorted(Path(cfg.paths.artifacts, "data").glob("*/manifest.json")):
-        config = json.loads(manifest.read_text()).get("config", {})
+        config = read_json(
+            manifest, "remove that data output and rerun `python -m eagle3.data`"
+        ).get("config", {})
         answers = manifest.parent / "regen" / "turns.jsonl"
         if answers.exists() and {name: config.get(name) for name in wanted} == wanted:
             shared.parent.mkdir(parents=True, exist_ok=True)
@@ -289,10 +292,13 @@ def answer_turns(cfg: Config, shared: Path, splits: dict[str, list[dict]], token
     if not shared.exists():
         seed_regen_log(cfg, shared)
     turn_log = TurnLog(shared)
+    record_answer_sections(cfg, shared.parent)
     conversations = [c for convs in splits.values() for c in convs]
     if rcfg.reuse_answers:
         sources = rcfg.reuse_answers
         sources = [sources] if isinstance(sources, str) else list(sources)
+        for source in sources:  # every log checked before any is taken
+            check_answer_target(cfg, Path(str(source)))
         counts["regen_turns_reused"] = sum(
             reuse_answers(turn_log, Path(str(source)), conversations) for source in sources
         )
@@ -328,6 +334,70 @@ def generator_for(cfg: Config):
         raise Eagle3Error(f"data.regen.backend={backend}: use one of {', '.join(BACKENDS)}")
     generators = {"local": LocalGenerator, "openai": OpenAIGenerator, "engine": EngineGenerator}
     return generators[backend](cfg)
+
+
+ANSWERS_FILE = "answers.json"  # beside a shared answer log: what its answers depend on (masked)
+
+
+def record_answer_sections(cfg: Config, folder: Path) -> None:
+    """Write <folder>/answers.json once: the target and data settings the log's answers come from
+    (answer_sections, secrets masked), so a later data.regen.reuse_answers can tell their target."""
+    path = folder / ANSWERS_FILE
+    if path.exists():
+        return
+    sections = mask(json.loads(json.dumps(answer_sections(cfg), default=str)))
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(sections, indent=1))
+    tmp.replace(path)
+
+
+def answer_log_target(source: Path) -> dict | None:
+    """The target (its key fields) whose answers an answer log holds: from answers.json beside a
+    shared log, or the manifest of the data output holding the log (<data>/regen/turns.jsonl); None
+    when neither is there (a log from before answers.json, or one copied out alone)."""
+    for path, section in (
+        (source.parent / ANSWERS_FILE, None),
+        (source.parent.parent / "manifest.json", "config"),
+    ):
+        if path.is_file():
+            recorded = read_json(path)
+            recorded = recorded.get(section, {}) if section else recorded
+            if isinstance(recorded, dict) and isinstance(recorded.get("target"), dict):
+                return recorded["target"]
+    return None
+
+
+def describe_target(target: dict, other: dict) -> str:
+    """A target's name, with the key fields where it differs from `other` (`tiny-llama (seed 1)`)."""
+    differ = [
+        k for k in sorted(set(target) | set(other)) if k != "name" and target.get(k) != other.get(k)
+    ]
+    fields = ", ".join(f"{k} {target.get(k)}" for k in differ)
+    return f"{target.get('name')}" + (f" ({fields})" if fields else "")
+
+
+def check_answer_target(cfg: Config, source: Path) -> None:
+    """data.regen.reuse_answers takes answers only from logs of this config's target: one written by
+    another target is refused naming both; one that does not say which target wrote it is taken
+    with a warning naming it."""
+    if not source.is_file():
+        return  # reuse_answers names it
+    theirs = answer_log_target(source)
+    ours = json.loads(json.dumps(target_key(cfg.target), default=str))
+    if theirs is None:
+        log.warning(
+            "data: %s does not say which target wrote it (no %s beside it, no data manifest above "
+            "it): its answers are taken as target %s's",
+            source,
+            ANSWERS_FILE,
+            cfg.target.name,
+        )
+    elif theirs != ours:
+        raise Eagle3Error(
+            f"data.regen.reuse_answers={source}: its answers were written by target "
+            f"{describe_target(theirs, ours)}, this config's target is {describe_target(ours, theirs)}; "
+            "another target's answers are not this one's: leave that log out"
+        )
 
 
 def reuse_answers(turn_log: TurnLog, source: Path, conversations: list[dict]) -> int:
@@ -536,8 +606,17 @@ class OpenAIGenerator:
     The API key comes from the environment variable data.regen.api_key_env and is never logged."""
 
     def __init__(self, cfg: Config):
+        import httpx
+
         self.rcfg = cfg.data.regen
         self.url = str(self.rcfg.base_url).rstrip("/")
+        try:
+            httpx.URL(self.url)
+        except httpx.InvalidURL:  # its message may quote part of a password: not repeated
+            raise Eagle3Error(
+                f"data.regen.base_url={self.url} is not a URL the client can request (a '/' in "
+                "its password must be percent-encoded as %2F)"
+            ) from None
         key = os.environ.get(str(self.rcfg.api_key_env))
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 

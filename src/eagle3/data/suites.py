@@ -70,10 +70,28 @@ def to_prompt(row: dict, index: int, field: str, source: str) -> Prompt:
             raise Eagle3Error(
                 f"{source} row {index}: `messages` must be a list of {{role, content}} dicts"
             )
-        return Prompt(row_id, [dict(m) for m in messages])
+        return checked_text(Prompt(row_id, [dict(m) for m in messages]), index, source)
     if not isinstance(row.get(field), str):
         raise Eagle3Error(f"{source} row {index}: no string field `{field}` (or `messages`)")
-    return Prompt(row_id, [{"role": "user", "content": row[field]}])
+    return checked_text(Prompt(row_id, [{"role": "user", "content": row[field]}]), index, source)
+
+
+def checked_text(prompt: Prompt, index: int, source: str) -> Prompt:
+    """A prompt whose text a tokenizer can encode: JSON can escape half of a UTF-16 surrogate pair
+    ("\\ud800"), which is no Unicode character (the tokenizer fails on it); refused naming the row."""
+    for message in prompt.messages:
+        text = message.get("content")
+        if not isinstance(text, str):
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise Eagle3Error(
+                f"{source} row {index}: a lone surrogate {text[err.start]!r} at character "
+                f"{err.start} is not valid Unicode (write both halves of a surrogate pair, or the "
+                "character itself)"
+            ) from None
+    return prompt
 
 
 def suite_names(bcfg: BenchConfig) -> list[str]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
+from eagle3.core.artifacts import load_safetensors
 from eagle3.core.common import Eagle3Error
 from eagle3.core.config import Config
 from eagle3.core.drafter_io import load_drafter
@@ -16,7 +16,7 @@ from eagle3.core.drafter_io import load_drafter
 def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t int64 [draft_vocab], t2d bool [target_vocab]) from a data folder or the file itself."""
     path = Path(path)
-    tensors = load_file(str(path / "vocab_map.safetensors" if path.is_dir() else path))
+    tensors = load_safetensors(path / "vocab_map.safetensors" if path.is_dir() else path)
     return tensors["d2t"], tensors["t2d"]
 
 
