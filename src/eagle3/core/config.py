@@ -158,7 +158,9 @@ class ServerConfig(ServeConfig):
     watchdog_poll_s: float = MISSING
     request_timeout_s: int = MISSING
     api_key_env: str = MISSING
-    derived_port_offsets: List[int] = field(default_factory=list)  # ports the engine opens at port + each
+    derived_port_offsets: List[int] = field(
+        default_factory=list
+    )  # ports the engine opens at port + each
 
 
 @dataclass
