@@ -148,6 +148,25 @@ def random_vocab_map(target_vocab: int, draft_vocab: int, seed: int = 0):
     return ids - torch.arange(draft_vocab), t2d
 
 
+def make_vocab_map(target_argmax, vocab: int, draft_vocab: int, seed: int = 0):
+    """A draft vocab holding most (not all) of the target's argmax tokens plus random others,
+    so both in-vocab and masked-out positions occur."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    wanted = target_argmax.unique()
+    wanted = wanted[torch.randperm(len(wanted), generator=generator)][
+        : max(1, len(wanted) * 2 // 3)
+    ]
+    others = torch.randperm(vocab, generator=generator)[: draft_vocab * 2]
+    chosen = torch.cat([wanted, others]).unique(sorted=False)
+    chosen = torch.tensor(list(dict.fromkeys(chosen.tolist()))[:draft_vocab]).sort().values
+    d2t = chosen - torch.arange(draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    return d2t, t2d
+
+
 def randomise(drafter, seed: int = 0):
     """Random values in every trainable tensor (norms start at 1: a swap would go unnoticed)."""
     import torch

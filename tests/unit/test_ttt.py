@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support import make_vocab_map
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from eagle3.core.drafter import RMSNorm, build_drafter, sdpa
@@ -20,23 +21,6 @@ from eagle3.train.ttt import (
 
 DRAFT_VOCAB = 256
 TTT = 4
-
-
-def make_vocab_map(target_argmax: torch.Tensor, vocab: int, draft_vocab: int, seed: int = 0):
-    """A draft vocab holding most (not all) of the target's argmax tokens plus random others,
-    so both in-vocab and masked-out positions occur."""
-    generator = torch.Generator().manual_seed(seed)
-    wanted = target_argmax.unique()
-    wanted = wanted[torch.randperm(len(wanted), generator=generator)][
-        : max(1, len(wanted) * 2 // 3)
-    ]
-    others = torch.randperm(vocab, generator=generator)[: draft_vocab * 2]
-    chosen = torch.cat([wanted, others]).unique(sorted=False)
-    chosen = torch.tensor(list(dict.fromkeys(chosen.tolist()))[:draft_vocab]).sort().values
-    d2t = chosen - torch.arange(draft_vocab)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[chosen] = True
-    return d2t, t2d
 
 
 @pytest.fixture
@@ -234,60 +218,6 @@ def test_flex_matches_sdpa_gradients(case):
         grads[path] = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
     for name, grad in grads["sdpa"].items():
         torch.testing.assert_close(grads["flex"][name], grad, atol=1e-4, rtol=1e-3)
-
-
-@pytest.mark.slow
-@torch.no_grad()
-def test_smollm2_drafter_shapes_and_a_ttt_step(make_cfg, smollm2):
-    """SmolLM2-135M (H=576, 9 heads of 64, 3 KV heads, MLP 1536): the drafter's parameter shapes and
-    count, and one TTT step on its real captured states."""
-    cfg = make_cfg("drafter.draft_vocab_size=8192")
-    drafter = build_drafter(smollm2, cfg.drafter)
-    hidden, inter, kv, vocab, draft = 576, 1536, 3 * 64, 49152, 8192
-    shapes = {name: tuple(p.shape) for name, p in drafter.named_parameters()}
-    assert shapes == {
-        "embed_tokens.weight": (vocab, hidden),
-        "fc.weight": (hidden, 3 * hidden),
-        "layers.0.self_attn.q_proj.weight": (hidden, 2 * hidden),
-        "layers.0.self_attn.k_proj.weight": (kv, 2 * hidden),
-        "layers.0.self_attn.v_proj.weight": (kv, 2 * hidden),
-        "layers.0.self_attn.o_proj.weight": (hidden, hidden),
-        "layers.0.mlp.gate_proj.weight": (inter, hidden),
-        "layers.0.mlp.up_proj.weight": (inter, hidden),
-        "layers.0.mlp.down_proj.weight": (hidden, inter),
-        "layers.0.input_layernorm.weight": (hidden,),
-        "layers.0.post_attention_layernorm.weight": (hidden,),
-        "layers.0.hidden_norm.weight": (hidden,),
-        "norm.weight": (hidden,),
-        "lm_head.weight": (draft, hidden),
-    }
-    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    assert trainable == (
-        3 * hidden * hidden
-        + 2 * hidden * hidden
-        + 2 * kv * 2 * hidden
-        + hidden * hidden
-        + 3 * hidden * inter
-        + 4 * hidden
-        + draft * hidden
-    )  # 9,808,128
-    assert smollm2.aux_layer_ids == [2, 15, 27]
-    ids = smollm2.tokenizer(
-        "The quick brown fox jumps over the lazy dog. " * 3, return_tensors="pt"
-    ).input_ids
-    aux, last = smollm2.capture(ids)
-    lm_head = smollm2.model.get_output_embeddings().weight
-    d2t, t2d = make_vocab_map((last @ lm_head.t()).argmax(-1), vocab, draft)
-    drafter.set_vocab_map(d2t, t2d)
-    batch = {
-        "input_ids": ids,
-        "loss_mask": torch.ones_like(ids),
-        "aux_hidden": aux,
-        "last_hidden": last,
-    }
-    loss, counts = ttt_loss(drafter, batch, lm_head, 7, 0.8)
-    metrics = step_metrics(counts)
-    assert torch.isfinite(loss) and metrics["count_0"] > 0 and 1.0 <= metrics["tau_hat"] <= 8.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
