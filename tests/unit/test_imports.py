@@ -165,3 +165,9 @@ def test_the_code_map_is_the_code():
         if (SRC / package / "__main__.py").exists():
             assert f"eagle3.{package}" in commands, package
         assert [c for c in commands if not runnable(c)] == [], package
+
+
+def test_unit_test_folders_mirror_the_packages():
+    folders = {p.parent.name for p in (REPO / "tests" / "unit").glob("*/test_*.py")}
+    assert folders <= set(packages(SRC)), sorted(folders - set(packages(SRC)))
+    assert len(folders) >= 10
