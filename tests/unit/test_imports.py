@@ -168,6 +168,7 @@ def test_the_code_map_is_the_code():
 
 
 def test_unit_test_folders_mirror_the_packages():
-    folders = {p.parent.name for p in (REPO / "tests" / "unit").glob("*/test_*.py")}
-    assert folders <= set(packages(SRC)), sorted(folders - set(packages(SRC)))
-    assert len(folders) >= 10
+    """tests/unit/<package>/ holds the unit tests of eagle3.<package>."""
+    unit = REPO / "tests" / "unit"
+    folders = {p.name for p in unit.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert "engine" in folders and folders <= set(packages(SRC)), sorted(folders)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from support import make_vocab_map
+from support import ttt_case
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from eagle3.core.drafter import RMSNorm, build_drafter, sdpa
+from eagle3.core.drafter import RMSNorm, sdpa
 from eagle3.train.ttt import (
     compiled_soft_cross_entropy,
-    compiled_unroll,
     soft_cross_entropy,
     step_metrics,
     tau_hat,
@@ -25,20 +24,9 @@ TTT = 4
 
 @pytest.fixture
 def case(make_cfg, tiny_target):
-    """A batch of random token ids through the tiny target and a fresh drafter with a vocab map."""
-    torch.manual_seed(0)
-    cfg = make_cfg("target=tiny-llama", f"drafter.draft_vocab_size={DRAFT_VOCAB}")
-    ids = torch.randint(0, tiny_target.vocab_size, (2, 14))
-    aux, last = tiny_target.capture(ids)
-    loss_mask = torch.ones_like(ids)
-    loss_mask[0, :4] = 0  # a prompt part
-    loss_mask[1, 9:] = 0
-    lm_head = tiny_target.model.get_output_embeddings().weight
-    drafter = build_drafter(tiny_target, cfg.drafter)
-    d2t, t2d = make_vocab_map((last @ lm_head.t()).argmax(-1), tiny_target.vocab_size, DRAFT_VOCAB)
-    drafter.set_vocab_map(d2t, t2d)
-    batch = {"input_ids": ids, "loss_mask": loss_mask, "aux_hidden": aux, "last_hidden": last}
-    return drafter, batch, lm_head
+    return ttt_case(
+        make_cfg("target=tiny-llama", f"drafter.draft_vocab_size={DRAFT_VOCAB}"), tiny_target
+    )
 
 
 def chain_draft(drafter, ids, aux, t: int, steps: int) -> list[torch.Tensor]:
@@ -238,31 +226,3 @@ def test_masked_sdpa_repeats_kv_heads_like_enable_gqa():
     mask[:, 0] = True
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(sdpa(q, k, v, mask), expected, rtol=1e-6, atol=1e-6)
-
-
-def test_compiled_unroll_equals_the_eager_one_across_lengths(case, tiny_target):
-    """train.compile_unroll: the compiled unroll (dynamic shapes: one compile for every length) gives the
-    eager unroll's logits and gradients, on three lengths and two batch sizes; the train stage's validation
-    and batches of one add no compile."""
-    drafter, _, _ = case
-    compiled = compiled_unroll()
-    for batch, length in ((2, 17), (2, 29), (3, 40)):
-        ids = torch.randint(0, tiny_target.vocab_size, (batch, length))
-        aux, _ = tiny_target.capture(ids)
-        results = []
-        for run in (unroll, compiled):
-            drafter.zero_grad()
-            logits = run(drafter, ids, aux, 3)
-            sum((step.float() ** 2).mean() for step in logits).backward()
-            grads = [p.grad.clone() for p in drafter.parameters() if p.requires_grad]
-            results.append(logits + grads)
-        for eager, fused in zip(*results):
-            torch.testing.assert_close(eager, fused, rtol=1e-4, atol=1e-5)
-    # the train stage's other calls compile nothing more: validation (no grad) and a batch of one
-    _, batch, lm_head = case
-    ttt_loss(drafter, batch, lm_head, 3, 0.8, compile_unroll=True)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    ttt_loss(drafter, {k: v[:1] for k, v in batch.items()}, lm_head, 3, 0.8, compile_unroll=True)
-    with torch.no_grad():
-        ttt_loss(drafter, batch, lm_head, 3, 0.8, compile_unroll=True)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs > 0
