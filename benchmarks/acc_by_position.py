@@ -36,7 +36,7 @@ import torch
 from eagle3.core.common import compose
 from eagle3.core.drafter_io import attach_target_embedding, load_drafter
 from eagle3.core.target import load_target
-from eagle3.data.app import load_splits
+from eagle3.data.splits import load_splits
 from eagle3.data.vocab import load_vocab_map
 from eagle3.train.datamodule import collate
 from eagle3.train.ttt import (

@@ -6,7 +6,7 @@ sequence and compares: draft k of a chain from root position p must equal the un
 argmax at position p - 1, wherever drafts 0..k-1 were the committed tokens (the unroll feeds true
 tokens). Prints per depth the drafts compared, how many are equal, the engine's acceptance there
 (given the earlier drafts were accepted) and the unroll's unconditional accuracy on the same
-sequences. tests/unit/test_engine.py checks the equality on the tiny target; this runs it on yours:
+sequences. tests/unit/engine/test_engine.py checks the equality on the tiny target; this runs it on yours:
 
     PYTHONPATH=benchmarks python benchmarks/draft_vs_unroll.py --target artifacts/targets/smollm2-135m \\
         --drafter artifacts/export/<hash>/sglang --suites suite_vicuna.jsonl --prompts 4 --spec d8

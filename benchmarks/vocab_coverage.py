@@ -22,7 +22,7 @@ import torch
 from bench_engine import load, load_drafter, read_suite, strip_eos
 
 from eagle3.core.spec import OFF
-from eagle3.data.app import load_splits
+from eagle3.data.splits import load_splits
 from eagle3.data.vocab import build_vocab_map
 from eagle3.engine import DecodeRequest, SpecDecoder
 

@@ -1,6 +1,7 @@
 """Shared pieces of the engine tests: reference greedy decoding, a drafter fitted to the
 target (real TTT training on the target's own greedy rollouts, so drafts get accepted), a
-SmolLM2 drafter trained by eagle3.train, specs and a chi-square p-value."""
+SmolLM2 drafter trained by eagle3.train, specs, a chi-square p-value, and a prefill and tree
+verify through the engine's lean target forward compared with HF's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 from eagle3.core.config import SpecConfig
 from eagle3.core.drafter import build_drafter
 from eagle3.core.spec import resolve_spec
+from eagle3.engine.runners import TargetRunner
+from eagle3.engine.tree import ancestor_mask
 
 PROMPTS = [
     "Hello there, how are you doing today?",
@@ -195,4 +198,59 @@ def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> fl
     dof = int(keep.sum()) - 1
     return float(
         torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic.double() / 2)
+    )
+
+
+# ---------------------------------------------------------------- lean forwards against HF's
+
+PROMPT_LEN = 23
+CACHE = 64
+PARENTS = [0, 0, 0, 1, 1, 2, 3, 6]  # an 8-node tree: root, two children, ... depth 4
+EXACT = dict(atol=1e-5, rtol=1e-5)
+
+
+def runners(target):
+    lean, hf = TargetRunner(target, CACHE), TargetRunner(target, CACHE, lean=False)
+    assert lean.lean is not None and hf.lean is None
+    return lean, hf
+
+
+def assert_same(lean, hf, *inputs, compiled: bool = False, tolerance=EXACT) -> None:
+    with torch.inference_mode():
+        ours = lean._forward(*inputs, compiled=True) if compiled else lean.forward(*inputs)
+        (logits, aux), (ref_logits, ref_aux) = ours, hf.forward(*inputs)
+    assert logits.dtype == torch.float32 and aux.shape == ref_aux.shape
+    torch.testing.assert_close(logits, ref_logits, **tolerance)
+    torch.testing.assert_close(aux, ref_aux, **tolerance)
+    torch.testing.assert_close(lean.kv.buffer, hf.kv.buffer, **tolerance)
+
+
+def prefill_then_verify(target, kv_len, compiled: bool = False, tolerance=EXACT) -> None:
+    """A causal prefill of a random prompt, then one verify of an 8-node tree after it (per-node
+    positions, ancestor mask), attention reading `kv_len(needed)` cache slots; compiled: the
+    verify runs the layers torch.compile'd, as a fixed-shape verify does with compile_layers."""
+    lean, hf = runners(target)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (PROMPT_LEN,), generator=generator)
+    positions = torch.arange(PROMPT_LEN)
+    causal = torch.arange(kv_len(PROMPT_LEN))[None, :] <= positions[:, None]
+    assert_same(lean, hf, ids, positions, positions, causal, tolerance=tolerance)
+    parents = torch.tensor(PARENTS)
+    q = parents.numel()
+    depths = torch.zeros(q, dtype=torch.long)
+    for node in range(1, q):
+        depths[node] = depths[parents[node]] + 1
+    tree = torch.zeros(q, kv_len(PROMPT_LEN + q), dtype=torch.bool)
+    tree[:, :PROMPT_LEN] = True
+    tree[:, PROMPT_LEN : PROMPT_LEN + q] = ancestor_mask(parents, int(depths.max()))
+    tokens = torch.randint(0, target.vocab_size, (q,), generator=generator)
+    assert_same(
+        lean,
+        hf,
+        tokens,
+        PROMPT_LEN + depths,
+        torch.arange(PROMPT_LEN, PROMPT_LEN + q),
+        tree,
+        compiled=compiled,
+        tolerance=tolerance,
     )

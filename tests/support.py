@@ -148,6 +148,48 @@ def random_vocab_map(target_vocab: int, draft_vocab: int, seed: int = 0):
     return ids - torch.arange(draft_vocab), t2d
 
 
+def make_vocab_map(target_argmax, vocab: int, draft_vocab: int, seed: int = 0):
+    """A draft vocab holding most (not all) of the target's argmax tokens plus random others,
+    so both in-vocab and masked-out positions occur."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    wanted = target_argmax.unique()
+    wanted = wanted[torch.randperm(len(wanted), generator=generator)][
+        : max(1, len(wanted) * 2 // 3)
+    ]
+    others = torch.randperm(vocab, generator=generator)[: draft_vocab * 2]
+    chosen = torch.cat([wanted, others]).unique(sorted=False)
+    chosen = torch.tensor(list(dict.fromkeys(chosen.tolist()))[:draft_vocab]).sort().values
+    d2t = chosen - torch.arange(draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    return d2t, t2d
+
+
+def ttt_case(cfg, target):
+    """A batch of random token ids through the target and a fresh drafter with a vocab map (the
+    draft vocab size cfg.drafter.draft_vocab_size): (drafter, batch, the target's lm_head weight)."""
+    import torch
+
+    from eagle3.core.drafter import build_drafter
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (2, 14))
+    aux, last = target.capture(ids)
+    loss_mask = torch.ones_like(ids)
+    loss_mask[0, :4] = 0  # a prompt part
+    loss_mask[1, 9:] = 0
+    lm_head = target.model.get_output_embeddings().weight
+    drafter = build_drafter(target, cfg.drafter)
+    d2t, t2d = make_vocab_map(
+        (last @ lm_head.t()).argmax(-1), target.vocab_size, cfg.drafter.draft_vocab_size
+    )
+    drafter.set_vocab_map(d2t, t2d)
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "aux_hidden": aux, "last_hidden": last}
+    return drafter, batch, lm_head
+
+
 def randomise(drafter, seed: int = 0):
     """Random values in every trainable tensor (norms start at 1: a swap would go unnoticed)."""
     import torch

@@ -42,8 +42,8 @@ from eagle3.core.target import (
 from eagle3.core.tracking import stage_run
 from eagle3.data.suites import check_bench_settings, load_suite, suite_name, suite_names
 from eagle3.serve import inprocess
-from eagle3.serve.app import drafter_for
 from eagle3.serve.counters import acceptance_from_counters, counter_delta, read_counters
+from eagle3.serve.drafter import drafter_for
 from eagle3.serve.launch import (
     EngineFailed,
     EngineProcess,

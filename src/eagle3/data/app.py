@@ -30,16 +30,9 @@ from eagle3.data.added_prompts import more_prompts
 from eagle3.data.conversations import conversations_for
 from eagle3.data.regen import TurnLog, generator_for, regen_log_path, regenerate, sampling_params
 from eagle3.data.sources import local_source
+from eagle3.data.splits import load_splits  # noqa: F401 (read as data.app.load_splits too)
 from eagle3.data.tokens import load_tokenizer, tokenize_conversations
 from eagle3.data.vocab import coverage_of, vocab_map_for
-
-
-def load_splits(path: str | Path):
-    """The tokenized DatasetDict (splits train/val; columns id, input_ids, loss_mask)."""
-    from datasets import load_from_disk
-
-    return load_from_disk(str(Path(path) / "dataset"))
-
 
 # ---------------------------------------------------------------- the stage
 

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from eagle3.core.artifacts import StageOutput
@@ -33,7 +32,9 @@ from eagle3.core.outputs import extract_output
 from eagle3.core.target import load_target, resolve_target_path
 from eagle3.core.tracking import stage_run
 from eagle3.data import app as data
+from eagle3.data.splits import load_splits
 from eagle3.data.tokens import load_tokenizer
+from eagle3.extract.shards import ShardDataset  # noqa: F401 (read as extract.app.ShardDataset too)
 from eagle3.extract.vllm_capture import VllmCapture, target_shape
 
 FORMAT = "eagle3-hidden-shard-v1"
@@ -271,62 +272,6 @@ def write_shard(
     return final.stat().st_size
 
 
-# ---------------------------------------------------------------- reading shards
-
-
-class ShardDataset(Dataset):
-    """Samples of one split: {"id", "input_ids" Long[T], "loss_mask" Long[T], "aux_hidden" [T, 3H],
-    "last_hidden" [T, H]} read lazily (one sample's slice, not the whole shard)."""
-
-    def __init__(self, path: str | Path, split: str = "train"):
-        self.root = Path(path)
-        index_file = self.root / "index.json"
-        if not index_file.exists():
-            raise Eagle3Error(
-                f"{self.root} has no index.json: not a finished extract output "
-                "(run python -m eagle3.extract)"
-            )
-        index = json.loads(index_file.read_text())
-        if split not in index["splits"]:
-            raise Eagle3Error(
-                f"split {split!r} not extracted in {self.root} (has {sorted(index['splits'])})"
-            )
-        self.hidden_size = index["hidden_size"]
-        self.shards = index["splits"][split]
-        self.samples = [
-            (s, j) for s, shard in enumerate(self.shards) for j in range(shard["samples"])
-        ]
-        self._open: dict[int, tuple[Any, list[int], list[str]]] = {}
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def _shard(self, number: int):
-        if number not in self._open:
-            handle = safe_open(str(self.root / self.shards[number]["file"]), "pt")
-            self._open[number] = (
-                handle,
-                handle.get_tensor("offsets").tolist(),
-                json.loads(handle.metadata()["ids"]),
-            )
-        return self._open[number]
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        shard, j = self.samples[index]
-        handle, offsets, ids = self._shard(shard)
-        start, end = offsets[j], offsets[j + 1]
-        return {
-            "id": ids[j],
-            "input_ids": handle.get_slice("input_ids")[start:end].long(),
-            "loss_mask": handle.get_slice("loss_mask")[start:end].long(),
-            "aux_hidden": handle.get_slice("aux_hidden")[start:end],
-            "last_hidden": handle.get_slice("last_hidden")[start:end],
-        }
-
-    def __getstate__(self):  # DataLoader workers reopen the files themselves
-        return {**self.__dict__, "_open": {}}
-
-
 # ---------------------------------------------------------------- the stage
 
 
@@ -364,7 +309,7 @@ def run(cfg: Config) -> StageOutput:
             return out
         with stage_run(cfg, "extract", artifact_hash=out.hash) as mlflow_run:
             out.start()
-            splits = data.load_splits(data_out.path)
+            splits = load_splits(data_out.path)
             plans = [
                 p
                 for name in cfg.extract.splits

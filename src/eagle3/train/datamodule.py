@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from eagle3.core.common import Eagle3Error
 from eagle3.core.config import Config, TrainConfig
 from eagle3.core.outputs import shards_output
-from eagle3.data.app import load_splits
-from eagle3.extract.app import ShardDataset
+from eagle3.data.splits import load_splits
+from eagle3.extract.shards import ShardDataset
 
 
 class TokenDataset(Dataset):

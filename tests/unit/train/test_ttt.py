@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support import ttt_case
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from eagle3.core.drafter import RMSNorm, build_drafter, sdpa
+from eagle3.core.drafter import RMSNorm, sdpa
 from eagle3.train.ttt import (
     compiled_soft_cross_entropy,
-    compiled_unroll,
     soft_cross_entropy,
     step_metrics,
     tau_hat,
@@ -22,39 +22,11 @@ DRAFT_VOCAB = 256
 TTT = 4
 
 
-def make_vocab_map(target_argmax: torch.Tensor, vocab: int, draft_vocab: int, seed: int = 0):
-    """A draft vocab holding most (not all) of the target's argmax tokens plus random others,
-    so both in-vocab and masked-out positions occur."""
-    generator = torch.Generator().manual_seed(seed)
-    wanted = target_argmax.unique()
-    wanted = wanted[torch.randperm(len(wanted), generator=generator)][
-        : max(1, len(wanted) * 2 // 3)
-    ]
-    others = torch.randperm(vocab, generator=generator)[: draft_vocab * 2]
-    chosen = torch.cat([wanted, others]).unique(sorted=False)
-    chosen = torch.tensor(list(dict.fromkeys(chosen.tolist()))[:draft_vocab]).sort().values
-    d2t = chosen - torch.arange(draft_vocab)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[chosen] = True
-    return d2t, t2d
-
-
 @pytest.fixture
 def case(make_cfg, tiny_target):
-    """A batch of random token ids through the tiny target and a fresh drafter with a vocab map."""
-    torch.manual_seed(0)
-    cfg = make_cfg("target=tiny-llama", f"drafter.draft_vocab_size={DRAFT_VOCAB}")
-    ids = torch.randint(0, tiny_target.vocab_size, (2, 14))
-    aux, last = tiny_target.capture(ids)
-    loss_mask = torch.ones_like(ids)
-    loss_mask[0, :4] = 0  # a prompt part
-    loss_mask[1, 9:] = 0
-    lm_head = tiny_target.model.get_output_embeddings().weight
-    drafter = build_drafter(tiny_target, cfg.drafter)
-    d2t, t2d = make_vocab_map((last @ lm_head.t()).argmax(-1), tiny_target.vocab_size, DRAFT_VOCAB)
-    drafter.set_vocab_map(d2t, t2d)
-    batch = {"input_ids": ids, "loss_mask": loss_mask, "aux_hidden": aux, "last_hidden": last}
-    return drafter, batch, lm_head
+    return ttt_case(
+        make_cfg("target=tiny-llama", f"drafter.draft_vocab_size={DRAFT_VOCAB}"), tiny_target
+    )
 
 
 def chain_draft(drafter, ids, aux, t: int, steps: int) -> list[torch.Tensor]:
@@ -236,60 +208,6 @@ def test_flex_matches_sdpa_gradients(case):
         torch.testing.assert_close(grads["flex"][name], grad, atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.slow
-@torch.no_grad()
-def test_smollm2_drafter_shapes_and_a_ttt_step(make_cfg, smollm2):
-    """SmolLM2-135M (H=576, 9 heads of 64, 3 KV heads, MLP 1536): the drafter's parameter shapes and
-    count, and one TTT step on its real captured states."""
-    cfg = make_cfg("drafter.draft_vocab_size=8192")
-    drafter = build_drafter(smollm2, cfg.drafter)
-    hidden, inter, kv, vocab, draft = 576, 1536, 3 * 64, 49152, 8192
-    shapes = {name: tuple(p.shape) for name, p in drafter.named_parameters()}
-    assert shapes == {
-        "embed_tokens.weight": (vocab, hidden),
-        "fc.weight": (hidden, 3 * hidden),
-        "layers.0.self_attn.q_proj.weight": (hidden, 2 * hidden),
-        "layers.0.self_attn.k_proj.weight": (kv, 2 * hidden),
-        "layers.0.self_attn.v_proj.weight": (kv, 2 * hidden),
-        "layers.0.self_attn.o_proj.weight": (hidden, hidden),
-        "layers.0.mlp.gate_proj.weight": (inter, hidden),
-        "layers.0.mlp.up_proj.weight": (inter, hidden),
-        "layers.0.mlp.down_proj.weight": (hidden, inter),
-        "layers.0.input_layernorm.weight": (hidden,),
-        "layers.0.post_attention_layernorm.weight": (hidden,),
-        "layers.0.hidden_norm.weight": (hidden,),
-        "norm.weight": (hidden,),
-        "lm_head.weight": (draft, hidden),
-    }
-    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    assert trainable == (
-        3 * hidden * hidden
-        + 2 * hidden * hidden
-        + 2 * kv * 2 * hidden
-        + hidden * hidden
-        + 3 * hidden * inter
-        + 4 * hidden
-        + draft * hidden
-    )  # 9,808,128
-    assert smollm2.aux_layer_ids == [2, 15, 27]
-    ids = smollm2.tokenizer(
-        "The quick brown fox jumps over the lazy dog. " * 3, return_tensors="pt"
-    ).input_ids
-    aux, last = smollm2.capture(ids)
-    lm_head = smollm2.model.get_output_embeddings().weight
-    d2t, t2d = make_vocab_map((last @ lm_head.t()).argmax(-1), vocab, draft)
-    drafter.set_vocab_map(d2t, t2d)
-    batch = {
-        "input_ids": ids,
-        "loss_mask": torch.ones_like(ids),
-        "aux_hidden": aux,
-        "last_hidden": last,
-    }
-    loss, counts = ttt_loss(drafter, batch, lm_head, 7, 0.8)
-    metrics = step_metrics(counts)
-    assert torch.isfinite(loss) and metrics["count_0"] > 0 and 1.0 <= metrics["tau_hat"] <= 8.0
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_llama(dtype):
     torch.manual_seed(0)
@@ -308,31 +226,3 @@ def test_masked_sdpa_repeats_kv_heads_like_enable_gqa():
     mask[:, 0] = True
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(sdpa(q, k, v, mask), expected, rtol=1e-6, atol=1e-6)
-
-
-def test_compiled_unroll_equals_the_eager_one_across_lengths(case, tiny_target):
-    """train.compile_unroll: the compiled unroll (dynamic shapes: one compile for every length) gives the
-    eager unroll's logits and gradients, on three lengths and two batch sizes; the train stage's validation
-    and batches of one add no compile."""
-    drafter, _, _ = case
-    compiled = compiled_unroll()
-    for batch, length in ((2, 17), (2, 29), (3, 40)):
-        ids = torch.randint(0, tiny_target.vocab_size, (batch, length))
-        aux, _ = tiny_target.capture(ids)
-        results = []
-        for run in (unroll, compiled):
-            drafter.zero_grad()
-            logits = run(drafter, ids, aux, 3)
-            sum((step.float() ** 2).mean() for step in logits).backward()
-            grads = [p.grad.clone() for p in drafter.parameters() if p.requires_grad]
-            results.append(logits + grads)
-        for eager, fused in zip(*results):
-            torch.testing.assert_close(eager, fused, rtol=1e-4, atol=1e-5)
-    # the train stage's other calls compile nothing more: validation (no grad) and a batch of one
-    _, batch, lm_head = case
-    ttt_loss(drafter, batch, lm_head, 3, 0.8, compile_unroll=True)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    ttt_loss(drafter, {k: v[:1] for k, v in batch.items()}, lm_head, 3, 0.8, compile_unroll=True)
-    with torch.no_grad():
-        ttt_loss(drafter, batch, lm_head, 3, 0.8, compile_unroll=True)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs > 0

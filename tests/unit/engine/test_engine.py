@@ -266,34 +266,6 @@ def test_fused_steps_across_cache_widths(tiny_target, fitted):
         assert fused.fused.widths[:2] == [256, 512] and fused.fused.width == 512
 
 
-@pytest.mark.slow
-def test_compiled_draft_phases_commit_the_same(tiny_target, fitted, references):
-    """engine.compile_draft: the draft and extend phases through torch.compile (Inductor's CPU
-    backend here) commit what the eager fused steps commit, step for step, for a chain and for a
-    tree; crossing a cache width compiles each phase once more (generic widths), not per width."""
-    from torch._dynamo.utils import counters
-
-    long_prompt = list(range(1000, 1240))  # crosses from the 256-slot window to the 512 one
-    for name, prompts, graphs in [
-        ("d6", references[:2], 2),
-        ("d8s4k3", [*references[:2], (long_prompt, None)], 4),
-    ]:
-        counters.clear()
-        compiled = SpecDecoder(tiny_target, fitted, spec(name), compile_draft=True)
-        eager = SpecDecoder(tiny_target, fitted, spec(name))
-        for prompt, expected in prompts:
-            a, b = (
-                compiled.generate(DecodeRequest(prompt, 30)),
-                eager.generate(DecodeRequest(prompt, 30)),
-            )
-            assert a.tokens == b.tokens and a.stats.accepted_per_step == b.stats.accepted_per_step
-            assert expected is None or a.tokens == expected[:30]
-        assert compiled.fused.width == (512 if graphs == 4 else 256)
-        assert (
-            counters["stats"]["unique_graphs"] == graphs
-        )  # draft and extend, compiled; verify stays eager
-
-
 HOST_READS = {
     "_local_scalar_dense",
     "item",
@@ -596,61 +568,3 @@ def test_top_p_restricts_to_the_nucleus(tiny_target, fitted, references):
         assert decoder.generate(DecodeRequest(prompt, 1, temperature=1.0, top_p=1e-6)).tokens == [
             top
         ]
-
-
-# ---------------------------------------------------------------- SmolLM2
-
-
-@pytest.fixture(scope="module")
-def smollm2_greedy(smollm2):
-    """SmolLM2's own greedy continuation of a prompt (24 tokens by reference_greedy: generate's
-    min_new_tokens would mask EOS), computed once per prompt for all the specs below."""
-    computed: dict[tuple[int, ...], list[int]] = {}
-
-    def greedy(prompt: list[int]) -> list[int]:
-        if tuple(prompt) not in computed:
-            computed[tuple(prompt)] = reference_greedy(smollm2.model, prompt, 24)
-        return computed[tuple(prompt)]
-
-    return greedy
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["d4", "d6s3k2"])
-def test_smollm2_greedy_is_lossless_untrained_drafter(smollm2, smollm2_greedy, name):
-    from eagle3.core.common import compose
-
-    torch.manual_seed(0)
-    drafter = build_drafter(smollm2, compose(["target=smollm2-135m"]).drafter).eval()
-    decoder = SpecDecoder(smollm2, drafter, spec(name))
-    tok = smollm2.tokenizer
-    for question in ["What is the capital of France?", "Write a haiku about the sea."]:
-        prompt = tok.apply_chat_template(
-            [{"role": "user", "content": question}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-        )["input_ids"]
-        assert decoder.generate(DecodeRequest(prompt, 24)).tokens == smollm2_greedy(prompt)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["d4", "d6s3k2"])
-def test_smollm2_greedy_is_lossless_trained_drafter(
-    smollm2, smollm2_trained_drafter, smollm2_greedy, test_root, name
-):
-    """The drafter eagle3.train made (engine_helpers.trained_smollm2_drafter), loaded as the server
-    loads it: drafts are accepted (measured tau > 1.2) and the output is still the target's greedy decode."""
-    from engine_helpers import agree_cfg, agree_prompts
-
-    from eagle3.engine.service import load_engine_drafter
-
-    cfg = agree_cfg(test_root, f"drafter.path={smollm2_trained_drafter}")
-    drafter, _ = load_engine_drafter(cfg, smollm2, spec(name))
-    decoder = SpecDecoder(smollm2, drafter, spec(name))
-    stats = []
-    for prompt in agree_prompts(smollm2, cfg)[:3]:
-        result = decoder.generate(DecodeRequest(prompt, 24))
-        assert result.tokens == smollm2_greedy(prompt)
-        stats.append(result.stats)
-    assert summarize(stats)["tau"] > 1.2

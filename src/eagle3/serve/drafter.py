@@ -1,0 +1,31 @@
+"""Which exported drafter folder an engine loads for a speculation shape."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagle3.core.common import Eagle3Error
+from eagle3.core.config import Config
+from eagle3.core.outputs import check_drafter_files, resolve_drafter_path, serving_folder
+from eagle3.core.spec import Spec
+from eagle3.export.shipped import shipped_drafter, wanted
+from eagle3.serve.launch import untrained_fallback
+
+
+def drafter_for(cfg: Config, spec: Spec) -> Path | None:
+    """The exported drafter folder the engine loads (None: spec=off, or the local server's own
+    untrained fallback)."""
+    if not spec.enabled:
+        return None
+    # each engine reads custom aux-layer ids in its own convention; local reads any
+    if wanted(cfg):
+        folder = serving_folder(shipped_drafter(cfg), cfg.serve.engine)
+    else:
+        try:
+            folder = Path(resolve_drafter_path(cfg, engine=cfg.serve.engine))
+        except Eagle3Error:
+            if untrained_fallback(cfg):
+                return None
+            raise
+    check_drafter_files(folder, cfg.verify)
+    return folder
