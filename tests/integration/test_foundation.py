@@ -263,7 +263,14 @@ def test_hub_id_offline_is_one_clear_line(test_root):
         env=env,
         timeout=300,
     )
-    assert proc.returncode == 1 and "network" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    # offline, a hub id that is not downloaded gets the command that downloads it and the key to set
+    folder = f"{test_root}/artifacts/targets/hf"
+    assert (
+        "target.path=nobody/no-such-model is a hub id that is not downloaded here: download it "
+        f"with `hf download nobody/no-such-model --local-dir {folder}` and set target.path={folder}"
+    ) in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_corrupted_gguf_is_one_clear_line(tmp_path):
