@@ -149,7 +149,9 @@ def test_a_code_change_rebuilds_only_the_source_pack(make_cfg, tmp_path):
     re-sends the source's parts alone."""
     cfg, first, _ = make_bundle(make_cfg, tmp_path, "bundle.source=true", "bundle.part_mib=64")
     packs = {p["name"]: p["sha256"] for p in json.loads(first.read_text())["packs"]}
-    assert sorted(packs) == ["base", "files", "source"]
+    assert sorted(packs) == ["assets", "base", "files", "source"]
+    assets = json.loads(first.read_text())["packs"][[*packs].index("assets")]["members"]
+    assert assets and all(m.startswith("source/assets/") for m in assets)
     again = build(make_cfg(*cfg_overrides(cfg, tmp_path / "again"), "bundle.source=false"))
     assert {p["name"]: p["sha256"] for p in json.loads(again.read_text())["packs"]} == {
         n: packs[n] for n in ("base", "files")

@@ -103,9 +103,9 @@ def packs(
     cfg: Config, wheels: Path, base_wheels: list[Path], engines: dict
 ) -> dict[str, dict[str, Path]]:
     """Pack name -> {name in the pack: path here}. Each pack travels in parts of its own, so a
-    change re-sends only its pack: `source` (this repository's tracked files), `files`, `base`
-    (the packages the machine lacks), `target` (the package the target is shipped in), and one per
-    engine (`engine-sglang`, ...)."""
+    change re-sends only its pack: `source` (this repository's tracked files), `assets` (its shipped
+    drafter and answer logs), `files`, `base` (the packages the machine lacks), `target` (the
+    package the target is shipped in), and one per engine (`engine-sglang`, ...)."""
     target_package = cfg.target.package if cfg.target.kind == "gguf_package" else None
     target_prefix = f"{str(target_package).replace('-', '_')}-" if target_package else None
     chosen: dict[str, dict[str, Path]] = {}
@@ -116,8 +116,10 @@ def packs(
         chosen.setdefault(pack, {})[f"wheels/{wheel.name}"] = wheel
     for name, path in configured_files(cfg).items():
         chosen.setdefault("files", {})[f"files/{name}"] = path
-    if cfg.bundle.source:
-        chosen["source"] = {f"source/{name}": REPO_ROOT / name for name in source_files()}
+    if cfg.bundle.source:  # the shipped assets (drafter, answer logs) apart: they seldom change
+        for name in source_files():
+            pack = "assets" if name.startswith("assets/") else "source"
+            chosen.setdefault(pack, {})[f"source/{name}"] = REPO_ROOT / name
         commit = wheels.parent / COMMIT_FILE  # the source has no history there: name its commit
         commit.write_text(f"{git_commit() or 'unknown'}\n")
         chosen["source"][f"source/{COMMIT_FILE}"] = commit

@@ -89,9 +89,10 @@ def install_pack(pack: dict, home: Path) -> None:
             f"pack {pack['name']}: the joined parts do not match the manifest's sha256"
         )
     unpacked = home / "bundle"
-    top = {member.split("/", 1)[0] for member in pack["members"]}
-    if "source" in top or pack["name"] == "source":
-        shutil.rmtree(unpacked / "source", ignore_errors=True)
+    if pack["name"] == "source":  # a new source replaces the old (the assets pack stays)
+        for old in (unpacked / "source").glob("*"):
+            if old.name != "assets":
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
     unpacked.mkdir(parents=True, exist_ok=True)
     joined = home / f"{pack['name']}.tar"
     with joined.open("wb") as out:
