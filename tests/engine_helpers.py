@@ -116,7 +116,7 @@ def agree_cfg(test_root: Path, *overrides: str):
 
 
 def agree_prompts(target, cfg) -> list[list[int]]:
-    from eagle3.bench.app import tokenize_prompts
+    from eagle3.bench.client import tokenize_prompts
     from eagle3.data.suites import load_suite
 
     return tokenize_prompts(target.tokenizer, load_suite(cfg.bench))

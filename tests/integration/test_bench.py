@@ -23,8 +23,11 @@ from engine_helpers import AGREE_PROMPTS, AGREE_TOKENS
 from mlflow.tracking import MlflowClient
 from support import QUICK, REPO, VLLM_PYTHON, export_untrained_drafter, run_sweep
 
-from eagle3.bench.app import aggregate, baseline_output, job_identity, percentile, tokenize_prompts
+from eagle3.bench.app import job_identity
+from eagle3.bench.baseline import baseline_output
+from eagle3.bench.client import tokenize_prompts
 from eagle3.bench.costmodel import StepCost, accept_length, fit_step_cost, predict
+from eagle3.bench.measurement import aggregate, percentile
 from eagle3.bench.sweep import cost_model_rows, summarize
 from eagle3.core.common import Eagle3Error
 from eagle3.data.suites import load_suite
@@ -768,7 +771,7 @@ def test_passes_stop_once_apart_from_spec_off(make_cfg, tmp_path, min_repeats, p
     (1e9 tok/s): after bench.min_repeats passes the ranges are apart and the job stops there."""
     from transformers import AutoTokenizer
 
-    from eagle3.bench.app import measure, tokenize_prompts
+    from eagle3.bench.measurement import measure
     from eagle3.bench.verdict import Spread
     from eagle3.core.spec import OFF
     from eagle3.core.target import target_path_for

@@ -41,7 +41,7 @@ def test_max_new_tokens_beyond_the_context_is_refused_before_the_target_is_prepa
 ):
     """A target folder that does not exist would fail its preparation (a real target's conversion
     takes 40 s): the context the settings give is checked first."""
-    from eagle3.bench.app import bench_requests
+    from eagle3.bench.checks import bench_requests
 
     cfg = make_cfg(
         "target=hf", f"target.path={tmp_path / 'no-model'}", "bench.max_new_tokens=100000"

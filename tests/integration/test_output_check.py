@@ -9,7 +9,8 @@ import pytest
 import torch
 from engine_helpers import PROMPTS, reference_greedy
 
-from eagle3.bench.app import check_output_settings, compare_outputs, run_job
+from eagle3.bench.app import run_job
+from eagle3.bench.outputcheck import check_output_settings, compare_outputs
 from eagle3.core.common import Eagle3Error
 from eagle3.serve import inprocess
 

@@ -89,7 +89,7 @@ def test_shipped_drafter_drafts_smollm2_losslessly_on_prompts_it_never_saw(
     drafter's are (an untrained one, or weights under names the engine ignores, give tau ~1)."""
     from engine_helpers import reference_greedy
 
-    from eagle3.bench.app import tokenize_prompts
+    from eagle3.bench.client import tokenize_prompts
     from eagle3.core.spec import resolve_spec
     from eagle3.data.suites import load_suite
     from eagle3.engine import DecodeRequest, SpecDecoder, summarize

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from eagle3.bench.app import baseline, baseline_output
+from eagle3.bench.baseline import baseline, baseline_output
 from eagle3.bench.costmodel import StepCost, accept_length
 from eagle3.bench.sweep import summarize
 from eagle3.bench.verdict import Rules, Spread, combine_repeats, speedup_fields, winner
@@ -192,7 +192,7 @@ def test_a_drafter_the_engine_ignores_is_named_in_the_verdict_and_tagged(
     a shape accepted normally (d4, tau 2.2) gets neither."""
     from mlflow.tracking import MlflowClient
 
-    from eagle3.bench.app import log_job
+    from eagle3.bench.runlog import log_job
     from eagle3.core.tracking import stage_run
 
     cfg = make_cfg()

@@ -79,7 +79,9 @@ def test_bench_refuses_the_embedded_engine_for_latent_attention(make_cfg, tmp_pa
     a Llama target passes the same check."""
 
     from eagle3.bench import app as bench
+    from eagle3.bench import checks
     from eagle3.core.common import Eagle3Error
+    from eagle3.core.target import target_path_for
 
     cfg = make_cfg("target=tiny-moe", "serve=local", "spec.depth=4")
     with pytest.raises(Eagle3Error) as refused:
@@ -89,7 +91,7 @@ def test_bench_refuses_the_embedded_engine_for_latent_attention(make_cfg, tmp_pa
         "the embedded engine does not implement); use serve=sglang or serve=vllm"
     )
     llama = make_cfg("target=tiny-llama", "serve=local")
-    bench.check_engine_supports(llama, bench.target_path_for(llama))
+    checks.check_engine_supports(llama, target_path_for(llama))
 
 
 def test_rehearsal_targets_have_kimi_k25_head_sizes_and_routing():

@@ -1,0 +1,62 @@
+"""The engines a job measures: a started server behind its HTTP API (Served), or with serve.inprocess
+one in this process (eagle3.serve.inprocess answers the same calls)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import httpx
+
+from eagle3.bench.client import run_requests
+from eagle3.core.config import BenchConfig, Config
+from eagle3.core.spec import Spec
+from eagle3.serve import inprocess
+from eagle3.serve.counters import read_counters
+from eagle3.serve.launch import EngineFailed, EngineProcess, start_engine
+
+
+class Served:
+    """An engine process measured through its HTTP API (the in-process engines of
+    eagle3.serve.inprocess answer the same calls)."""
+
+    def __init__(self, process: EngineProcess, cfg: Config, target_path):
+        self.process, self.scfg, self.model = process, cfg.serve, str(target_path)
+
+    def run(self, requests, bcfg: BenchConfig, desc: str) -> tuple[list[dict], float]:
+        timeout_s = self.scfg.request_timeout_s
+        return run_requests(self.process, requests, bcfg, timeout_s, self.model, desc)
+
+    def counters(self) -> dict:
+        try:
+            return read_counters(
+                self.scfg.engine, self.process.base_url, headers=self.process.launch.headers
+            )
+        except httpx.HTTPError as err:
+            self.process.check_alive(grace_s=5)
+            raise EngineFailed(
+                f"{self.scfg.engine} stats request failed: {err}", self.process.log_tail()
+            ) from err
+
+    def check_alive(self) -> None:
+        self.process.check_alive()
+
+    def stop(self) -> None:
+        self.process.stop(self.scfg.stop_timeout_s)
+
+
+def open_engine(cfg: Config, spec: Spec, drafter_path, target_path, folder: Path):
+    """The engine a job measures: a started server, or with serve.inprocess one in this process."""
+    if cfg.serve.inprocess:
+        return inprocess.engine_for(cfg, spec, drafter_path)
+    return Served(start_engine(cfg, spec, drafter_path, target_path, folder), cfg, target_path)
+
+
+def engine_cfg(cfg: Config, spec: Spec) -> Config:
+    """The config a job's engine is built from: the job's spec at every step (engine.schedule=auto
+    counts as off here, so a shape sweep measures each shape; spec=off never runs a schedule); a
+    schedule file given by path applies to the job's engine."""
+    setting = str(cfg.engine.schedule)
+    if setting == "off" or (spec.enabled and setting != "auto"):
+        return cfg
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, schedule="off"))
