@@ -2,6 +2,7 @@
 real engine servers (local; vLLM in the slow tests)."""
 
 import csv
+import functools
 import gzip
 import json
 import os
@@ -24,7 +25,7 @@ from mlflow.tracking import MlflowClient
 from support import QUICK, REPO, VLLM_PYTHON, export_untrained_drafter, run_sweep
 
 from eagle3.bench.app import job_identity
-from eagle3.bench.baseline import baseline_output
+from eagle3.bench.baseline import BaselineIdentity
 from eagle3.bench.client import tokenize_prompts
 from eagle3.bench.costmodel import StepCost, accept_length, fit_step_cost, predict
 from eagle3.bench.measurement import aggregate, percentile
@@ -33,6 +34,15 @@ from eagle3.core.common import Eagle3Error
 from eagle3.data.suites import load_suite
 from eagle3.tools.results import main as results_main
 from eagle3.tools.totals import totals
+
+
+def identity_of(cfg):
+    return job_identity(cfg.bench, cfg.serve, cfg.target, cfg.spec)
+
+
+def baseline_output(cfg, scope=None):
+    return BaselineIdentity(cfg.serve, cfg.bench, cfg.target, cfg.paths.artifacts).output(scope)
+
 
 # ---------------------------------------------------------------- suites
 
@@ -193,12 +203,12 @@ def test_summary_lists_failed_jobs_and_best(make_cfg, tmp_path, capsys):
         ok_result(4, 95.0, 2.6, 0.028, per_pos),
         ok_result(3, 80.0, 2.3, 0.024, per_pos[:2]),
         {
-            **job_identity(make_cfg("serve=vllm", "spec=d10s5")),
+            **identity_of(make_cfg("serve=vllm", "spec=d10s5")),
             "status": "failed",
             "error": "Eagle3Error: spec d10s5k4 (topk=4) is a tree; vLLM drafts chains only",
         },
     ]
-    out = summarize(make_cfg(), results, tmp_path)
+    out = summarize(make_cfg().bench, results, tmp_path)
     assert out["best"]["spec"] == "d4"
     rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
     assert [(r["engine"], r["spec"], r["status"]) for r in rows] == [
@@ -771,6 +781,7 @@ def test_passes_stop_once_apart_from_spec_off(make_cfg, tmp_path, min_repeats, p
     (1e9 tok/s): after bench.min_repeats passes the ranges are apart and the job stops there."""
     from transformers import AutoTokenizer
 
+    from eagle3.bench.engines import open_engine
     from eagle3.bench.measurement import measure
     from eagle3.bench.verdict import Spread
     from eagle3.core.spec import OFF
@@ -790,7 +801,11 @@ def test_passes_stop_once_apart_from_spec_off(make_cfg, tmp_path, min_repeats, p
     path = target_path_for(cfg)
     requests = tokenize_prompts(AutoTokenizer.from_pretrained(path), load_suite(cfg.bench))
     try:
-        result = measure(cfg, OFF, None, path, requests, tmp_path, Spread(1e9, 1e9, 1e9))
+        opener = functools.partial(open_engine, cfg, path)
+        against = Spread(1e9, 1e9, 1e9)
+        result = measure(
+            opener, cfg.bench, cfg.serve.engine, requests, OFF, None, tmp_path, against
+        )
     finally:
         inprocess.release()
     assert result["repeats"] == passes and len(result["tokens_per_s_runs"]) == passes

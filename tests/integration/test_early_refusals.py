@@ -47,7 +47,7 @@ def test_max_new_tokens_beyond_the_context_is_refused_before_the_target_is_prepa
         "target=hf", f"target.path={tmp_path / 'no-model'}", "bench.max_new_tokens=100000"
     )
     with pytest.raises(Eagle3Error) as refused:
-        bench_requests(cfg)
+        bench_requests(cfg.bench, cfg.serve, cfg.engine, cfg.target, cfg.paths.artifacts)
     assert str(refused.value) == (
         "bench.max_new_tokens=100000 does not fit the local engine's context of 4,096 tokens "
         "(engine.max_context), prompt and completion together: ask for fewer tokens"

@@ -3,6 +3,7 @@ compared with spec=off's (how many equal; the first divergence and the target's 
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -12,6 +13,7 @@ from engine_helpers import PROMPTS, reference_greedy
 from eagle3.bench.app import run_job
 from eagle3.bench.outputcheck import check_output_settings, compare_outputs
 from eagle3.core.common import Eagle3Error
+from eagle3.core.target import load_target
 from eagle3.serve import inprocess
 
 
@@ -24,7 +26,8 @@ def test_first_divergence_and_its_margin(make_cfg, tiny_target):
     off = [reference_greedy(tiny_target.model, p, 12) for p in prompts]
     changed = list(off[1])
     changed[5] = (changed[5] + 7) % tiny_target.vocab_size
-    check = compare_outputs(prompts, off, [off[0], changed, off[2][:8]], cfg)
+    load = functools.partial(load_target, cfg)
+    check = compare_outputs(prompts, off, [off[0], changed, off[2][:8]], load)
     with torch.no_grad():
         logits = tiny_target.model(torch.tensor([prompts[1] + off[1][:5]])).logits[0, -1]
     margin = float(logits[off[1][5]] - logits[changed[5]])
@@ -35,14 +38,16 @@ def test_first_divergence_and_its_margin(make_cfg, tiny_target):
     assert first["margin"] == pytest.approx(margin, rel=1e-6) and first["margin"] > 0
     assert cut == {"prompt": 2, "position": 8, "margin": None}
     with pytest.raises(Eagle3Error, match="kept 3 outputs and this shape 2"):
-        compare_outputs(prompts, off, off[:2], cfg)
+        compare_outputs(prompts, off, off[:2], load)
 
 
 def test_settings_that_cannot_be_checked(make_cfg):
     with pytest.raises(Eagle3Error, match="bench.temperature=0.7 samples"):
-        check_output_settings(make_cfg("bench.check_outputs=true", "bench.temperature=0.7"))
+        cfg = make_cfg("bench.check_outputs=true", "bench.temperature=0.7")
+        check_output_settings(cfg.bench, cfg.serve.engine)
     with pytest.raises(Eagle3Error, match="serve=vllm does not return"):
-        check_output_settings(make_cfg("bench.check_outputs=true", "serve=vllm"))
+        cfg = make_cfg("bench.check_outputs=true", "serve=vllm")
+        check_output_settings(cfg.bench, cfg.serve.engine)
 
 
 def test_a_bench_job_keeps_and_compares_outputs(make_cfg, tmp_path):

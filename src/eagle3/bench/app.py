@@ -7,6 +7,7 @@ suite, batch size, max tokens) and cached like a stage artifact (eagle3.bench.ba
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -16,22 +17,24 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 from eagle3.bench import sweep
-from eagle3.bench.baseline import BASELINE_KEYS, baseline, off_spread
+from eagle3.bench.baseline import BASELINE_KEYS, BaselineIdentity, baseline, off_spread
 from eagle3.bench.checks import (
     bench_requests,
     check_drafter_fits,
     check_engine_supports,
     job_spec,
 )
+from eagle3.bench.engines import open_engine
 from eagle3.bench.measurement import measure
 from eagle3.bench.outputcheck import check_output_settings, compare_outputs, output_check_line
 from eagle3.bench.provenance import drafter_hash, provenance
 from eagle3.bench.runlog import log_job
 from eagle3.bench.verdict import speedup_fields
 from eagle3.core.common import Eagle3Error, app, log
-from eagle3.core.config import Config
+from eagle3.core.config import BenchConfig, Config, ServeConfig, SpecConfig, TargetConfig
 from eagle3.core.redact import mask_text
-from eagle3.core.spec import resolve_spec
+from eagle3.core.spec import OFF, resolve_spec
+from eagle3.core.target import load_target
 from eagle3.core.tracking import stage_run
 from eagle3.data.suites import suite_name
 from eagle3.serve.drafter import drafter_for
@@ -39,23 +42,27 @@ from eagle3.serve.drafter import drafter_for
 RESULT_FILE = "bench_result.json"
 
 
-def job_identity(cfg: Config) -> dict:
+def job_identity(
+    bench: BenchConfig, serve: ServeConfig, target: TargetConfig, spec: SpecConfig
+) -> dict:
     """What a job varied: shown in the summary even when the job failed before measuring."""
     ident = {
-        "engine": cfg.serve.engine,
-        "target": cfg.target.name,
-        "suite": suite_name(cfg.bench),
-        "batch_size": cfg.bench.batch_size,
-        "max_new_tokens": cfg.bench.max_new_tokens,
+        "engine": serve.engine,
+        "target": target.name,
+        "suite": suite_name(bench),
+        "batch_size": bench.batch_size,
+        "max_new_tokens": bench.max_new_tokens,
         "spec": "invalid",
-        "depth": cfg.spec.depth,
-        "steps": cfg.spec.steps,
-        "topk": cfg.spec.topk,
-        "spec_enabled": bool(cfg.spec.enabled),
+        "depth": spec.depth,
+        "steps": spec.steps,
+        "topk": spec.topk,
+        "spec_enabled": bool(spec.enabled),
     }
     try:
-        spec = resolve_spec(cfg.spec)
-        ident.update(spec=spec.label, depth=spec.depth, steps=spec.steps, topk=spec.topk)
+        resolved = resolve_spec(spec)
+        ident.update(
+            spec=resolved.label, depth=resolved.depth, steps=resolved.steps, topk=resolved.topk
+        )
     except Eagle3Error:
         pass
     return ident
@@ -64,31 +71,45 @@ def job_identity(cfg: Config) -> dict:
 def measure_job(cfg: Config, folder: Path, scope: str | None = None) -> dict:
     """Validate, find drafter and prompts, measure (baseline first), compute speedup. The
     baseline is shared by the jobs of one `scope` (a sweep folder; a lone job's own folder)."""
-    check_output_settings(cfg)
-    spec = job_spec(cfg)
-    target_path, requests = bench_requests(cfg)
-    check_engine_supports(cfg, target_path)
+    bench, engine_name = cfg.bench, cfg.serve.engine
+    check_output_settings(bench, engine_name)
+    spec = job_spec(cfg.spec, cfg.serve)
+    target_path, requests = bench_requests(
+        bench, cfg.serve, cfg.engine, cfg.target, cfg.paths.artifacts
+    )
+    check_engine_supports(engine_name, cfg.target, target_path)
     drafter_path = drafter_for(cfg, spec)
-    check_drafter_fits(cfg, drafter_path, target_path)
-    base = baseline(cfg, target_path, requests, folder, str(scope or folder))
+    check_drafter_fits(cfg.target, engine_name, drafter_path, target_path)
+    opener = functools.partial(open_engine, cfg, target_path)
+    measure_with = functools.partial(measure, opener, bench, engine_name, requests)
+    identity = BaselineIdentity(cfg.serve, bench, cfg.target, cfg.paths.artifacts)
+    measure_off = functools.partial(measure_with, OFF, None)
+    base = baseline(identity, measure_off, folder, str(scope or folder))
     metrics = (
-        measure(cfg, spec, drafter_path, target_path, requests, folder / "spec", off_spread(base))
+        measure_with(spec, drafter_path, folder / "spec", off_spread(base))
         if spec.enabled
         else {k: v for k, v in base.items() if not k.startswith("baseline_")}
     )
-    metrics.update({f"baseline_{k}": base.get(k) for k in BASELINE_KEYS})
-    metrics.update({k: v for k, v in base.items() if k.startswith("baseline_")})
-    metrics.update(speedup_fields(metrics, base))
+    metrics.update(against_baseline(metrics, base))
     metrics.update(
         drafter=str(drafter_path) if drafter_path else None, drafter_hash=drafter_hash(drafter_path)
     )
     outputs = metrics.pop("outputs", None)
-    if cfg.bench.check_outputs:
-        check = compare_outputs(requests, base.get("outputs") or [], outputs or [], cfg)
+    if bench.check_outputs:
+        load = functools.partial(load_target, cfg)
+        check = compare_outputs(requests, base.get("outputs") or [], outputs or [], load)
         (folder / "output_check.json").write_text(json.dumps(check, indent=1))
         metrics.update(check)
         log.info("%s", output_check_line(spec.label, check))
     return metrics
+
+
+def against_baseline(metrics: dict, base: dict) -> dict:
+    """The spec=off measurement a job carries (baseline_<key>, its run and reuse) and the speedup."""
+    fields = {f"baseline_{k}": base.get(k) for k in BASELINE_KEYS}
+    fields.update({k: v for k, v in base.items() if k.startswith("baseline_")})
+    fields.update(speedup_fields(metrics, base))
+    return fields
 
 
 def run_job(
@@ -96,7 +117,7 @@ def run_job(
 ) -> dict:
     """One job, never raising for an engine or spec failure: the result says ok or failed."""
     folder.mkdir(parents=True, exist_ok=True)
-    result = {**job_identity(cfg), "folder": str(folder)}
+    result = {**job_identity(cfg.bench, cfg.serve, cfg.target, cfg.spec), "folder": str(folder)}
     name = f"{result['engine']}-{result['spec']}-bs{result['batch_size']}"
     with stage_run(
         cfg,
@@ -107,7 +128,7 @@ def run_job(
     ) as run:
         try:
             result.update(measure_job(cfg, folder, sweep_dir), status="ok")
-            result.update(provenance(cfg))
+            result.update(provenance(cfg.serve, cfg.target, cfg.bench))
         except (Eagle3Error, OSError, httpx.HTTPError) as err:
             result.update(
                 status="failed",
@@ -117,7 +138,7 @@ def run_job(
             log.error("bench job %s failed: %s", name, err)
         if run is not None:
             result["run_id"] = run.info.run_id
-            log_job(cfg, result)
+            log_job(cfg.bench, cfg.target.name, result)
     (folder / RESULT_FILE).write_text(json.dumps(result, indent=1, default=str))
     return result
 
@@ -139,15 +160,15 @@ def main(cfg: Config) -> float | None:
     # sweep the first job stops it (every job would fail the same way); a lone job's spec first,
     # before the target is prepared (in a sweep a spec one engine cannot run fails that job only)
     if hydra_cfg.mode != RunMode.MULTIRUN:
-        job_spec(cfg)
-    bench_requests(cfg)
+        job_spec(cfg.spec, cfg.serve)
+    bench_requests(cfg.bench, cfg.serve, cfg.engine, cfg.target, cfg.paths.artifacts)
     if hydra_cfg.mode == RunMode.MULTIRUN:
         sweep_dir = Path(hydra_cfg.sweep.dir)
         log.info(sweep.progress_line(sweep_dir))
         result = run_job(cfg, folder, sweep.parent_run_id(sweep_dir), sweep_dir)
         return job_value(result)  # the score a search ranks jobs by (search=shapes)
     result = run_job(cfg, folder)
-    sweep.summarize(cfg, [result], folder)
+    sweep.summarize(cfg.bench, [result], folder)
     if result["status"] != "ok":
         raise Eagle3Error(f"bench job failed: {result['error']}")
 

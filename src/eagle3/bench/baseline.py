@@ -8,14 +8,14 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.bench.measurement import measure
 from eagle3.bench.verdict import Spread
-from eagle3.core.artifacts import read_json, stage_output
+from eagle3.core.artifacts import StageOutput, read_json, stage_output
 from eagle3.core.common import log
-from eagle3.core.config import Config, plain
-from eagle3.core.spec import OFF
+from eagle3.core.config import BenchConfig, ServeConfig, TargetConfig, plain
 from eagle3.data.suites import suite_names
 
 # the spec=off measurement's metrics a job carries as baseline_<key>
@@ -37,51 +37,63 @@ BASELINE_IGNORES = (
 )
 
 
-def baseline_output(cfg: Config, scope: str | None = None):
-    """Where the spec=off measurement for this (engine, target, suite, batch size, max tokens)
-    lives; `scope` (a sweep folder) keeps each sweep's own measurement apart."""
-    serve = {k: v for k, v in plain(cfg.serve).items() if k not in BASELINE_IGNORES}
-    bench = {
-        k: v
-        for k, v in plain(cfg.bench).items()
-        if k not in ("suites", "reuse_baseline", "cost_model_depths", "min_repeats")
-    }
-    suite = (
-        [plain(cfg.bench.suites.get(name)) for name in suite_names(cfg.bench)]
-        if not cfg.bench.prompts
-        else None
-    )
-    sections = {
-        "serve": serve,
-        "target": plain(cfg.target),
-        "bench": bench,
-        "suite": suite,
-        "machine": platform.node(),
-    }
-    if scope:
-        sections["scope"] = str(scope)
-    return stage_output(cfg.paths.artifacts, "bench_baseline", sections)
+@dataclass(frozen=True)
+class BaselineIdentity:
+    """The settings a spec=off measurement is cached under (engine, target, suite, batch size, max
+    tokens; not BASELINE_IGNORES) and the artifacts folder its stage outputs live in."""
 
+    serve: ServeConfig
+    bench: BenchConfig
+    target: TargetConfig
+    artifacts: str
 
-def earlier_baseline(cfg: Config):
-    """The newest complete spec=off measurement of this configuration from any sweep, or None."""
-    wanted = json.loads(json.dumps(baseline_output(cfg).config, default=str))
-    found = []
-    for manifest_path in Path(cfg.paths.artifacts, "bench_baseline").glob("*/manifest.json"):
-        manifest = read_json(
-            manifest_path, f"remove {manifest_path.parent}: the next job measures again"
+    def output(self, scope: str | None = None) -> StageOutput:
+        """Where the spec=off measurement lives; `scope` (a sweep folder) keeps each sweep's own
+        measurement apart."""
+        serve = {k: v for k, v in plain(self.serve).items() if k not in BASELINE_IGNORES}
+        bench = {
+            k: v
+            for k, v in plain(self.bench).items()
+            if k not in ("suites", "reuse_baseline", "cost_model_depths", "min_repeats")
+        }
+        suite = (
+            [plain(self.bench.suites.get(name)) for name in suite_names(self.bench)]
+            if not self.bench.prompts
+            else None
         )
-        config = {k: v for k, v in manifest.get("config", {}).items() if k != "scope"}
-        if manifest.get("complete") and config == wanted:
-            found.append((manifest.get("measured_at", 0.0), manifest_path.parent, manifest))
-    return max(found, key=lambda item: item[0], default=None)
+        sections = {
+            "serve": serve,
+            "target": plain(self.target),
+            "bench": bench,
+            "suite": suite,
+            "machine": platform.node(),
+        }
+        if scope:
+            sections["scope"] = str(scope)
+        return stage_output(self.artifacts, "bench_baseline", sections)
+
+    def earlier(self):
+        """The newest complete spec=off measurement of these settings from any sweep, or None."""
+        wanted = json.loads(json.dumps(self.output().config, default=str))
+        found = []
+        for manifest_path in Path(self.artifacts, "bench_baseline").glob("*/manifest.json"):
+            manifest = read_json(
+                manifest_path, f"remove {manifest_path.parent}: the next job measures again"
+            )
+            config = {k: v for k, v in manifest.get("config", {}).items() if k != "scope"}
+            if manifest.get("complete") and config == wanted:
+                found.append((manifest.get("measured_at", 0.0), manifest_path.parent, manifest))
+        return max(found, key=lambda item: item[0], default=None)
 
 
-def baseline(cfg: Config, target_path, requests, folder: Path, scope: str) -> dict:
-    """spec=off for this job: measured once per sweep (`scope`), or with bench.reuse_baseline the
-    newest earlier measurement, whose run id and age the result then carries."""
-    if cfg.bench.reuse_baseline:
-        earlier = earlier_baseline(cfg)
+def baseline(
+    identity: BaselineIdentity, measure_off: Callable[[Path], dict], folder: Path, scope: str
+) -> dict:
+    """spec=off for this job: measured once per sweep (`scope`; measure_off(folder) measures), or
+    with bench.reuse_baseline the newest earlier measurement, whose run id and age the result then
+    carries."""
+    if identity.bench.reuse_baseline:
+        earlier = identity.earlier()
         if earlier:
             measured_at, path, manifest = earlier
             log.info("reusing the spec=off baseline %s (run %s)", path, manifest.get("run_id"))
@@ -91,7 +103,7 @@ def baseline(cfg: Config, target_path, requests, folder: Path, scope: str) -> di
                 "baseline_run_id": manifest.get("run_id"),
                 "baseline_age_s": time.time() - measured_at,
             }
-    out = baseline_output(cfg, scope)
+    out = identity.output(scope)
     with out.lock():  # jobs of one sweep running at once (a parallel launcher): one measures
         if out.complete:
             manifest = out.manifest()
@@ -100,7 +112,7 @@ def baseline(cfg: Config, target_path, requests, folder: Path, scope: str) -> di
                 "baseline_reused": False,
                 "baseline_run_id": manifest.get("run_id"),
             }
-        metrics = measure(cfg, OFF, None, target_path, requests, folder / "baseline")
+        metrics = measure_off(folder / "baseline")
         out.start()
         (out.path / "metrics.json").write_text(json.dumps(metrics, indent=1))
         run_id = active_run_id()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eagle3.bench.costmodel import fit_step_cost
 from eagle3.engine.schedule import SCHEDULE_FILE
 
 
@@ -227,8 +228,6 @@ def step_cost_rows(results: list[dict]) -> list[dict]:
     """Per group and batch size: every measured shape's seconds per step (spec=off's included) and
     the cost model's line through the chains, step(D) = verify + draft_step * (D - 1)
     (eagle3.bench.costmodel), which predicts the depths not measured at that batch size."""
-    from eagle3.bench.costmodel import fit_step_cost
-
     rows = []
     for (engine, suite, _, _), by_batch in sorted(load_groups(results).items()):
         for batch, jobs in sorted(by_batch.items()):

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 
 from eagle3.bench.client import run_requests
-from eagle3.core.config import BenchConfig, Config
+from eagle3.core.config import BenchConfig, Config, EngineConfig, ServeConfig
 from eagle3.core.spec import Spec
 from eagle3.serve import inprocess
 from eagle3.serve.counters import read_counters
@@ -18,10 +18,10 @@ from eagle3.serve.launch import EngineFailed, EngineProcess, start_engine
 
 class Served:
     """An engine process measured through its HTTP API (the in-process engines of
-    eagle3.serve.inprocess answer the same calls)."""
+    eagle3.serve.inprocess answer the same calls); `model` names the target in OpenAI requests."""
 
-    def __init__(self, process: EngineProcess, cfg: Config, target_path):
-        self.process, self.scfg, self.model = process, cfg.serve, str(target_path)
+    def __init__(self, process: EngineProcess, serve: ServeConfig, model: str):
+        self.process, self.scfg, self.model = process, serve, model
 
     def run(self, requests, bcfg: BenchConfig, desc: str) -> tuple[list[dict], float]:
         timeout_s = self.scfg.request_timeout_s
@@ -45,18 +45,24 @@ class Served:
         self.process.stop(self.scfg.stop_timeout_s)
 
 
-def open_engine(cfg: Config, spec: Spec, drafter_path, target_path, folder: Path):
-    """The engine a job measures: a started server, or with serve.inprocess one in this process."""
+def open_engine(cfg: Config, target_path, spec: Spec, drafter_path, folder: Path):
+    """The engine a job measures with `spec`: a started server, or with serve.inprocess one in this
+    process; its config has the job's engine section (job_engine). A job binds cfg and target_path
+    (functools.partial) and hands the rest of the bench the opener."""
+    engine = job_engine(cfg.engine, spec)
+    if engine is not cfg.engine:
+        cfg = dataclasses.replace(cfg, engine=engine)
     if cfg.serve.inprocess:
         return inprocess.engine_for(cfg, spec, drafter_path)
-    return Served(start_engine(cfg, spec, drafter_path, target_path, folder), cfg, target_path)
+    process = start_engine(cfg, spec, drafter_path, target_path, folder)
+    return Served(process, cfg.serve, str(target_path))
 
 
-def engine_cfg(cfg: Config, spec: Spec) -> Config:
-    """The config a job's engine is built from: the job's spec at every step (engine.schedule=auto
-    counts as off here, so a shape sweep measures each shape; spec=off never runs a schedule); a
-    schedule file given by path applies to the job's engine."""
-    setting = str(cfg.engine.schedule)
+def job_engine(engine: EngineConfig, spec: Spec) -> EngineConfig:
+    """The engine section a job's engine is built from: the job's spec at every step
+    (engine.schedule=auto counts as off here, so a shape sweep measures each shape; spec=off never
+    runs a schedule); a schedule file given by path applies to the job's engine."""
+    setting = str(engine.schedule)
     if setting == "off" or (spec.enabled and setting != "auto"):
-        return cfg
-    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, schedule="off"))
+        return engine
+    return dataclasses.replace(engine, schedule="off")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from eagle3.bench.engines import engine_cfg, open_engine
 from eagle3.bench.verdict import Spread, combine_repeats
 from eagle3.core.common import log
-from eagle3.core.config import Config
+from eagle3.core.config import BenchConfig
 from eagle3.core.spec import Spec
 from eagle3.serve.counters import acceptance_from_counters, counter_delta
 from eagle3.serve.launch import EngineFailed
@@ -76,42 +76,45 @@ def acceptance_for(engine: str, delta: dict, records: list[dict], spec: Spec) ->
     )
 
 
-def measure_pass(engine, cfg: Config, spec: Spec, requests, desc: str) -> dict:
+def measure_pass(
+    engine, bench: BenchConfig, engine_name: str, spec: Spec, requests, desc: str
+) -> dict:
     """One pass of the suite on a warm engine: its metrics and request records."""
     before = engine.counters()
-    records, wall_s = engine.run(requests, cfg.bench, desc)
+    records, wall_s = engine.run(requests, bench, desc)
     engine.check_alive()
     delta = counter_delta(before, engine.counters())
-    metrics = aggregate(records, wall_s, acceptance_for(cfg.serve.engine, delta, records, spec))
+    metrics = aggregate(records, wall_s, acceptance_for(engine_name, delta, records, spec))
     return {**metrics, "records": records}
 
 
 def measure(
-    cfg: Config,
+    open_engine: Callable,
+    bench: BenchConfig,
+    engine_name: str,
+    requests: list[list[int]],
     spec: Spec,
     drafter_path,
-    target_path,
-    requests: list[list[int]],
     folder: Path,
     against: Spread | None = None,
 ) -> dict:
-    """Start the engine with `spec`, warm up, run the suite bench.repeats times, stop it; the
-    median of the passes with the spread of their tok/s (eagle3.bench.verdict.combine_repeats). Against
-    spec=off's spread, the passes stop after bench.min_repeats once the two ranges are apart by more
-    than either's width (Spread.apart)."""
-    bcfg = cfg.bench
+    """Open the engine with `spec` (open_engine(spec, drafter_path, folder), eagle3.bench.engines),
+    warm up, run the suite bench.repeats times, stop it; the median of the passes with the spread
+    of their tok/s (eagle3.bench.verdict.combine_repeats). Against spec=off's spread, the passes
+    stop after bench.min_repeats once the two ranges are apart by more than either's width
+    (Spread.apart)."""
     folder.mkdir(parents=True, exist_ok=True)
-    engine = open_engine(engine_cfg(cfg, spec), spec, drafter_path, target_path, folder)
-    repeats = max(int(bcfg.repeats), 1)
+    engine = open_engine(spec, drafter_path, folder)
+    repeats = max(int(bench.repeats), 1)
     passes = []
     try:
-        if bcfg.warmup:
-            engine.run(requests[: bcfg.warmup], bcfg, "warmup")
+        if bench.warmup:
+            engine.run(requests[: bench.warmup], bench, "warmup")
         started = time.monotonic()
         for index in range(repeats):
-            desc = f"{cfg.serve.engine} {spec.label} {index + 1}/{repeats}"
-            passes.append(measure_pass(engine, cfg, spec, requests, desc))
-            if settled(passes, against, bcfg.min_repeats):
+            desc = f"{engine_name} {spec.label} {index + 1}/{repeats}"
+            passes.append(measure_pass(engine, bench, engine_name, spec, requests, desc))
+            if settled(passes, against, bench.min_repeats):
                 log.info("%s: tok/s apart from spec=off after %d passes", spec.label, len(passes))
                 break
             left_s = (time.monotonic() - started) / len(passes) * (repeats - len(passes))
@@ -122,7 +125,7 @@ def measure(
     records = [p.pop("records") for p in passes]
     (folder / "requests.json").write_text(json.dumps(records, indent=1))
     metrics = combine_repeats(passes)
-    if bcfg.check_outputs:  # the first pass's token ids, compared with spec=off's
+    if bench.check_outputs:  # the first pass's token ids, compared with spec=off's
         metrics["outputs"] = [r.get("output_ids", []) for r in records[0]]
     return metrics
 

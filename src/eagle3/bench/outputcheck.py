@@ -3,25 +3,27 @@ logit margin between the two tokens."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from eagle3.core.common import Eagle3Error
-from eagle3.core.config import Config
-from eagle3.core.target import load_target
+from eagle3.core.config import BenchConfig
+from eagle3.core.target import Target
 
 
-def check_output_settings(cfg: Config) -> None:
+def check_output_settings(bench: BenchConfig, engine_name: str) -> None:
     """bench.check_outputs compares greedy outputs, which only /generate answers carry."""
-    if not cfg.bench.check_outputs:
+    if not bench.check_outputs:
         return
-    if cfg.bench.temperature != 0:
+    if bench.temperature != 0:
         raise Eagle3Error(
             f"bench.check_outputs=true compares greedy outputs; bench.temperature="
-            f"{cfg.bench.temperature} samples (set it to 0)"
+            f"{bench.temperature} samples (set it to 0)"
         )
-    if cfg.serve.engine not in ("local", "sglang"):
+    if engine_name not in ("local", "sglang"):
         raise Eagle3Error(
-            f"bench.check_outputs=true needs output token ids, which serve={cfg.serve.engine} "
+            f"bench.check_outputs=true needs output token ids, which serve={engine_name} "
             "does not return; use serve=local or serve=sglang"
         )
 
@@ -35,10 +37,14 @@ def first_divergence(expected: list[int], got: list[int]) -> int | None:
 
 
 def compare_outputs(
-    prompts: list[list[int]], off: list[list[int]], outputs: list[list[int]], cfg: Config
+    prompts: list[list[int]],
+    off: list[list[int]],
+    outputs: list[list[int]],
+    load_target: Callable[[], Target],
 ) -> dict:
     """How many outputs equal spec=off's and, per one that differs, where it first does and the
-    target's logit margin there (spec=off's token minus this output's; None past either's end)."""
+    target's logit margin there (spec=off's token minus this output's; None past either's end);
+    load_target() loads the target at the first margin asked for."""
     if len(off) != len(outputs):
         raise Eagle3Error(
             f"bench.check_outputs: spec=off kept {len(off)} outputs and this shape {len(outputs)}; "
@@ -52,7 +58,7 @@ def compare_outputs(
             continue
         entry = {"prompt": index, "position": position, "margin": None}
         if position < min(len(expected), len(got)):
-            logits_at = logits_at or target_logits(cfg)
+            logits_at = logits_at or target_logits(load_target())
             row = logits_at(prompt + expected[:position])
             entry.update(
                 off_token=expected[position],
@@ -67,9 +73,8 @@ def compare_outputs(
     }
 
 
-def target_logits(cfg: Config):
-    """ids -> the target's next-token logits (float32) after them: the target loaded here once."""
-    target = load_target(cfg)
+def target_logits(target: Target):
+    """ids -> the target's next-token logits (float32) after them."""
 
     @torch.inference_mode()
     def logits(ids: list[int]) -> torch.Tensor:

@@ -11,26 +11,26 @@ import transformers
 
 from eagle3.core.artifacts import git_commit, read_json
 from eagle3.core.common import hardware, local_engine_version
-from eagle3.core.config import Config
+from eagle3.core.config import BenchConfig, ServeConfig, TargetConfig
 from eagle3.serve.launch import engine_python
 
 # what every result row carries about where and how it was measured (besides drafter_hash)
 PROVENANCE = ("hardware", "engine_version", "torch_version", "dtype", "temperature", "git_commit")
 
 
-def provenance(cfg: Config) -> dict:
+def provenance(serve: ServeConfig, target: TargetConfig, bench: BenchConfig) -> dict:
     """The machine, engine and its version, torch, dtype, sampling temperature and git commit of a
     measured job. dtype: the target's as configured for the local engine (auto = bfloat16 on a GPU,
     float32 on a CPU), serve.dtype for vLLM and SGLang."""
-    dtype = cfg.target.dtype if cfg.serve.engine in ("local", "hf") else cfg.serve.dtype
+    dtype = target.dtype if serve.engine in ("local", "hf") else serve.dtype
     if dtype == "auto":
         dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     return {
         "hardware": hardware(),
-        "engine_version": engine_version(cfg),
+        "engine_version": engine_version(serve),
         "torch_version": torch.__version__,
         "dtype": str(dtype),
-        "temperature": float(cfg.bench.temperature),
+        "temperature": float(bench.temperature),
         "git_commit": git_commit(),
     }
 
@@ -46,22 +46,22 @@ def drafter_hash(path) -> str | None:
     return Path(path).name
 
 
-def engine_version(cfg: Config) -> str:
+def engine_version(serve: ServeConfig) -> str:
     """The serving engine's package version (read from its own interpreter for vLLM / SGLang)."""
-    if cfg.serve.engine == "local":
+    if serve.engine == "local":
         return local_engine_version()
-    if cfg.serve.engine == "hf":
+    if serve.engine == "hf":
         return f"transformers {transformers.__version__}"
     code = (
         "import importlib.metadata as m\n"
-        f"for name in ('{cfg.serve.engine}', '{cfg.serve.engine}-cpu'):\n"
+        f"for name in ('{serve.engine}', '{serve.engine}-cpu'):\n"
         "    try: print(m.version(name)); break\n"
         "    except m.PackageNotFoundError: pass"
     )
     try:
         done = subprocess.run(
-            [engine_python(cfg.serve), "-c", code], capture_output=True, text=True, timeout=60
+            [engine_python(serve), "-c", code], capture_output=True, text=True, timeout=60
         )
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
-    return f"{cfg.serve.engine} {done.stdout.strip() or 'unknown'}"
+    return f"{serve.engine} {done.stdout.strip() or 'unknown'}"

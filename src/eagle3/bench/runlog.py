@@ -7,7 +7,7 @@ from __future__ import annotations
 from eagle3.bench.baseline import baseline_of
 from eagle3.bench.provenance import PROVENANCE
 from eagle3.bench.verdict import ACCEPTS_NOTHING, accepts_nothing, against_off
-from eagle3.core.config import Config
+from eagle3.core.config import BenchConfig
 
 LOG_EXCERPT_LINES = 40
 
@@ -17,14 +17,14 @@ JOB_PARAMS = ("engine", "spec", "depth", "steps", "topk", "batch_size", "max_new
 NOT_METRICS = frozenset((*JOB_PARAMS, "repeats", "spec_enabled", "baseline_reused", "temperature"))
 
 
-def job_params(cfg: Config, result: dict) -> dict:
+def job_params(bench: BenchConfig, target_name: str, result: dict) -> dict:
     """What a job ran: its shape, load and suite, the target, drafter, hardware, engine version."""
     params = {k: result.get(k) for k in JOB_PARAMS}
     params.update(
-        target=cfg.target.name,
+        target=target_name,
         drafter=result.get("drafter_hash"),
         **{k: result.get(k) for k in PROVENANCE},
-        repeats=cfg.bench.repeats,
+        repeats=bench.repeats,
     )
     return {k: "" if v is None else str(v) for k, v in params.items()}
 
@@ -40,13 +40,13 @@ def job_metrics(result: dict) -> dict:
     return numbers
 
 
-def log_job(cfg: Config, result: dict) -> None:
+def log_job(bench: BenchConfig, target_name: str, result: dict) -> None:
     """Settings as params, measurements as metrics (tok/s per pass as steps of tokens_per_s_pass),
     or the failure, on the active child run."""
     import mlflow
 
     mlflow.set_tag("status", result["status"])
-    mlflow.log_params({f"job.{k}": v for k, v in job_params(cfg, result).items()})
+    mlflow.log_params({f"job.{k}": v for k, v in job_params(bench, target_name, result).items()})
     if result["status"] != "ok":
         mlflow.set_tag("error", result["error"][:5000])
         mlflow.log_text(
@@ -57,7 +57,7 @@ def log_job(cfg: Config, result: dict) -> None:
         mlflow.end_run(status="FAILED")
         return
     mlflow.set_tag("vs_spec_off", against_off(result, baseline_of(result)))
-    if accepts_nothing(result, float(cfg.bench.accepts_nothing_tau)):
+    if accepts_nothing(result, float(bench.accepts_nothing_tau)):
         mlflow.set_tag("acceptance", ACCEPTS_NOTHING)
     if result.get("baseline_run_id"):
         mlflow.set_tag("baseline_run_id", result["baseline_run_id"])

@@ -21,18 +21,19 @@ import json
 from pathlib import Path
 
 import optuna
+from omegaconf import DictConfig
 
 from eagle3.bench.sweep import cost_model_rows
 from eagle3.core.common import log
-from eagle3.core.config import Config
 from eagle3.core.spec import max_tree_nodes
 
 DEPTH, TOPK, STEPS = "spec.depth", "spec.topk", "spec.steps"
 
 
-def tree_steps(cfg: Config, trial: optuna.trial.Trial) -> None:
+def tree_steps(cfg: DictConfig, trial: optuna.trial.Trial) -> None:
     """spec.steps for trees only, in [search.min_steps, search.max_steps] and no fewer than the
-    tree needs to offer depth-1 candidates (eagle3.core.spec.max_tree_nodes)."""
+    tree needs to offer depth-1 candidates (eagle3.core.spec.max_tree_nodes). Hydra's Optuna sweeper
+    calls it (custom_search_space) with the composed config, untyped."""
     topk = int(trial.params.get(TOPK, 1))
     if topk == 1:
         return

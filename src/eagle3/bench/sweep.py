@@ -17,14 +17,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from eagle3.bench.concurrency import write_load_summary
 from eagle3.bench.costmodel import fit_step_cost, predict
+from eagle3.bench.verdict import Rules, against_off, baseline_row, verdict_lines, winner
 from eagle3.core import tracking
 from eagle3.core.common import check_group_choices
-from eagle3.core.config import Config
+from eagle3.core.config import BenchConfig
 from eagle3.core.lifecycle import process_identity, watch_runs
 from eagle3.core.redact import mask_argv
 
@@ -106,8 +108,12 @@ class BenchSweepCallback(Callback):
                 sweep_dir.glob("*/bench_result.json"), key=lambda p: _job_number(p.parent.name)
             )
         ]
-        summarize(config, results, sweep_dir, parent_run_id(sweep_dir))
+        summary = summarize(config.bench, results, sweep_dir)
         failed = [r for r in results if r.get("status") != "ok"]
+        run_id = parent_run_id(sweep_dir)
+        if run_id:
+            client = tracking.client(config)
+            log_to_parent(client, run_id, summary, len(failed))
         if failed:  # the summary lists every job; the exit status says not all were measured
             print(failed_jobs_report(failed, len(results)), file=sys.stderr)
             sys.exit(1)
@@ -115,8 +121,6 @@ class BenchSweepCallback(Callback):
 
 def job_count(hydra_cfg) -> int | None:
     """The jobs a sweep runs: the search's n_trials, else the grid's size (None if unknown)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     if hydra_cfg.sweeper.get("n_trials"):
         return int(hydra_cfg.sweeper.n_trials)
     count = 1
@@ -172,19 +176,17 @@ def _job_number(name: str) -> int:
 # ---------------------------------------------------------------- the summary
 
 
-def summarize(cfg: Config, results: list[dict], out_dir: Path, run_id: str | None = None) -> dict:
-    """Write summary.md / summary.csv / plots / cost_model.md / verdict.txt into out_dir, log them
-    to the parent run, print the table and the verdict; returns {"best": the winning job, or None
-    when no shape beat spec=off beyond noise, "verdict": [lines], "files": [...]}."""
-    from eagle3.bench.verdict import Rules, against_off, baseline_row, verdict_lines, winner
-
+def summarize(bench: BenchConfig, results: list[dict], out_dir: Path) -> dict:
+    """Write summary.md / summary.csv / plots / cost_model.md / verdict.txt into out_dir, print the
+    table and the verdict; returns {"best": the winning job, or None when no shape beat spec=off
+    beyond noise, "verdict": [lines], "files": [...]} (a sweep logs them to its parent run)."""
     for r in results:
         if r.get("status") == "ok":
             r["vs_spec_off"] = against_off(r, baseline_row([r]))
     rows = [{c: _cell(r.get(c)) for c in COLUMNS} for r in results]
     files = [write_markdown(rows, out_dir / "summary.md"), write_csv(rows, out_dir / "summary.csv")]
     files += write_plots(results, out_dir)
-    model_rows = cost_model_rows(results, list(cfg.bench.cost_model_depths))
+    model_rows = cost_model_rows(results, list(bench.cost_model_depths))
     files.append(
         write_markdown(
             model_rows,
@@ -218,7 +220,7 @@ def summarize(cfg: Config, results: list[dict], out_dir: Path, run_id: str | Non
         engine, suite, batch, max_tokens, drafter = key
         named = f", drafter {drafter}" if drafter else ""
         verdict.append(f"{engine}, {suite}, batch {batch}, {max_tokens} new tokens{named}:")
-        rules = Rules.of(cfg.bench)
+        rules = Rules.of(bench)
         verdict += verdict_lines(jobs, [m for m in model_rows if _model_key(m) == key], rules)
         chosen = winner(jobs, rules)[0]
         if chosen["spec"] != "off":
@@ -227,8 +229,6 @@ def summarize(cfg: Config, results: list[dict], out_dir: Path, run_id: str | Non
     files[-1].write_text("\n".join(verdict) + "\n")
     print("\n".join(verdict))
     best = max(winners, key=lambda r: r["speedup"]) if winners else None
-    if run_id:
-        log_to_parent(cfg, run_id, files, best, len(failed), verdict)
     return {"best": best, "verdict": verdict, "files": files}
 
 
@@ -282,8 +282,6 @@ def write_plots(results: list[dict], out_dir: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from eagle3.bench.verdict import baseline_row
 
     paths = []
     for metric, label in (
@@ -358,15 +356,9 @@ def cost_model_rows(results: list[dict], depths: list[int]) -> list[dict]:
     return rows
 
 
-def log_to_parent(
-    cfg: Config,
-    run_id: str,
-    files: list[Path],
-    best: dict | None,
-    failed: int,
-    verdict: list[str],
-) -> None:
-    client = tracking.client(cfg)
+def log_to_parent(client, run_id: str, summary: dict, failed: int) -> None:
+    """A sweep's summary (summarize) on its parent run, which it ends."""
+    files, best, verdict = summary["files"], summary["best"], summary["verdict"]
     for path in files:
         client.log_artifact(run_id, str(path))
     client.set_tag(run_id, "failed_jobs", str(failed))

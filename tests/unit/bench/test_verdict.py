@@ -2,15 +2,19 @@
 spec=off baseline measured once per sweep unless reuse is asked for."""
 
 import csv
+import functools
 import json
 import time
 
 import pytest
 
-from eagle3.bench.baseline import baseline, baseline_output
+from eagle3.bench.baseline import BaselineIdentity, baseline
 from eagle3.bench.costmodel import StepCost, accept_length
+from eagle3.bench.engines import open_engine
+from eagle3.bench.measurement import measure
 from eagle3.bench.sweep import summarize
 from eagle3.bench.verdict import Rules, Spread, combine_repeats, speedup_fields, winner
+from eagle3.core.spec import OFF
 
 COST = StepCost(verify_s=0.04, draft_step_s=0.012)  # a CPU-like step: drafting is expensive
 PER_POS = [0.75, 0.55, 0.4, 0.3, 0.22, 0.16, 0.12, 0.09, 0.07, 0.05, 0.04, 0.03, 0.02, 0.02, 0.01]
@@ -98,7 +102,7 @@ def test_every_shape_slower_than_spec_off_is_said_plainly(make_cfg, tmp_path, ca
     """d16 at 0.59x and d10 at 0.65x of spec=off: no "best", no winner; the fastest with its ratio
     and the cost model's predicted best depth with its predicted ratio."""
     results = [job(16, 14.75, 14.2, 15.3), job(10, 16.25, 15.6, 16.9)]
-    out = summarize(make_cfg(), results, tmp_path)
+    out = summarize(make_cfg().bench, results, tmp_path)
     printed = capsys.readouterr().out
     assert out["best"] is None and "best" not in printed
     assert (
@@ -129,7 +133,7 @@ def test_a_tie_goes_to_the_cheaper_shape(make_cfg, tmp_path, capsys):
     chosen, fastest, tied = winner(results)
     assert (chosen["spec"], fastest["spec"]) == ("d3", "d4")
     assert sorted(r["spec"] for r in tied) == ["d3", "d4"]
-    out = summarize(make_cfg(), results, tmp_path)
+    out = summarize(make_cfg().bench, results, tmp_path)
     assert out["best"]["spec"] == "d3"
     printed = capsys.readouterr().out
     assert "winner: d3 at 1.20x spec=off (1.08-1.27x); it ties with d4" in printed
@@ -141,7 +145,7 @@ def test_a_tie_goes_to_the_cheaper_shape(make_cfg, tmp_path, capsys):
 
 def test_a_shape_within_spec_offs_range_is_a_tie_and_spec_off_wins_it(make_cfg, tmp_path, capsys):
     results = [job(3, 26.0, 25.5, 27.0), job(6, 20.0, 19.0, 21.0)]
-    out = summarize(make_cfg(), results, tmp_path)
+    out = summarize(make_cfg().bench, results, tmp_path)
     printed = capsys.readouterr().out
     assert out["best"] is None
     assert (
@@ -154,6 +158,17 @@ def test_a_shape_within_spec_offs_range_is_a_tie_and_spec_off_wins_it(make_cfg, 
 # ---------------------------------------------------------------- the baseline's scope
 
 
+def identity(cfg):
+    return BaselineIdentity(cfg.serve, cfg.bench, cfg.target, cfg.paths.artifacts)
+
+
+def off_baseline(cfg, target_path, requests, folder, scope):
+    """The job's spec=off measurement as a bench job takes it (eagle3.bench.app.measure_job)."""
+    opener = functools.partial(open_engine, cfg, target_path)
+    off = functools.partial(measure, opener, cfg.bench, cfg.serve.engine, requests, OFF, None)
+    return baseline(identity(cfg), off, folder, scope)
+
+
 def test_baseline_once_per_sweep_and_reused_only_when_asked(make_cfg, own_artifacts, tmp_path):
     """Real spec=off measurements (tiny target, local server): one per sweep, shared by its jobs;
     bench.reuse_baseline=true takes the newest earlier one and says which run and how old."""
@@ -162,23 +177,25 @@ def test_baseline_once_per_sweep_and_reused_only_when_asked(make_cfg, own_artifa
     quick = ("bench.limit=1", "bench.max_new_tokens=4", "bench.warmup=0", "bench.repeats=2")
     cfg = make_cfg("target=tiny-llama", f"paths.artifacts={own_artifacts}", *quick)
     target, requests = target_path_for(cfg), [[1, 2, 3]]
-    first = baseline(cfg, target, requests, tmp_path / "job0", "sweep-a")
-    again = baseline(cfg, target, requests, tmp_path / "job1", "sweep-a")
+    first = off_baseline(cfg, target, requests, tmp_path / "job0", "sweep-a")
+    again = off_baseline(cfg, target, requests, tmp_path / "job1", "sweep-a")
     assert first["repeats"] == 2 and len(first["tokens_per_s_runs"]) == 2
     assert again["tokens_per_s_runs"] == first["tokens_per_s_runs"]  # read back, not measured
     assert not (tmp_path / "job1" / "baseline").exists()
-    baseline(cfg, target, requests, tmp_path / "job2", "sweep-b")  # another sweep measures its own
+    off_baseline(
+        cfg, target, requests, tmp_path / "job2", "sweep-b"
+    )  # another sweep measures its own
     assert (tmp_path / "job2" / "baseline" / "requests.json").exists()
     ages = {"sweep-a": 3600, "sweep-b": 2400}  # sweep-b's is the newer
     for scope, age in ages.items():
-        out = baseline_output(cfg, scope)
+        out = identity(cfg).output(scope)
         manifest = json.loads(out.manifest_path.read_text())
         manifest.update(run_id=f"run-{scope}", measured_at=time.time() - age)
         out.manifest_path.write_text(json.dumps(manifest))
     reuse = make_cfg(
         "target=tiny-llama", f"paths.artifacts={own_artifacts}", *quick, "bench.reuse_baseline=true"
     )
-    reused = baseline(reuse, target, requests, tmp_path / "job3", "sweep-c")
+    reused = off_baseline(reuse, target, requests, tmp_path / "job3", "sweep-c")
     assert not (tmp_path / "job3" / "baseline").exists()
     assert reused["baseline_reused"] and reused["baseline_run_id"] == "run-sweep-b"
     assert reused["baseline_age_s"] == pytest.approx(2400, abs=60)
@@ -198,7 +215,7 @@ def test_a_drafter_the_engine_ignores_is_named_in_the_verdict_and_tagged(
     cfg = make_cfg()
     ignored = job(8, 14.0, 13.5, 14.5, accept_length=1.02, accept_per_pos=[0.02] + [0.0] * 6)
     accepted = job(4, 30.0, 29.0, 31.0)
-    out = summarize(cfg, [ignored, accepted], tmp_path)
+    out = summarize(cfg.bench, [ignored, accepted], tmp_path)
     printed = capsys.readouterr().out
     expected = (
         "the engine accepts almost nothing: check the export (d8 tau 1.02, under 1.1): weights the "
@@ -209,7 +226,7 @@ def test_a_drafter_the_engine_ignores_is_named_in_the_verdict_and_tagged(
     tags = []
     for result in (ignored, accepted):
         with stage_run(cfg, "bench", run_name=result["spec"]) as run:
-            log_job(cfg, {**result, "status": "ok"})
+            log_job(cfg.bench, cfg.target.name, {**result, "status": "ok"})
         tags.append(client.get_run(run.info.run_id).data.tags.get("acceptance"))
     assert tags == ["the engine accepts almost nothing: check the export", None]
 
@@ -227,11 +244,11 @@ def test_a_shape_that_drafts_nothing_never_wins(make_cfg, tmp_path, capsys):
     chosen, fastest, tied = winner([untrained, drafting], rules)
     assert (chosen["spec"], fastest["spec"], [r["spec"] for r in tied]) == ("d3", "d3", ["d3"])
     assert winner([untrained, drafting])[0]["spec"] == "d2"  # without the rule it would have won
-    out = summarize(make_cfg(), [untrained, drafting], tmp_path)
+    out = summarize(make_cfg().bench, [untrained, drafting], tmp_path)
     assert out["best"]["spec"] == "d3"
     assert "winner: d3 at 1.20x spec=off (1.12-1.27x)" in out["verdict"]
     capsys.readouterr()
-    out = summarize(make_cfg(), [untrained], tmp_path)
+    out = summarize(make_cfg().bench, [untrained], tmp_path)
     assert out["best"] is None
     assert out["verdict"][-2] == (
         "no winner: every shape's tau is under 1.1 (it drafts almost nothing), whatever its tok/s"
@@ -259,7 +276,7 @@ def test_a_sweep_too_small_to_tell_names_no_winner(
     bench.winner_min_prompts (4) or fewer passes than bench.winner_min_repeats (3) the verdict
     says the sweep is too small instead of naming it; at exactly 4 prompts and 3 passes it wins."""
     results = [job(3, 30.0, 29.0, 30.5, requests=requests), job(6, 20.0, 19.0, 21.0, requests=8)]
-    out = summarize(make_cfg(f"bench.repeats={repeats}"), results, tmp_path)
+    out = summarize(make_cfg(f"bench.repeats={repeats}").bench, results, tmp_path)
     if said is None:
         assert out["best"]["spec"] == "d3"
         assert "winner: d3 at 1.20x spec=off (1.12-1.27x)" in out["verdict"]

@@ -91,7 +91,7 @@ def test_bench_refuses_the_embedded_engine_for_latent_attention(make_cfg, tmp_pa
         "the embedded engine does not implement); use serve=sglang or serve=vllm"
     )
     llama = make_cfg("target=tiny-llama", "serve=local")
-    checks.check_engine_supports(llama, target_path_for(llama))
+    checks.check_engine_supports(llama.serve.engine, llama.target, target_path_for(llama))
 
 
 def test_rehearsal_targets_have_kimi_k25_head_sizes_and_routing():
