@@ -3,6 +3,7 @@ tau per suite, the log fit, its MLflow parent and children, and a resumed rerun.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -11,8 +12,21 @@ import pytest
 from support import FIXTURES
 
 from eagle3.core.common import Eagle3Error
+from eagle3.core.tracking import stage_run
 from eagle3.study.app import row_counts, rows_for_tokens
 from eagle3.study.report import fit_log, needed_for
+
+
+def log_from(study, cfg, paths):
+    """study.log_from as `python -m eagle3.study study.log_from=...` calls it."""
+    open_run = functools.partial(stage_run, cfg)
+    return study.log_from(cfg.study, cfg.paths.artifacts, cfg.tracking, open_run, paths)
+
+
+def compare(study, cfg, paths):
+    """study.compare as `python -m eagle3.study study.compare=...` calls it."""
+    open_run = functools.partial(stage_run, cfg)
+    return study.compare(cfg.paths.artifacts, cfg.tracking, open_run, paths)
 
 
 def test_fit_log_recovers_a_line_and_inverts_it():
@@ -206,7 +220,7 @@ def test_log_from_pools_study_files_and_draws_references(make_cfg, tmp_path):
         f"paths.artifacts={tmp_path / 'artifacts'}",
         "study.references=[{label: other, train_tokens: 50000, engine_tau: 2.5}]",
     )
-    folder = study.log_from(cfg, [one, two])
+    folder = log_from(study, cfg, [one, two])
     pooled = json.loads((folder / "study.json").read_text())
     assert [(p["rows"], p["epochs"]) for p in pooled["points"]] == [
         (10, 1),
@@ -231,7 +245,7 @@ def test_log_from_pools_study_files_and_draws_references(make_cfg, tmp_path):
     assert len(parent) == 1 and len(children) == 4
     two.write_text(json.dumps(_result("bbb", 2, [(10, 1.3)], spec="d32s4k8")))
     with pytest.raises(Eagle3Error, match="measured spec d32s4k8 on"):
-        study.log_from(cfg, [one, two])
+        log_from(study, cfg, [one, two])
     with pytest.raises(Eagle3Error, match="give train_tokens and engine_tau or val_tau_hat"):
         study.reference_points([{"label": "x", "train_tokens": 1}], pooled["points"])
 
@@ -274,7 +288,7 @@ def test_compare_labels_studies_by_their_own_overrides_and_subtracts_the_first(m
         paths[-1].parent.mkdir()
         paths[-1].write_text(json.dumps(result))
     cfg = make_cfg(f"paths.artifacts={tmp_path / 'artifacts'}", "tracking.enabled=false")
-    folder = study.compare(cfg, paths)
+    folder = compare(study, cfg, paths)
     rows = [line.split(" | ") for line in (folder / "compare.md").read_text().splitlines()[4:]]
     assert [(r[0].strip("| "), r[1], r[2], r[3]) for r in rows] == [
         ("data.source=a.jsonl", "1,000", "1.200", "+0.000"),
@@ -287,4 +301,4 @@ def test_compare_labels_studies_by_their_own_overrides_and_subtracts_the_first(m
     paths.append(tmp_path / "c.json")
     paths[-1].write_text(json.dumps(other))
     with pytest.raises(Eagle3Error, match="spec d4 on \\['vicuna'\\].*not comparable"):
-        study.compare(cfg, paths)
+        compare(study, cfg, paths)

@@ -17,16 +17,30 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
 
 from eagle3.core import tracking
 from eagle3.core.artifacts import StageOutput, config_hash, stage_output
 from eagle3.core.common import Eagle3Error, app, log
-from eagle3.core.config import Config, plain
+from eagle3.core.config import (
+    BenchConfig,
+    Config,
+    DrafterConfig,
+    EngineConfig,
+    SpecConfig,
+    StudyConfig,
+    TrackingConfig,
+    TrainConfig,
+    plain,
+)
 from eagle3.core.drafter_io import load_trained_drafter
-from eagle3.core.spec import resolve_spec
+from eagle3.core.spec import Spec, resolve_spec
 from eagle3.core.target import load_target
 from eagle3.data import app as data_stage
 from eagle3.data.splits import load_splits
@@ -86,37 +100,34 @@ def distinct(counts: set[int], sizes) -> list[int]:
     return sorted(counts)
 
 
-def size_rows(cfg: Config, data_path: Path) -> tuple[list[int], int]:
-    """(train rows per drafter, rows in the train split) for study.sizes in study.size_unit."""
+def size_rows(study: StudyConfig, max_length: int, data_path: Path) -> tuple[list[int], int]:
+    """(train rows per drafter, rows in the train split) for study.sizes in study.size_unit, a row's
+    tokens cut at train.max_length."""
     split = load_splits(data_path)["train"]
-    if cfg.study.size_unit == "rows":
-        return row_counts(cfg.study.sizes, len(split)), len(split)
-    if cfg.study.size_unit != "tokens":
-        raise Eagle3Error(f"study.size_unit={cfg.study.size_unit!r}: use rows or tokens")
-    lengths = [min(len(ids), cfg.train.max_length) for ids in split["input_ids"]]
-    return rows_for_tokens(cfg.study.sizes, lengths), len(split)
+    if study.size_unit == "rows":
+        return row_counts(study.sizes, len(split)), len(split)
+    if study.size_unit != "tokens":
+        raise Eagle3Error(f"study.size_unit={study.size_unit!r}: use rows or tokens")
+    lengths = [min(len(ids), max_length) for ids in split["input_ids"]]
+    return rows_for_tokens(study.sizes, lengths), len(split)
 
 
-def size_cfg(cfg: Config, rows: int, n_train: int) -> Config:
-    """The recipe with train.limit set (null for the whole split: the plain recipe's drafter)."""
-    limit = None if rows == n_train else rows
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, limit=limit))
-
-
-def study_output(cfg: Config, data_hash: str) -> StageOutput:
-    study = {
+def study_sections(
+    study: StudyConfig, train: TrainConfig, drafter: DrafterConfig, spec: SpecConfig
+) -> dict:
+    """The settings a study's output folder is hashed from."""
+    kept = {
         k: v
-        for k, v in plain(cfg.study).items()
+        for k, v in plain(study).items()
         if k not in ("log_from", "references", "compare", "label")
     }
-    sections = {
-        "study": study,
-        "train": plain(cfg.train),
-        "drafter": plain(cfg.drafter),
-        "spec": plain(cfg.spec),
-        "bench": {"max_new_tokens": cfg.study.max_new_tokens},
+    return {
+        "study": kept,
+        "train": plain(train),
+        "drafter": plain(drafter),
+        "spec": plain(spec),
+        "bench": {"max_new_tokens": study.max_new_tokens},
     }
-    return stage_output(cfg.paths.artifacts, "study", sections, {"data": data_hash})
 
 
 # ---------------------------------------------------------------- tokens and FLOPs
@@ -132,11 +143,11 @@ def prefix_tokens(data_path: Path, rows: int, max_length: int) -> tuple[int, int
     return tokens, trained
 
 
-def flops_per_token(cfg: Config, target_params: int, drafter_params: int) -> float:
+def flops_per_token(train: TrainConfig, target_params: int, drafter_params: int) -> float:
     """Training FLOPs per token and epoch: the target's forward (2 N) when hidden states are made
     online, and the drafter's forward and backward (6 N) once per TTT step."""
-    target = 2 * target_params if cfg.train.hidden_states == "online" else 0
-    return float(target + 6 * drafter_params * cfg.train.ttt_length)
+    target = 2 * target_params if train.hidden_states == "online" else 0
+    return float(target + 6 * drafter_params * train.ttt_length)
 
 
 def parameter_counts(target, train_dir: Path) -> tuple[int, int]:
@@ -155,17 +166,18 @@ def suite_name(suite: str) -> str:
     return Path(suite).stem.removeprefix("suite_") if suite.endswith(".jsonl") else suite
 
 
-def suite_prompt_ids(cfg: Config, tokenizer) -> dict[str, list[list[int]]]:
+def suite_prompt_ids(
+    study: StudyConfig, bench: BenchConfig, tokenizer
+) -> dict[str, list[list[int]]]:
     """The token ids of the first study.prompts prompts of each study.suites entry: a bench suite's
     name, or a JSONL file of its prompts (`python -m eagle3.data.prompt_files --suites`, for a machine
     without the suites' packages)."""
     prompts = {}
-    for suite in map(str, cfg.study.suites):
+    for suite in map(str, study.suites):
         source = (
             {"prompts": suite} if suite.endswith(".jsonl") else {"suite": suite, "prompts": None}
         )
-        bench = dataclasses.replace(cfg.bench, **source, limit=None)
-        chosen = load_suite(bench)[: cfg.study.prompts]
+        chosen = load_suite(dataclasses.replace(bench, **source, limit=None))[: study.prompts]
         prompts[suite_name(suite)] = [
             tokenizer.apply_chat_template(
                 p.messages, add_generation_prompt=True, tokenize=True, return_dict=True
@@ -175,10 +187,12 @@ def suite_prompt_ids(cfg: Config, tokenizer) -> dict[str, list[list[int]]]:
     return prompts
 
 
-def decoder_for(cfg: Config, target, drafter, spec):
-    ecfg = cfg.engine
+def decoder_for(
+    ecfg: EngineConfig, torch_compile: bool, target, drafter, spec: Spec
+) -> SpecDecoder:
+    """The embedded decoder with the engine section's settings (study.compile: torch.compile)."""
     graphs = target.device.type == "cuda" if ecfg.cuda_graphs == "auto" else bool(ecfg.cuda_graphs)
-    compiled = bool(cfg.study.compile) and graphs
+    compiled = bool(torch_compile) and graphs
     return SpecDecoder(
         target,
         drafter,
@@ -195,17 +209,18 @@ def decoder_for(cfg: Config, target, drafter, spec):
     )
 
 
-def engine_tau(cfg: Config, target, train_dir: Path, prompts: dict) -> dict:
+def engine_tau(
+    target, train_dir: Path, prompts: dict, spec: Spec, ecfg: EngineConfig, study: StudyConfig
+) -> dict:
     """{suite: tau, ..., "all": tau over every prompt} for the drafter trained in train_dir."""
-    spec = resolve_spec(cfg.spec)
     dtype = next(target.model.parameters()).dtype
     drafter = load_trained_drafter(train_dir, target).to(dtype).eval()
-    decoder = decoder_for(cfg, target, drafter, spec)
+    decoder = decoder_for(ecfg, study.compile, target, drafter, spec)
     stop = [target.tokenizer.eos_token_id] if target.tokenizer.eos_token_id is not None else []
     every, taus = [], {}
     for suite, suite_prompts in prompts.items():
         stats = [
-            decoder.generate(DecodeRequest(ids, cfg.study.max_new_tokens, stop_ids=stop)).stats
+            decoder.generate(DecodeRequest(ids, study.max_new_tokens, stop_ids=stop)).stats
             for ids in suite_prompts
         ]
         taus[suite] = summarize(stats)["tau"]
@@ -217,13 +232,16 @@ def engine_tau(cfg: Config, target, train_dir: Path, prompts: dict) -> dict:
 # ---------------------------------------------------------------- MLflow
 
 
-def log_mlflow(cfg: Config, result: dict, files: list[Path]) -> str | None:
-    """One parent run (the fits, the plot, study.json) and a child run per size."""
-    if not cfg.tracking.enabled:
+def log_mlflow(
+    tcfg: TrackingConfig, open_run: Callable, result: dict, files: list[Path]
+) -> str | None:
+    """One parent run (the fits, the plot, study.json; open_run: eagle3.core.tracking.stage_run
+    bound to the config) and a child run per size."""
+    if not tcfg.enabled:
         return None
     import mlflow
 
-    with tracking.stage_run(cfg, "study", artifact_hash=result["hash"]) as parent:
+    with open_run("study", artifact_hash=result["hash"]) as parent:
         for key, fit in result["fits"].items():
             name = key.replace("~", "_vs_")
             mlflow.log_metrics(
@@ -231,8 +249,8 @@ def log_mlflow(cfg: Config, result: dict, files: list[Path]) -> str | None:
             )
         for path in files:
             mlflow.log_artifact(str(path))
-        parent_id = parent.info.run_id
-    client, experiment_id = tracking.client(cfg), tracking.setup(cfg)
+        parent_id, experiment_id = parent.info.run_id, parent.info.experiment_id
+    client = mlflow.MlflowClient(tracking_uri=tcfg.uri)
     for point in result["points"]:
         child = client.create_run(
             experiment_id,
@@ -254,30 +272,36 @@ def log_mlflow(cfg: Config, result: dict, files: list[Path]) -> str | None:
 # ---------------------------------------------------------------- the app
 
 
-def train_sizes(cfg: Config, data) -> list[dict]:
-    """Train (or find) one drafter per size; a point per size without its engine tau yet."""
-    if cfg.train.init_from:
+def train_sizes(
+    train_cfg: TrainConfig,
+    study: StudyConfig,
+    data_path: Path,
+    train_drafter: Callable[[int | None], StageOutput],
+) -> list[dict]:
+    """Train (or find) one drafter per size (train_drafter(train.limit), null for the whole split:
+    the plain recipe's drafter); a point per size without its engine tau yet."""
+    if train_cfg.init_from:
         raise Eagle3Error(
-            f"train.init_from={cfg.train.init_from}: the study trains every size from scratch"
+            f"train.init_from={train_cfg.init_from}: the study trains every size from scratch"
         )
-    sizes, n_train = size_rows(cfg, data.path)
+    sizes, n_train = size_rows(study, train_cfg.max_length, data_path)
     points = []
     for rows in sizes:
-        sized = size_cfg(cfg, rows, n_train)
+        limit = None if rows == n_train else rows
         started = time.monotonic()
         log.info("study: drafter on %d of %d train rows", rows, n_train)
-        out = train.run(sized)
+        out = train_drafter(limit)
         counts = out.manifest().get("counts", {})
-        tokens, trained = prefix_tokens(data.path, rows, cfg.train.max_length)
+        tokens, trained = prefix_tokens(data_path, rows, train_cfg.max_length)
         points.append(
             {
                 "rows": rows,
-                "train_limit": sized.train.limit,
+                "train_limit": limit,
                 "train_hash": out.hash,
                 "train_dir": str(out.path),
-                "epochs": cfg.train.epochs,
-                "train_tokens": tokens * cfg.train.epochs,
-                "trained_tokens": trained * cfg.train.epochs,
+                "epochs": train_cfg.epochs,
+                "train_tokens": tokens * train_cfg.epochs,
+                "trained_tokens": trained * train_cfg.epochs,
                 "val_tau_hat": counts.get("tau_hat"),
                 "val_tau_hat_head": counts.get("tau_hat_head"),
                 "train_seconds": counts.get("seconds", time.monotonic() - started),
@@ -286,14 +310,21 @@ def train_sizes(cfg: Config, data) -> list[dict]:
     return points
 
 
-def measure(cfg: Config, points: list[dict]) -> None:
+def measure(
+    points: list[dict],
+    target,
+    spec: Spec,
+    study: StudyConfig,
+    bench: BenchConfig,
+    ecfg: EngineConfig,
+    train_cfg: TrainConfig,
+) -> None:
     """Each point's engine tau (per suite and overall) and its training FLOPs."""
-    target = load_target(cfg)
-    prompts = suite_prompt_ids(cfg, target.tokenizer)
+    prompts = suite_prompt_ids(study, bench, target.tokenizer)
     n_target, n_drafter = parameter_counts(target, Path(points[0]["train_dir"]))
-    per_token = flops_per_token(cfg, n_target, n_drafter)
+    per_token = flops_per_token(train_cfg, n_target, n_drafter)
     for point in points:
-        taus = engine_tau(cfg, target, Path(point["train_dir"]), prompts)
+        taus = engine_tau(target, Path(point["train_dir"]), prompts, spec, ecfg, study)
         point["suite_tau"] = {s: taus[s] for s in prompts}
         point["engine_tau"] = taus["all"]
         point["train_flops"] = point["train_tokens"] * per_token
@@ -305,20 +336,20 @@ def measure(cfg: Config, points: list[dict]) -> None:
         )
 
 
-def study_title(cfg: Config, spec_label: str) -> str:
+def study_title(target_name: str, epochs: int, study: StudyConfig, spec_label: str) -> str:
     return (
-        f"{cfg.target.name}: drafters from scratch, {cfg.train.epochs} epoch(s) each; engine τ at "
-        f"{spec_label} over {len(cfg.study.suites)} suites x {cfg.study.prompts} prompts"
+        f"{target_name}: drafters from scratch, {epochs} epoch(s) each; engine τ at "
+        f"{spec_label} over {len(study.suites)} suites x {study.prompts} prompts"
     )
 
 
-def write_outputs(cfg: Config, result: dict, folder: Path) -> list[Path]:
+def write_outputs(study: StudyConfig, result: dict, folder: Path) -> list[Path]:
     title, suites = result["title"], result["suites"]
-    references = reference_points(cfg.study.references, result["points"])
+    references = reference_points(study.references, result["points"])
     png = plot(
         result["points"],
         result["fits"],
-        cfg.study.extrapolate,
+        study.extrapolate,
         title,
         folder / "study.png",
         references,
@@ -332,28 +363,37 @@ def write_outputs(cfg: Config, result: dict, folder: Path) -> list[Path]:
 
 
 def run(cfg: Config) -> StageOutput:
+    """The study this config describes (a no-op when its output is complete)."""
+    spec = resolve_spec(cfg.spec)
     data = data_stage.run(cfg)
-    out = study_output(cfg, data.hash)
+    sections = study_sections(cfg.study, cfg.train, cfg.drafter, cfg.spec)
+    out = stage_output(cfg.paths.artifacts, "study", sections, {"data": data.hash})
     if out.complete:
         log.info("study: %s is complete, nothing to do", out.path)
         return out
     out.start()
-    points = train_sizes(cfg, data)
-    measure(cfg, points)
+
+    def train_drafter(limit: int | None) -> StageOutput:
+        return train.run(
+            dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, limit=limit))
+        )
+
+    points = train_sizes(cfg.train, cfg.study, data.path, train_drafter)
+    measure(points, load_target(cfg), spec, cfg.study, cfg.bench, cfg.engine, cfg.train)
     result = {
         "hash": out.hash,
         "data_hash": data.hash,
         "overrides": job_overrides(),
         "label": cfg.study.label,
-        "spec": resolve_spec(cfg.spec).label,
-        "title": study_title(cfg, resolve_spec(cfg.spec).label),
+        "spec": spec.label,
+        "title": study_title(cfg.target.name, cfg.train.epochs, cfg.study, spec.label),
         "suites": [suite_name(str(s)) for s in cfg.study.suites],
         "epochs": cfg.train.epochs,
         "points": points,
         "fits": fits_for(points, cfg.study.goal_tau),
     }
-    files = write_outputs(cfg, result, out.path)
-    parent = log_mlflow(cfg, result, files)
+    files = write_outputs(cfg.study, result, out.path)
+    parent = log_mlflow(cfg.tracking, functools.partial(tracking.stage_run, cfg), result, files)
     out.finish({"sizes": len(points), "mlflow_parent_run": parent})
     print(table(points, result["suites"]))
     print(fit_lines(result["fits"]))
@@ -392,17 +432,19 @@ def pooled(paths: list[Path]) -> dict:
     return {**first, "hash": hash_, "title": title, "epochs": epochs, "points": points}
 
 
-def log_from(cfg: Config, paths: list[Path]) -> Path:
+def log_from(
+    study: StudyConfig, artifacts, tcfg: TrackingConfig, open_run: Callable, paths: list[Path]
+) -> Path:
     """Log study.json files written elsewhere (pooled when several) and redraw their outputs: beside
     a single file, in <artifacts>/study/pooled-<hash> for several."""
     result = pooled(paths)
-    result["fits"] = fits_for(result["points"], cfg.study.goal_tau)
+    result["fits"] = fits_for(result["points"], study.goal_tau)
     folder = paths[0].parent
     if len(paths) > 1:
-        folder = Path(cfg.paths.artifacts) / "study" / f"pooled-{result['hash']}"
+        folder = Path(artifacts) / "study" / f"pooled-{result['hash']}"
         folder.mkdir(parents=True, exist_ok=True)
-    files = write_outputs(cfg, result, folder)
-    parent = log_mlflow(cfg, result, files)
+    files = write_outputs(study, result, folder)
+    parent = log_mlflow(tcfg, open_run, result, files)
     print(table(result["points"], result["suites"]))
     print(fit_lines(result["fits"]))
     print(f"study: {folder} (MLflow parent run {parent})")
@@ -414,20 +456,19 @@ def log_from(cfg: Config, paths: list[Path]) -> Path:
 
 def job_overrides() -> list[str]:
     """The command-line overrides of this Hydra job (what tells a multirun's studies apart)."""
-    from hydra.core.hydra_config import HydraConfig
-
     try:
         return list(HydraConfig.get().overrides.task)
     except ValueError:  # not under Hydra (called from Python)
         return []
 
 
-def compare(cfg: Config, paths: list[Path]) -> Path:
+def compare(artifacts, tcfg: TrackingConfig, open_run: Callable, paths: list[Path]) -> Path:
     """Studies of the same recipe on other data (a multirun over data options) side by side: one
-    plot and table in <artifacts>/study/compare-<hash>, logged as one MLflow run."""
+    plot and table in <artifacts>/study/compare-<hash>, logged as one MLflow run (open_run:
+    eagle3.core.tracking.stage_run bound to the config)."""
     results = labelled(paths)
     hash_ = config_hash(sorted(r["hash"] for r in results))
-    folder = Path(cfg.paths.artifacts) / "study" / f"compare-{hash_}"
+    folder = Path(artifacts) / "study" / f"compare-{hash_}"
     folder.mkdir(parents=True, exist_ok=True)
     text = compare_table(results)
     (folder / "compare.md").write_text(f"# Engine τ of studies on other data\n\n{text}\n")
@@ -437,10 +478,10 @@ def compare(cfg: Config, paths: list[Path]) -> Path:
         folder / "compare.json",
         compare_plot(results, folder / "compare.png"),
     ]
-    if cfg.tracking.enabled:
+    if tcfg.enabled:
         import mlflow
 
-        with tracking.stage_run(cfg, "study-compare", artifact_hash=hash_):
+        with open_run("study-compare", artifact_hash=hash_):
             for path in files:
                 mlflow.log_artifact(str(path))
     print(text)
@@ -450,13 +491,17 @@ def compare(cfg: Config, paths: list[Path]) -> Path:
 
 @app
 def main(cfg: Config) -> None:
+    open_run = functools.partial(tracking.stage_run, cfg)
     if cfg.study.compare:
-        compare(cfg, [Path(str(p)) for p in cfg.study.compare])
+        compare(
+            cfg.paths.artifacts, cfg.tracking, open_run, [Path(str(p)) for p in cfg.study.compare]
+        )
         return
     if cfg.study.log_from:
         sources = cfg.study.log_from
         sources = [sources] if isinstance(sources, str) else list(sources)
-        log_from(cfg, [Path(str(p)) for p in sources])
+        paths = [Path(str(p)) for p in sources]
+        log_from(cfg.study, cfg.paths.artifacts, cfg.tracking, open_run, paths)
         return
     out = run(cfg)
     print(f"study: {out.path}")
