@@ -54,7 +54,7 @@ def table_lines(table: dict) -> list[str]:
 
 def step_batch(rows: int, config: dict, length: int, device: torch.device) -> dict:
     """Random inputs of one training batch (`rows`: train.batch_size, of `length` tokens)."""
-    rows, hidden = int(rows), int(config["hidden_size"])
+    hidden = int(config["hidden_size"])
     states = {"device": device, "dtype": torch.bfloat16}
     return {
         "input_ids": torch.randint(0, int(config["vocab_size"]), (rows, length), device=device),
@@ -86,7 +86,7 @@ def measure(training: DrafterTraining, device: str, seed: int, lengths: list[int
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad])
     params, rows = drafter_params(training.target, training.drafter), []
     for length in lengths:
-        batch = step_batch(train.batch_size, config, length, device)
+        batch = step_batch(int(train.batch_size), config, length, device)
         for _ in range(2):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
