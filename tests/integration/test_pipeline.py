@@ -222,7 +222,7 @@ def test_an_impossible_cluster_setting_is_refused_alike_in_the_plan_and_the_stag
 
     cfg = make_cfg("experiment=kimi-k2.5", "cluster.disk_gb=30000", setting)
     with pytest.raises(Eagle3Error) as planned:
-        check_plans(cfg, stage_plans(cfg, planned_stages(cfg)))
+        check_plans(cfg, stage_plans(cfg, planned_stages(cfg.pipeline, cfg.train)))
     with pytest.raises(Eagle3Error) as alone:
         check_stage(cfg, stage)
     assert str(planned.value) == str(alone.value) == line
@@ -328,12 +328,12 @@ def test_every_experiment_composes_and_its_bench_jobs_resolve(make_cfg):
         names
     )
     for name in names:
-        jobs = bench_jobs(make_cfg(f"experiment={name}"))
+        jobs = bench_jobs(make_cfg(f"experiment={name}").pipeline)
         assert jobs, name
         for job in jobs:
             resolve_spec(make_cfg(f"experiment={name}", *job).spec)
     v32k = make_cfg("experiment=smollm2-h200-turns3-v32k")
     assert v32k.drafter.draft_vocab_size == 32768 and v32k.data.regen.max_new_tokens == 192
     assert (
-        len(bench_jobs(make_cfg("experiment=smollm2-h200"))) == 9
+        len(bench_jobs(make_cfg("experiment=smollm2-h200").pipeline)) == 9
     )  # 3 suites x d32s3k8, d32s4k8, d64s5k8

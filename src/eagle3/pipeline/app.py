@@ -23,7 +23,15 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from eagle3.core.artifacts import StageOutput
 from eagle3.core.cluster import submission
 from eagle3.core.common import Eagle3Error, app, compose, unique_suffix
-from eagle3.core.config import Config
+from eagle3.core.config import (
+    Config,
+    PipelineConfig,
+    RegenConfig,
+    ServeConfig,
+    TargetConfig,
+    TrackingConfig,
+    TrainConfig,
+)
 from eagle3.core.lifecycle import run_child
 from eagle3.core.outputs import STAGE_OUTPUTS
 from eagle3.core.spec import resolve_spec
@@ -34,11 +42,16 @@ from eagle3.export import app as export
 from eagle3.extract import app as extract
 from eagle3.extract.vllm_capture import capture_launch, target_shape
 from eagle3.pipeline.plan import (
+    StagePlan,
     check_plans,
     check_process_fit,
     disk_line,
     disk_lines,
+    disk_writes,
+    in_process_loads,
+    planned_tokens,
     stage_plans,
+    target_hidden_size,
 )
 from eagle3.serve.launch import compose_launch
 from eagle3.train import app as train
@@ -46,13 +59,9 @@ from eagle3.train import app as train
 STAGE_RUNS = {"data": data.run, "extract": extract.run, "train": train.run, "export": export.run}
 
 
-def planned_stages(cfg: Config) -> list[str]:
-    no_shards = cfg.train.hidden_states in ("online", "engine")
-    return [s for s in cfg.pipeline.stages if not (s == "extract" and no_shards)]
-
-
-def stage_output(cfg: Config, stage: str) -> StageOutput:
-    return STAGE_OUTPUTS[stage](cfg)
+def planned_stages(pipeline: PipelineConfig, train: TrainConfig) -> list[str]:
+    no_shards = train.hidden_states in ("online", "engine")
+    return [s for s in pipeline.stages if not (s == "extract" and no_shards)]
 
 
 def user_overrides() -> list[str]:
@@ -60,10 +69,10 @@ def user_overrides() -> list[str]:
     return [o for o in HydraConfig.get().overrides.task if not o.startswith("pipeline.")]
 
 
-def bench_jobs(cfg: Config) -> list[list[str]]:
-    """The bench sweep expanded exactly as Hydra's basic sweeper will: one override list per job,
-    the cartesian product of the sweep values in the order they were given."""
-    parsed = OverridesParser.create().parse_overrides(list(cfg.pipeline.bench_sweep))
+def bench_jobs(pipeline: PipelineConfig) -> list[list[str]]:
+    """pipeline.bench_sweep expanded exactly as Hydra's basic sweeper will: one override list per
+    job, the cartesian product of the sweep values in the order they were given."""
+    parsed = OverridesParser.create().parse_overrides(list(pipeline.bench_sweep))
     choices = []
     for override in parsed:
         key = override.get_key_element()
@@ -76,19 +85,19 @@ def bench_jobs(cfg: Config) -> list[list[str]]:
     return [list(job) for job in itertools.product(*choices)]
 
 
-def launcher_overrides(cfg: Config) -> list[str]:
-    return [f"hydra/launcher={cfg.pipeline.launcher}"] if cfg.pipeline.launcher else []
+def launcher_overrides(launcher: str | None) -> list[str]:
+    return [f"hydra/launcher={launcher}"] if launcher else []
 
 
-def bench_command(cfg: Config, sweep_dir: Path) -> list[str]:
+def bench_command(pipeline: PipelineConfig, sweep_dir: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
         "eagle3.bench",
         "-m",
         *user_overrides(),
-        *cfg.pipeline.bench_sweep,
-        *launcher_overrides(cfg),
+        *pipeline.bench_sweep,
+        *launcher_overrides(pipeline.launcher),
         f"hydra.sweep.dir={sweep_dir}",
     ]
 
@@ -98,7 +107,7 @@ def bench_command(cfg: Config, sweep_dir: Path) -> list[str]:
 SUBMITTED = ("data", "extract", "train", "export")
 
 
-def stage_command(cfg: Config, stage: str, sweep_dir: Path) -> list[str]:
+def stage_command(launcher: str | None, stage: str, sweep_dir: Path) -> list[str]:
     """A stage as a one-job multirun through pipeline.launcher (training: a SLURM job of
     trainer.num_nodes x trainer.devices tasks; regeneration and capture: one task on the GPUs of
     the engine it starts)."""
@@ -108,20 +117,22 @@ def stage_command(cfg: Config, stage: str, sweep_dir: Path) -> list[str]:
         f"eagle3.{stage}",
         "-m",
         *user_overrides(),
-        *launcher_overrides(cfg),
+        *launcher_overrides(launcher),
         f"hydra.sweep.dir={sweep_dir / stage}",
     ]
 
 
-def submitted(cfg: Config, stage: str) -> bool:
-    return bool(cfg.pipeline.launcher) and stage in SUBMITTED
+def submitted(launcher: str | None, stage: str) -> bool:
+    return bool(launcher) and stage in SUBMITTED
 
 
-def print_submission(cfg: Config, app_name: str, overrides: list[str], sweep_dir: Path) -> None:
+def print_submission(
+    launcher: str | None, app_name: str, overrides: list[str], sweep_dir: Path
+) -> None:
     """The batch script pipeline.launcher would submit for one job (SLURM launchers only)."""
-    if not str(cfg.pipeline.launcher).startswith("submitit_slurm"):
+    if not str(launcher).startswith("submitit_slurm"):
         return
-    script = submission(app_name, [*user_overrides(), *overrides], cfg.pipeline.launcher, sweep_dir)
+    script = submission(app_name, [*user_overrides(), *overrides], launcher, sweep_dir)
     print("      " + script.strip().replace("\n", "\n      "))
 
 
@@ -132,125 +143,172 @@ def print_stage_plan(plans: dict, stage: str, limits: tuple[float, float]) -> No
         print("      resources: unknown (a hub id: give target.plan.config, or a local folder)")
 
 
-def print_plan(cfg: Config, sweep_dir: Path) -> None:
-    """Every stage's command, output folder and status; every bench job's engine command, validated."""
-    overrides = " ".join(user_overrides())
-    weights = check_process_fit(cfg)
-    size = "unknown size" if weights is None else f"{weights:,.1f} GB of weights"
-    print(
-        f"target {cfg.target.name} ({size}; one process holds {cfg.pipeline.process_memory_gb:g} GB)"
+def print_stage(
+    index: int,
+    out: StageOutput,
+    plans: dict[str, StagePlan],
+    limits: tuple[float, float],
+    launcher: str | None,
+    sweep_dir: Path,
+) -> None:
+    """A stage's command, output folder and status, plan, and the batch script it is submitted as."""
+    stage = out.stage
+    status = "done" if out.complete else "to run"
+    command = f"python -m eagle3.{stage} {' '.join(user_overrides())}"
+    if submitted(launcher, stage):
+        command = " ".join(stage_command(launcher, stage, sweep_dir))
+    print(f"[{index}] {stage}: {command}\n      -> {out.path} ({status})")
+    print_stage_plan(plans, stage, limits)
+    if submitted(launcher, stage):
+        print_submission(launcher, stage, [], sweep_dir / stage)
+
+
+def print_bench_stage(
+    index: int,
+    plans: dict[str, StagePlan],
+    limits: tuple[float, float],
+    pipeline: PipelineConfig,
+    sweep_dir: Path,
+) -> None:
+    print(f"[{index}] bench: {' '.join(bench_command(pipeline, sweep_dir))}")
+    print_stage_plan(plans, "bench", limits)
+    print_submission(pipeline.launcher, "bench", bench_jobs(pipeline)[0], sweep_dir)
+
+
+def regen_line(regen: RegenConfig, argv: list[str]) -> str:
+    """The engine data.regen.backend=engine starts, or the server backend openai talks to."""
+    if regen.backend == "engine":
+        return f"    data regeneration starts (spec=off, then stops it): {' '.join(argv)}"
+    return (
+        f"    data regeneration talks to {regen.base_url}; serve the target first "
+        f"with `python -m eagle3.serve {' '.join(user_overrides())} spec=off`: {' '.join(argv)}"
     )
-    plans = stage_plans(cfg, planned_stages(cfg))
-    limits = (float(cfg.pipeline.plan.gpu_memory_gb), float(cfg.pipeline.process_memory_gb))
-    for index, stage in enumerate(planned_stages(cfg), 1):
-        if stage == "bench":
-            print(f"[{index}] bench: {' '.join(bench_command(cfg, sweep_dir))}")
-            print_stage_plan(plans, stage, limits)
-            print_submission(cfg, "bench", bench_jobs(cfg)[0], sweep_dir)
-            continue
-        out = stage_output(cfg, stage)
-        status = "done" if out.complete else "to run"
-        command = f"python -m eagle3.{stage} {overrides}"
-        if submitted(cfg, stage):
-            command = " ".join(stage_command(cfg, stage, sweep_dir))
-        print(f"[{index}] {stage}: {command}\n      -> {out.path} ({status})")
-        print_stage_plan(plans, stage, limits)
-        if submitted(cfg, stage):
-            print_submission(cfg, stage, [], sweep_dir / stage)
-        if stage == "extract":
-            print("\n".join(disk_lines(cfg)))
-            if cfg.extract.backend == "vllm":
-                print(f"    extract starts: {' '.join(capture_command(cfg, out.path))}")
-    target = cfg.target.path or cfg.target.name
-    if cfg.data.regenerate and cfg.data.regen.backend in ("openai", "engine"):
-        launch = compose_launch(
-            regen_engine_config(cfg) if cfg.data.regen.backend == "engine" else cfg,
-            resolve_spec(compose([*user_overrides(), "spec=off"]).spec),
-            None,
-            target,
-            port=cfg.pipeline.plan_port,
-        )
-        if cfg.data.regen.backend == "engine":
-            print(
-                f"    data regeneration starts (spec=off, then stops it): {' '.join(launch.argv)}"
-            )
-        else:
-            print(
-                f"    data regeneration talks to {cfg.data.regen.base_url}; serve the target first "
-                f"with `python -m eagle3.serve {overrides} spec=off`: {' '.join(launch.argv)}"
-            )
-    drafter = stage_output(cfg, "export").path / (
-        "vllm" if cfg.serve.engine == "vllm" else "sglang"
-    )
-    for job in bench_jobs(cfg):
+
+
+def print_bench_jobs(pipeline: PipelineConfig, drafter: Path, target: str) -> None:
+    """Every bench job's engine command: each job's config composed, its spec resolved and its
+    command validated."""
+    for job in bench_jobs(pipeline):
         job_cfg = compose([*user_overrides(), *job])
         spec = resolve_spec(job_cfg.spec)
         launch = compose_launch(
-            job_cfg, spec, drafter if spec.enabled else None, target, port=cfg.pipeline.plan_port
+            job_cfg, spec, drafter if spec.enabled else None, target, port=pipeline.plan_port
         )
         print(
             f"    bench job {' '.join(job)} ({spec.label}, {job_cfg.serve.engine}): {' '.join(launch.argv)}"
         )
-    if plans:
-        print(disk_line(cfg, plans))
-    check_plans(cfg, plans)
-    missing = missing_download(cfg)
-    if missing:
-        print(f"    {missing}")
+
+
+def verdict_line(launcher: str | None, missing: str | None) -> str:
     limits = "its GPUs and one host process"
-    if cfg.pipeline.launcher:
+    if launcher:
         limits += ", its job's GPUs per node, host memory and time limit"
-    print(
+    return (
         f"plan valid: every stage fits {limits}, the outputs fit the disk, and every bench job's "
         "spec and engine command passed validation"
         + ("; train and export need the target downloaded first (above)" if missing else "")
     )
 
 
-def missing_download(cfg: Config) -> str | None:
+def print_plan(cfg: Config, sweep_dir: Path) -> None:
+    """Every stage's command, output folder, status and plan; the engines the stages start; every
+    bench job's engine command, validated; then the plan checked (check_plans)."""
+    pipeline, artifacts = cfg.pipeline, Path(cfg.paths.artifacts)
+    loads = in_process_loads(pipeline.stages, cfg.data, cfg.train, cfg.extract)
+    weights = check_process_fit(cfg.target, artifacts, pipeline.process_memory_gb, loads)
+    size = "unknown size" if weights is None else f"{weights:,.1f} GB of weights"
+    print(f"target {cfg.target.name} ({size}; one process holds {pipeline.process_memory_gb:g} GB)")
+    stages = planned_stages(pipeline, cfg.train)
+    plans = stage_plans(cfg, stages)
+    limits = (float(pipeline.plan.gpu_memory_gb), float(pipeline.process_memory_gb))
+    outputs = {}
+    for index, stage in enumerate(stages, 1):
+        if stage == "bench":
+            print_bench_stage(index, plans, limits, pipeline, sweep_dir)
+            continue
+        outputs[stage] = STAGE_OUTPUTS[stage](cfg)
+        print_stage(index, outputs[stage], plans, limits, pipeline.launcher, sweep_dir)
+        if stage == "extract":
+            print_extract_engine(cfg, outputs[stage].path)
+    target = cfg.target.path or cfg.target.name
+    regen = cfg.data.regen
+    if cfg.data.regenerate and regen.backend in ("openai", "engine"):
+        engine_cfg = regen_engine_config(cfg) if regen.backend == "engine" else cfg
+        spec_off = resolve_spec(compose([*user_overrides(), "spec=off"]).spec)
+        launch = compose_launch(engine_cfg, spec_off, None, target, port=pipeline.plan_port)
+        print(regen_line(regen, launch.argv))
+    export_dir = STAGE_OUTPUTS["export"](cfg).path
+    print_bench_jobs(
+        pipeline, export_dir / ("vllm" if cfg.serve.engine == "vllm" else "sglang"), target
+    )
+    if plans:
+        writes = disk_writes(plans, lambda stage: outputs[stage].complete)
+        print(disk_line(writes, cfg.cluster, cfg.paths.artifacts))
+    check_plans(cfg, plans)
+    missing = missing_download(cfg.target, artifacts, stages)
+    if missing:
+        print(f"    {missing}")
+    print(verdict_line(pipeline.launcher, missing))
+
+
+def print_extract_engine(cfg: Config, extract_dir: Path) -> None:
+    """The shards the extract stage writes, and with extract.backend=vllm the capture server's
+    command as the stage will start it (the plan's port)."""
+    artifacts = Path(cfg.paths.artifacts)
+    hidden = target_hidden_size(cfg.target, artifacts)
+    tokens, exact = planned_tokens(STAGE_OUTPUTS["data"](cfg), cfg.extract.splits, cfg.data)
+    print("\n".join(disk_lines(cfg.extract.dtype, hidden, tokens, exact)))
+    if cfg.extract.backend == "vllm":
+        shape = target_shape(cfg.target, resolve_target_path(cfg.target, artifacts))
+        states = extract_dir / "engine" / "states"
+        launch = capture_launch(cfg, shape, states, cfg.pipeline.plan_port)
+        command = [f"{k}={v}" for k, v in launch.env.items()] + launch.argv
+        print(f"    extract starts: {' '.join(command)}")
+
+
+def missing_download(target: TargetConfig, artifacts: Path, stages: list[str]) -> str | None:
     """download_hint when a stage that reads the target's files by name (train, export: its
-    embedding, head and norm) is planned on a hub id this machine has not downloaded."""
-    path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
-    reads_files = {"train", "export"} & set(planned_stages(cfg))
+    embedding, head and norm) is among `stages` on a hub id this machine has not downloaded."""
+    path = resolve_target_path(target, artifacts)
+    reads_files = {"train", "export"} & set(stages)
     if isinstance(path, Path) or not reads_files or downloaded(path) is not None:
         return None
-    return download_hint(cfg.target, Path(cfg.paths.artifacts))
-
-
-def capture_command(cfg: Config, extract_dir: Path) -> list[str]:
-    """The vLLM capture server's command as the extract stage will start it (the plan's port)."""
-    path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
-    shape = target_shape(cfg.target, path)
-    launch = capture_launch(cfg, shape, extract_dir / "engine" / "states", cfg.pipeline.plan_port)
-    return [f"{k}={v}" for k, v in launch.env.items()] + launch.argv
+    return download_hint(target, artifacts)
 
 
 def run_stage(cfg: Config, stage: str, sweep_dir: Path) -> str:
-    out = stage_output(cfg, stage)
+    """The stage in this process (its app's `run(cfg)`), or submitted through pipeline.launcher;
+    skipped when its output is complete."""
+    out = STAGE_OUTPUTS[stage](cfg)
     if out.complete:
         return f"skipped (done) -> {out.path}"
-    if submitted(cfg, stage):
-        return run_command(cfg, stage_command(cfg, stage, sweep_dir), stage, sweep_dir / stage)
+    launcher = cfg.pipeline.launcher
+    if submitted(launcher, stage):
+        command = stage_command(launcher, stage, sweep_dir)
+        return run_command(command, stage, sweep_dir / stage, cfg.pipeline, cfg.serve)
     STAGE_RUNS[stage](cfg)
     return f"done -> {out.path}"
 
 
-def run_command(cfg: Config, command: list[str], what: str, folder: Path) -> str:
-    """A child process that dies with this one (a watchdog covers SIGKILL)."""
-    grace_s, poll_s = cfg.pipeline.stop_timeout_s, cfg.serve.watchdog_poll_s
-    returncode = run_child(command, grace_s, poll_s)
+def run_command(
+    command: list[str], what: str, folder: Path, pipeline: PipelineConfig, serve: ServeConfig
+) -> str:
+    """A child process that dies with this one (a watchdog covers SIGKILL): pipeline.stop_timeout_s
+    to stop, its watchdog polling every serve.watchdog_poll_s."""
+    returncode = run_child(command, pipeline.stop_timeout_s, serve.watchdog_poll_s)
     if returncode != 0:
         raise Eagle3Error(f"{what} failed (exit {returncode}); its logs are under {folder}")
     return f"done -> {folder}"
 
 
-def run_bench(cfg: Config, sweep_dir: Path) -> str:
+def run_bench(pipeline: PipelineConfig, serve: ServeConfig, sweep_dir: Path) -> str:
     """The bench sweep as a child process."""
-    return run_command(cfg, bench_command(cfg, sweep_dir), "the bench sweep", sweep_dir)
+    command = bench_command(pipeline, sweep_dir)
+    return run_command(command, "the bench sweep", sweep_dir, pipeline, serve)
 
 
-def print_summary(cfg: Config, sweep_dir: Path) -> None:
-    counts = stage_output(cfg, "train").manifest().get("counts", {})
+def print_summary(train_out: StageOutput, tracking: TrackingConfig, sweep_dir: Path) -> None:
+    counts = train_out.manifest().get("counts", {})
     print(f"\nsummary: simulated acceptance tau_hat = {counts.get('tau_hat')}")
     for path in sorted(sweep_dir.glob("*/bench_result.json")):
         r = json.loads(path.read_text())
@@ -267,7 +325,7 @@ def print_summary(cfg: Config, sweep_dir: Path) -> None:
     if (sweep_dir / "verdict.txt").exists():
         print((sweep_dir / "verdict.txt").read_text().rstrip())
     print(
-        f"  MLflow: {cfg.tracking.uri}  (python -m eagle3.tools.ui, or mlflow ui --backend-store-uri {cfg.tracking.uri})"
+        f"  MLflow: {tracking.uri}  (python -m eagle3.tools.ui, or mlflow ui --backend-store-uri {tracking.uri})"
     )
 
 
@@ -282,19 +340,23 @@ def main(cfg: Config) -> None:
     if cfg.pipeline.dry_run:
         print_plan(cfg, sweep_dir)
         return
-    check_process_fit(cfg)
-    stages = planned_stages(cfg)
+    loads = in_process_loads(cfg.pipeline.stages, cfg.data, cfg.train, cfg.extract)
+    check_process_fit(cfg.target, Path(cfg.paths.artifacts), cfg.pipeline.process_memory_gb, loads)
+    stages = planned_stages(cfg.pipeline, cfg.train)
     check_plans(cfg, stage_plans(cfg, stages))
     for index, stage in enumerate(stages, 1):
         started = time.monotonic()
         print(f"[{index}/{len(stages)}] {stage} ...", flush=True)
-        result = run_bench(cfg, sweep_dir) if stage == "bench" else run_stage(cfg, stage, sweep_dir)
+        if stage == "bench":
+            result = run_bench(cfg.pipeline, cfg.serve, sweep_dir)
+        else:
+            result = run_stage(cfg, stage, sweep_dir)
         print(
             f"[{index}/{len(stages)}] {stage} {result} ({time.monotonic() - started:.0f}s)",
             flush=True,
         )
     if "bench" in stages:
-        print_summary(cfg, sweep_dir)
+        print_summary(STAGE_OUTPUTS["train"](cfg), cfg.tracking, sweep_dir)
 
 
 if __name__ == "__main__":

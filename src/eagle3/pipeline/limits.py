@@ -8,6 +8,7 @@ that the stage packages need not import the pipeline.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -17,9 +18,10 @@ CHECKED = ("data", "extract", "train")
 
 def check_stage(cfg, stage: str, launcher: str | None = None) -> None:
     """Refuse `stage` as the pipeline's plan would (eagle3.pipeline.plan), for it alone."""
-    from eagle3.pipeline.plan import check_plans, check_process_fit, stage_plans
+    from eagle3.pipeline.plan import check_plans, check_process_fit, in_process_loads, stage_plans
 
-    check_process_fit(cfg, [stage])
+    loads = in_process_loads([stage], cfg.data, cfg.train, cfg.extract)
+    check_process_fit(cfg.target, Path(cfg.paths.artifacts), cfg.pipeline.process_memory_gb, loads)
     check_plans(cfg, stage_plans(cfg, [stage], launcher))
 
 

@@ -10,7 +10,6 @@ peak allocation against the model's one-process total:
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -19,28 +18,24 @@ import torch
 from eagle3.core.common import app
 from eagle3.core.config import Config
 from eagle3.core.drafter import Eagle3Drafter, drafter_config
-from eagle3.core.target import default_aux_layer_ids
-from eagle3.pipeline.plan import drafter_params, target_config, train_gpu, train_world
+from eagle3.pipeline.plan import (
+    DrafterTraining,
+    drafter_params,
+    planned_target,
+    train_gpu,
+    train_world,
+)
 
 STRATEGIES = ("ddp", "fsdp")
 
 
-def training_as(cfg: Config, strategy: str, max_length: int | None = None) -> Config:
-    """The composed config with another trainer.strategy (and train.max_length)."""
-    variant = copy.deepcopy(cfg)
-    variant.trainer.strategy = strategy
-    if max_length is not None:
-        variant.train.max_length = max_length
-    return variant
-
-
-def memory_table(cfg: Config) -> dict:
-    """{parameters, world, tokens, ddp: {part: GB per GPU}, fsdp: {...}} for the composed config."""
-    config = target_config(cfg)
-    params, world = drafter_params(cfg, config), train_world(cfg)
-    table = {"parameters": params, "world": world, "tokens": int(cfg.train.max_length)}
+def memory_table(training: DrafterTraining) -> dict:
+    """{parameters, world, tokens, ddp: {part: GB per GPU}, fsdp: {...}} for this training."""
+    params = drafter_params(training.target, training.drafter)
+    world = train_world(training.trainer)
+    table = {"parameters": params, "world": world, "tokens": int(training.train.max_length)}
     for strategy in STRATEGIES:
-        table[strategy] = train_gpu(training_as(cfg, strategy), config, params, world)
+        table[strategy] = train_gpu(training.as_strategy(strategy), params, world)
     return table
 
 
@@ -57,9 +52,9 @@ def table_lines(table: dict) -> list[str]:
     return lines
 
 
-def step_batch(cfg: Config, config: dict, length: int, device: torch.device) -> dict:
-    """Random inputs of one training batch (train.batch_size rows of `length` tokens)."""
-    rows, hidden = int(cfg.train.batch_size), int(config["hidden_size"])
+def step_batch(rows: int, config: dict, length: int, device: torch.device) -> dict:
+    """Random inputs of one training batch (`rows`: train.batch_size, of `length` tokens)."""
+    hidden = int(config["hidden_size"])
     states = {"device": device, "dtype": torch.bfloat16}
     return {
         "input_ids": torch.randint(0, int(config["vocab_size"]), (rows, length), device=device),
@@ -69,38 +64,39 @@ def step_batch(cfg: Config, config: dict, length: int, device: torch.device) -> 
     }
 
 
-def measure(cfg: Config, lengths: list[int]) -> list[dict]:
+def measure(training: DrafterTraining, device: str, seed: int, lengths: list[int]) -> list[dict]:
     """One process, random weights and inputs: per length the peak allocation of the second of two
         steps (ttt_loss, backward, AdamW; the second holds Adam's states from its start) against the
         model's one-process total at that length (no DDP buckets). Peaks are read on CUDA only (None
-    elsewhere)."""
+    elsewhere; pipeline.memory.device: `device`)."""
     from eagle3.train.ttt import ttt_loss
 
-    config, device = target_config(cfg), torch.device(cfg.pipeline.memory.device)
-    aux = list(cfg.target.aux_layer_ids or default_aux_layer_ids(config["num_hidden_layers"]))
-    torch.manual_seed(cfg.seed)
+    config, device, train = training.target.config, torch.device(device), training.train
+    torch.manual_seed(seed)
     with torch.device(device):
-        drafter = Eagle3Drafter(drafter_config(config, cfg.drafter, aux)).float()
+        drafter = Eagle3Drafter(
+            drafter_config(config, training.drafter, training.target.aux_layer_ids)
+        ).float()
         head = torch.randn(config["vocab_size"], config["hidden_size"], dtype=torch.bfloat16)
-    draft_vocab, vocab = int(cfg.drafter.draft_vocab_size), int(config["vocab_size"])
+    draft_vocab, vocab = int(training.drafter.draft_vocab_size), int(config["vocab_size"])
     drafter.set_vocab_map(
         torch.zeros(draft_vocab, dtype=torch.long, device=device),
         torch.arange(vocab, device=device) < draft_vocab,
     )
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad])
-    params, rows = drafter_params(cfg, config), []
+    params, rows = drafter_params(training.target, training.drafter), []
     for length in lengths:
-        batch = step_batch(cfg, config, length, device)
+        batch = step_batch(int(train.batch_size), config, length, device)
         for _ in range(2):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss, _ = ttt_loss(drafter, batch, head, cfg.train.ttt_length, cfg.train.step_decay)
+                loss, _ = ttt_loss(drafter, batch, head, train.ttt_length, train.step_decay)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
         peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-        computed = train_gpu(training_as(cfg, "ddp", length), config, params, 1)
+        computed = train_gpu(training.as_strategy("ddp", length), params, 1)
         rows.append({"tokens": length, "measured_gb": peak, "computed_gb": sum(computed.values())})
         del batch
     return rows
@@ -108,11 +104,14 @@ def measure(cfg: Config, lengths: list[int]) -> list[dict]:
 
 @app
 def main(cfg: Config) -> None:
-    table = memory_table(cfg)
+    target = planned_target(cfg.target, Path(cfg.paths.artifacts))
+    training = DrafterTraining(target, cfg.drafter, cfg.train, cfg.trainer, cfg.pipeline.plan)
+    table = memory_table(training)
     print("\n".join(table_lines(table)))
     settings = cfg.pipeline.memory
     if settings.measure:
-        table["measured"] = measure(cfg, [int(length) for length in settings.measure])
+        lengths = [int(length) for length in settings.measure]
+        table["measured"] = measure(training, settings.device, cfg.seed, lengths)
         for row in table["measured"]:
             peak = (
                 "not read off CUDA"

@@ -8,13 +8,28 @@ from __future__ import annotations
 
 import math
 import shutil
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from eagle3.core.artifacts import StageOutput
 from eagle3.core.common import Eagle3Error, resolve_dtype
-from eagle3.core.config import Config, plain
+from eagle3.core.config import (
+    ClusterConfig,
+    Config,
+    DataConfig,
+    DrafterConfig,
+    ExportConfig,
+    ExtractConfig,
+    PlanConfig,
+    ServeConfig,
+    TargetConfig,
+    TrainConfig,
+    TrainerConfig,
+    plain,
+)
 from eagle3.core.drafter import Eagle3Drafter, drafter_config
 from eagle3.core.outputs import STAGE_OUTPUTS, data_output
 from eagle3.core.target import default_aux_layer_ids, folder_text_config, resolve_target_path
@@ -23,47 +38,50 @@ from eagle3.extract.vllm_capture import text_config
 from eagle3.pipeline.plan_shapes import active_params, checkpoint_bytes, kv_bytes_per_token
 
 
-def target_weights_gb(cfg: Config) -> float | None:
+def target_weights_gb(target: TargetConfig, artifacts: Path) -> float | None:
     """target.plan.weights_gb; else, for a target planned from target.plan.config, its weights at
     the dtypes target.plan.storage says they are stored in; else the size of the target folder's
     weight files (None: unknown, a hub id with no plan)."""
-    hint = cfg.target.plan or {}
+    hint = target.plan or {}
     if hint.get("weights_gb") is not None:
         return float(hint["weights_gb"])
     if hint.get("config") is not None:
         return checkpoint_bytes(plain(hint["config"]), plain(hint["storage"])) / 1e9
-    path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
+    path = resolve_target_path(target, artifacts)
     if not isinstance(path, Path):
         return None
     files = [*path.glob("*.safetensors"), *path.glob("*.bin")]
     return sum(f.stat().st_size for f in files) / 1e9
 
 
-def in_process_loads(cfg: Config, stages: list[str] | None = None) -> list[tuple[str, str]]:
-    """(setting, what it does) for every planned stage (pipeline.stages, or `stages`) that loads the
-    whole target in one process."""
-    stages = list(cfg.pipeline.stages if stages is None else stages)
+def in_process_loads(
+    stages: list[str], data: DataConfig, train: TrainConfig, extract: ExtractConfig
+) -> list[tuple[str, str]]:
+    """(setting, what it does) for every one of `stages` that loads the whole target in one
+    process."""
     loads = []
-    if "data" in stages and cfg.data.regenerate and cfg.data.regen.backend == "local":
+    if "data" in stages and data.regenerate and data.regen.backend == "local":
         loads.append(("data.regen.backend=local", "regenerates answers with HF generate"))
-    online = cfg.train.hidden_states == "online"
-    if "extract" in stages and not online and cfg.extract.backend == "hf":
+    online = train.hidden_states == "online"
+    if "extract" in stages and not online and extract.backend == "hf":
         loads.append(("extract.backend=hf", "captures hidden states with the HF target"))
     if "train" in stages and online:
         loads.append(("train.hidden_states=online", "runs the HF target inside each training step"))
     return loads
 
 
-def check_process_fit(cfg: Config, stages: list[str] | None = None) -> float | None:
-    """Refuse a plan (pipeline.stages, or `stages`) that loads a target larger than
-    pipeline.process_memory_gb into one process."""
-    weights = target_weights_gb(cfg)
-    limit = float(cfg.pipeline.process_memory_gb)
+def check_process_fit(
+    target: TargetConfig, artifacts: Path, limit: float, loads: list[tuple[str, str]]
+) -> float | None:
+    """The target's weights (target_weights_gb); a plan whose `loads` (in_process_loads) put more
+    than one process holds (pipeline.process_memory_gb, `limit`) into one process is refused."""
+    weights = target_weights_gb(target, artifacts)
+    limit = float(limit)
     if weights is None or weights <= limit:
         return weights
-    for setting, action in in_process_loads(cfg, stages):
+    for setting, action in loads:
         raise Eagle3Error(
-            f"{setting} {action} in one process, but target {cfg.target.name} has {weights:,.0f} GB "
+            f"{setting} {action} in one process, but target {target.name} has {weights:,.0f} GB "
             f"of weights and one process holds pipeline.process_memory_gb={limit:g}: use "
             "extract.backend=vllm, data.regen.backend=engine and train.hidden_states=offline"
         )
@@ -75,32 +93,29 @@ def shard_bytes_per_token(hidden: int, itemsize: int) -> int:
     return 4 * hidden * itemsize + 4 + 1
 
 
-def planned_tokens(cfg: Config) -> tuple[int, bool]:
-    """(tokens of the extracted splits, exact): the data output's counts when it exists, else the
+def planned_tokens(data_out: StageOutput, splits: list[str], data: DataConfig) -> tuple[int, bool]:
+    """(tokens of the extracted `splits`, exact): the data output's counts when it exists, else the
     upper bound data.limit x data.max_length."""
-    out = data_output(cfg)
-    if out.complete:
-        counts = out.manifest().get("counts", {})
-        return sum(int(counts.get(f"{s}_tokens", 0)) for s in cfg.extract.splits), True
-    if cfg.data.limit is None:
+    if data_out.complete:
+        counts = data_out.manifest().get("counts", {})
+        return sum(int(counts.get(f"{s}_tokens", 0)) for s in splits), True
+    if data.limit is None:
         return 0, False
-    return int(cfg.data.limit) * int(cfg.data.max_length), False
+    return int(data.limit) * int(data.max_length), False
 
 
-def target_hidden_size(cfg: Config) -> int:
-    hint = (cfg.target.plan or {}).get("hidden_size")
+def target_hidden_size(target: TargetConfig, artifacts: Path) -> int:
+    hint = (target.plan or {}).get("hidden_size")
     if hint is not None:
         return int(hint)
-    return int(
-        text_config(resolve_target_path(cfg.target, Path(cfg.paths.artifacts)))["hidden_size"]
-    )
+    return int(text_config(resolve_target_path(target, artifacts))["hidden_size"])
 
 
-def disk_lines(cfg: Config) -> list[str]:
-    itemsize = STORAGE_DTYPES[cfg.extract.dtype].itemsize
-    hidden = target_hidden_size(cfg)
+def disk_lines(dtype: str, hidden: int, tokens: int, exact: bool) -> list[str]:
+    """The shards' bytes a token at extract.dtype (`dtype`) and the target's `hidden` size, over
+    the planned `tokens` (planned_tokens: `exact`, or an upper bound)."""
+    itemsize = STORAGE_DTYPES[dtype].itemsize
     per_token = shard_bytes_per_token(hidden, itemsize)
-    tokens, exact = planned_tokens(cfg)
     total = (
         f"{tokens:,} tokens"
         if exact
@@ -175,12 +190,11 @@ class StagePlan:
             )
         return None
 
-    def cluster_refusal(self, cfg: Config) -> str | None:
+    def cluster_refusal(self, cluster: ClusterConfig) -> str | None:
         """The job against the cluster's limits: GPUs per node, host memory per node, time limit
         (training is requeued past it: a note, not a refusal)."""
         if self.job is None:
             return None
-        cluster = cfg.cluster
         gpus, tasks = int(self.job["gpus_per_node"]), int(self.job["tasks_per_node"])
         if gpus > int(cluster.gpus_per_node):
             single = (
@@ -208,14 +222,14 @@ class StagePlan:
         return None
 
 
-def on_cluster(cfg: Config, launcher: str | None = None) -> bool:
+def on_cluster(pipeline_launcher: str | None, launcher: str | None = None) -> bool:
     """Whether the stages run as cluster jobs whose limits conf/cluster states: pipeline.launcher,
     or the Hydra launcher a stage started alone was given (`launcher`)."""
-    return bool(cfg.pipeline.launcher) or bool(launcher and "slurm" in launcher)
+    return bool(pipeline_launcher) or bool(launcher and "slurm" in launcher)
 
 
-def job_shape(cfg: Config, stage: str) -> dict:
-    res = getattr(cfg.cluster, stage, None) or cfg.cluster.job
+def job_shape(cluster: ClusterConfig, stage: str) -> dict:
+    res = getattr(cluster, stage, None) or cluster.job
     return {
         "nodes": int(res.nodes),
         "tasks_per_node": int(res.tasks_per_node),
@@ -224,40 +238,40 @@ def job_shape(cfg: Config, stage: str) -> dict:
     }
 
 
-def free_disk_gb(cfg: Config) -> tuple[float, str]:
+def free_disk_gb(cluster: ClusterConfig, artifacts: str) -> tuple[float, str]:
     """(GB free for stage outputs, where that number comes from): cluster.disk_gb when stated, else
     the free space of the filesystem that holds paths.artifacts (its nearest existing folder)."""
-    if cfg.cluster.disk_gb is not None:
-        return float(cfg.cluster.disk_gb), f"cluster.disk_gb={cfg.cluster.disk_gb:g}"
-    folder = Path(cfg.paths.artifacts).absolute()
+    if cluster.disk_gb is not None:
+        return float(cluster.disk_gb), f"cluster.disk_gb={cluster.disk_gb:g}"
+    folder = Path(artifacts).absolute()
     while not folder.exists():
         folder = folder.parent
     free = shutil.disk_usage(folder).free / 1e9
-    return free, f"{free:,.1f} GB free at paths.artifacts={cfg.paths.artifacts}"
+    return free, f"{free:,.1f} GB free at paths.artifacts={artifacts}"
 
 
-def disk_writes(cfg: Config, plans: dict[str, StagePlan]) -> dict[str, float]:
-    """GB each stage still to run writes under paths.artifacts (a complete output writes nothing)."""
+def disk_writes(plans: dict[str, StagePlan], complete: Callable[[str], bool]) -> dict[str, float]:
+    """GB each stage still to run writes under paths.artifacts (a stage whose output is `complete`
+    writes nothing)."""
     return {
         stage: plan.disk_gb
         for stage, plan in plans.items()
-        if plan.disk_gb > 0 and (stage == "bench" or not STAGE_OUTPUTS[stage](cfg).complete)
+        if plan.disk_gb > 0 and (stage == "bench" or not complete(stage))
     }
 
 
-def disk_line(cfg: Config, plans: dict[str, StagePlan]) -> str:
-    writes = disk_writes(cfg, plans)
-    free, source = free_disk_gb(cfg)
+def disk_line(writes: dict[str, float], cluster: ClusterConfig, artifacts: str) -> str:
+    free, source = free_disk_gb(cluster, artifacts)
     return f"disk: the stages to run write {sum(writes.values()):,.1f} GB; {source}"
 
 
-def disk_refusal(cfg: Config, plans: dict[str, StagePlan]) -> str | None:
-    """The disk the stages still to run will write, against the free space (or cluster.disk_gb)."""
-    writes = disk_writes(cfg, plans)
+def disk_refusal(writes: dict[str, float], cluster: ClusterConfig, artifacts: str) -> str | None:
+    """The disk the stages still to run will write (disk_writes), against the free space under
+    paths.artifacts (`artifacts`) or cluster.disk_gb."""
     total = sum(writes.values())
     if not writes:
         return None
-    free, source = free_disk_gb(cfg)
+    free, source = free_disk_gb(cluster, artifacts)
     if total <= free:
         return None
     if len(writes) == 1:
@@ -272,22 +286,55 @@ def disk_refusal(cfg: Config, plans: dict[str, StagePlan]) -> str | None:
     )
 
 
-def plan_settings(cfg: Config) -> Config:
-    return cfg.pipeline.plan
-
-
-def target_config(cfg: Config) -> dict:
+def target_config(target: TargetConfig, artifacts: Path) -> dict | None:
     """The target's text config: target.plan.config (planned without downloading it), else the
-    folder's config.json."""
-    hint = (cfg.target.plan or {}).get("config")
+    folder's config.json (None: a hub id)."""
+    hint = (target.plan or {}).get("config")
     if hint is not None:
         return plain(hint)
-    return folder_text_config(resolve_target_path(cfg.target, Path(cfg.paths.artifacts)))
+    return folder_text_config(resolve_target_path(target, artifacts))
 
 
-def cpu_itemsize(cfg: Config) -> int:
-    """Bytes per element of the target tensors a host process reads (target.dtype on the CPU)."""
-    return resolve_dtype(cfg.target.dtype, torch.device("cpu")).itemsize
+@dataclass(frozen=True)
+class PlannedTarget:
+    """The target as the plan sizes it: its text config (target_config), target.dtype and
+    target.aux_layer_ids."""
+
+    config: dict
+    dtype: str
+    aux: list[int] | None
+
+    @property
+    def cpu_itemsize(self) -> int:
+        """Bytes per element of the target tensors a host process reads (target.dtype on the CPU)."""
+        return resolve_dtype(self.dtype, torch.device("cpu")).itemsize
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        """The layers the drafter reads: target.aux_layer_ids, else the engines' defaults."""
+        return list(self.aux or default_aux_layer_ids(int(self.config["num_hidden_layers"])))
+
+
+def planned_target(target: TargetConfig, artifacts: Path) -> PlannedTarget | None:
+    """None for a hub id given without target.plan.config (nothing to size)."""
+    config = target_config(target, artifacts)
+    if config is None:
+        return None
+    return PlannedTarget(config, target.dtype, target.aux_layer_ids)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What every stage's plan is sized from, read once by stage_plans: the target, its weights
+    (GB), pipeline.plan's settings and rates, where the stages run (pipeline.launcher and
+    conf/cluster) and data.max_length (one sequence of an engine's KV pool)."""
+
+    target: PlannedTarget
+    weights_gb: float
+    settings: PlanConfig
+    launcher: str | None
+    cluster: ClusterConfig
+    max_length: int
 
 
 def engine_itemsize(dtype: str | None) -> int:
@@ -300,24 +347,23 @@ def flag_value(args, flag: str) -> float | None:
     return float(args[args.index(flag) + 1]) if flag in args[:-1] else None
 
 
-def where(cfg: Config, stage: str, gpus: int) -> str:
+def where(sizing: Sizing, stage: str, gpus: int) -> str:
     """Which machine runs the stage: a job of pipeline.launcher with conf/cluster's resources for its
     app, or the host that runs the pipeline."""
-    if cfg.pipeline.launcher:
-        res = getattr(cfg.cluster, stage, None) or cfg.cluster.job
-        kind = cfg.cluster.constraint or "any"
+    if sizing.launcher:
+        cluster = sizing.cluster
+        res = getattr(cluster, stage, None) or cluster.job
+        kind = cluster.constraint or "any"
         return (
-            f"{cfg.pipeline.launcher} job, {res.nodes} node(s) ({kind}) x {res.gpus_per_node} GPU(s), "
+            f"{sizing.launcher} job, {res.nodes} node(s) ({kind}) x {res.gpus_per_node} GPU(s), "
             f"{res.tasks_per_node} task(s) per node, {res.timeout_min} min "
-            f"(cluster.{stage if getattr(cfg.cluster, stage, None) else 'job'}.timeout_min)"
+            f"(cluster.{stage if getattr(cluster, stage, None) else 'job'}.timeout_min)"
         )
     return f"this host, {gpus} GPU(s)" if gpus else "this host, no GPU"
 
 
 def engine_gpu(
-    cfg: Config,
-    config: dict,
-    weights: float,
+    sizing: Sizing,
     gpus: int,
     fraction: float,
     dtype,
@@ -332,7 +378,7 @@ def engine_gpu(
     of the hidden size per token on every rank, and the engine's measured overhead
     (pipeline.plan.engine_overhead). Returns (parts, note, KV pool GB, one data.max_length
     sequence's GB)."""
-    settings = plan_settings(cfg)
+    settings, config, weights = sizing.settings, sizing.target.config, sizing.weights_gb
     gpu = float(settings.gpu_memory_gb)
     itemsize = engine_itemsize(dtype)
     per_token, latent = kv_bytes_per_token(config, itemsize)
@@ -363,7 +409,7 @@ def engine_gpu(
                 f"vLLM's overhead not measured (pipeline.plan.engine_overhead.vllm_gb): it comes "
                 f"out of the KV pool inside --gpu-memory-utilization {fraction:g}"
             )
-    sequence = int(cfg.data.max_length) * per_rank / 1e9
+    sequence = sizing.max_length * per_rank / 1e9
     room = max(pool, 0.0)
     held = int(room * 1e9 / per_rank)
     parts = {"weights": weights / gpus, "KV cache": room * kv_rank / per_rank}
@@ -384,12 +430,12 @@ def engine_gpu(
     return parts, note, pool, sequence
 
 
-def engine_rate(cfg: Config, kind: str, config: dict, gpus: int, engine: bool) -> tuple[float, str]:
+def engine_rate(sizing: Sizing, kind: str, gpus: int, engine: bool) -> tuple[float, str]:
     """(tokens/s, where it comes from) of regeneration or capture (`kind`): an engine stage at its
     engine's measured rate (pipeline.plan.rates.<kind>_engine) scaled by active parameters; else
     the HF rate scaled by GPUs x active parameters, named as the fallback for an engine stage."""
-    rates = plan_settings(cfg).rates
-    target = active_params(config)
+    rates = sizing.settings.rates
+    target = active_params(sizing.target.config)
     measured = getattr(rates, f"{kind}_engine", None) if engine else None
     if measured is not None:
         rate = float(measured.tokens_per_s) * int(measured.active_params) / target
@@ -410,9 +456,9 @@ def engine_rate(cfg: Config, kind: str, config: dict, gpus: int, engine: bool) -
     return rate, f"{label} {hf:,} tok/s of {document} x {gpus} GPU(s) x active parameters"
 
 
-def engine_hours(plan: StagePlan, cfg: Config, kind: str, config: dict, gpus: int, tokens, engine):
+def engine_hours(plan: StagePlan, sizing: Sizing, kind: str, gpus: int, tokens, engine: bool):
     """Fills the plan's time: `tokens` at the stage's rate (engine_rate), the rate's source named."""
-    rate, source = engine_rate(cfg, kind, config, gpus, engine)
+    rate, source = engine_rate(sizing, kind, gpus, engine)
     if not tokens:
         plan.time_note = f"{rate:,.0f} tok/s ({source}); token count unknown (set data.limit)"
         return
@@ -421,131 +467,143 @@ def engine_hours(plan: StagePlan, cfg: Config, kind: str, config: dict, gpus: in
     plan.time_note = f"{plan.time_short} ({source})"
 
 
-def answer_tokens(cfg: Config) -> tuple[int | None, str]:
+def answer_tokens(data: DataConfig) -> tuple[int | None, str]:
     """Regeneration's output tokens, at most: every user turn of a conversation is answered (up to
     data.regen.max_new_tokens each, data.filters.max_turns turns) until its prompt reaches
     data.max_length, so the answers of one conversation stay below data.max_length plus one answer."""
-    if not cfg.data.limit:
+    if not data.limit:
         return None, ""
-    new, length = int(cfg.data.regen.max_new_tokens), int(cfg.data.max_length)
+    new, length = int(data.regen.max_new_tokens), int(data.max_length)
     per_conversation = length + new
-    turns = cfg.data.filters.max_turns
+    turns = data.filters.max_turns
     if turns:
         per_conversation = min(per_conversation, int(turns) * new)
-    return int(cfg.data.limit) * per_conversation, (
-        f"at most {int(cfg.data.limit):,} conversations x {per_conversation:,} answer tokens: "
+    return int(data.limit) * per_conversation, (
+        f"at most {int(data.limit):,} conversations x {per_conversation:,} answer tokens: "
         f"every turn answered, up to {new:,} tokens each"
         + (f", {turns} turns" if turns else "")
         + f", within data.max_length {length:,} + one answer"
     )
 
 
-def data_plan(cfg: Config, config: dict, weights: float) -> StagePlan:
-    regen = cfg.data.regen
-    answers, counted = answer_tokens(cfg)
-    tokens_disk = (
-        (int(cfg.data.limit) * int(cfg.data.max_length) * 5 / 1e9) if cfg.data.limit else 0.0
-    )
-    if not cfg.data.regenerate or regen.backend == "openai":
-        what = "" if not cfg.data.regenerate else f"; answers from {regen.base_url}"
-        plan = StagePlan("data", where(cfg, "data", 0) + what, disk_gb=tokens_disk, hours=None)
-        if cfg.data.regenerate:
-            engine_hours(plan, cfg, "regen", config, 1, answers, True)
+def data_plan(sizing: Sizing, data: DataConfig, serve: ServeConfig) -> StagePlan:
+    regen, weights = data.regen, sizing.weights_gb
+    answers, counted = answer_tokens(data)
+    tokens_disk = (int(data.limit) * int(data.max_length) * 5 / 1e9) if data.limit else 0.0
+    if not data.regenerate or regen.backend == "openai":
+        what = "" if not data.regenerate else f"; answers from {regen.base_url}"
+        plan = StagePlan("data", where(sizing, "data", 0) + what, disk_gb=tokens_disk, hours=None)
+        if data.regenerate:
+            engine_hours(plan, sizing, "regen", 1, answers, True)
             plan.time_note += f"; {counted}" if counted else ""
         return plan
     if regen.backend == "local":
         plan = StagePlan(
             "data",
-            where(cfg, "data", 1),
+            where(sizing, "data", 1),
             {"weights": weights},
             "HF generate in this process; its KV cache and activations are not counted",
             weights,
             "the whole model: HF generate",
             tokens_disk,
         )
-        engine_hours(plan, cfg, "regen", config, 1, answers, False)
+        engine_hours(plan, sizing, "regen", 1, answers, False)
     else:
-        gpus = int(getattr(cfg.serve, "tp_size", None) or 1)
-        engine = str(cfg.serve.engine)
-        fraction = getattr(cfg.serve, "mem_fraction_static", None) or flag_value(
-            getattr(cfg.serve, "extra_args", None), "--gpu-memory-utilization"
+        gpus = int(getattr(serve, "tp_size", None) or 1)
+        engine = str(serve.engine)
+        fraction = getattr(serve, "mem_fraction_static", None) or flag_value(
+            getattr(serve, "extra_args", None), "--gpu-memory-utilization"
         )
         default = "engine_memory_fraction" if engine == "sglang" else "vllm_memory_fraction"
-        fraction = float(fraction or getattr(plan_settings(cfg), default))
-        tokens = int(regen.concurrency) * int(cfg.data.max_length)
+        fraction = float(fraction or getattr(sizing.settings, default))
+        tokens = int(regen.concurrency) * int(data.max_length)
         parts, note, pool, sequence = engine_gpu(
-            cfg, config, weights, gpus, fraction, cfg.serve.dtype, tokens, engine
+            sizing, gpus, fraction, serve.dtype, tokens, engine
         )
-        plan = StagePlan("data", where(cfg, "data", gpus), parts, note, disk_gb=tokens_disk)
+        plan = StagePlan("data", where(sizing, "data", gpus), parts, note, disk_gb=tokens_disk)
         plan.engine_room_gb, plan.engine_sequence_gb = pool, sequence
-        engine_hours(plan, cfg, "regen", config, gpus, answers, True)
+        engine_hours(plan, sizing, "regen", gpus, answers, True)
     plan.time_note += f"; {counted}" if counted else ""
     return plan
 
 
-def extract_plan(cfg: Config, config: dict, weights: float) -> StagePlan:
-    itemsize = STORAGE_DTYPES[cfg.extract.dtype].itemsize
-    tokens, _ = planned_tokens(cfg)
+def extract_plan(sizing: Sizing, extract: ExtractConfig, tokens: int) -> StagePlan:
+    """The extract stage over the planned `tokens` (planned_tokens)."""
+    config, weights = sizing.target.config, sizing.weights_gb
+    itemsize = STORAGE_DTYPES[extract.dtype].itemsize
     disk = tokens * shard_bytes_per_token(int(config["hidden_size"]), itemsize) / 1e9
-    if cfg.extract.backend == "hf":
+    if extract.backend == "hf":
         plan = StagePlan(
             "extract",
-            where(cfg, "extract", 1),
+            where(sizing, "extract", 1),
             {"weights": weights},
             "the HF target in this process; activations not counted",
             weights,
             "the whole model: HF forward",
             disk,
         )
-        engine_hours(plan, cfg, "capture", config, 1, tokens, False)
+        engine_hours(plan, sizing, "capture", 1, tokens, False)
         return plan
-    engine = cfg.extract.engine
-    gpus = int(cfg.extract.tensor_parallel_size) * int(cfg.extract.pipeline_parallel_size)
+    engine = extract.engine
+    gpus = int(extract.tensor_parallel_size) * int(extract.pipeline_parallel_size)
     fraction = flag_value(engine.extra_args, "--gpu-memory-utilization")
-    fraction = fraction or plan_settings(cfg).vllm_memory_fraction
-    tokens_in_flight = int(cfg.extract.batch_tokens)
-    layers = int(config["num_hidden_layers"])
-    captured = len(list(cfg.target.aux_layer_ids or default_aux_layer_ids(layers))) + 1
+    fraction = fraction or sizing.settings.vllm_memory_fraction
+    tokens_in_flight = int(extract.batch_tokens)
+    captured = len(sizing.target.aux_layer_ids) + 1
     parts, note, pool, sequence = engine_gpu(
-        cfg, config, weights, gpus, fraction, engine.dtype, tokens_in_flight, "vllm", captured
+        sizing, gpus, fraction, engine.dtype, tokens_in_flight, "vllm", captured
     )
-    plan = StagePlan("extract", where(cfg, "extract", gpus), parts, note, disk_gb=disk)
+    plan = StagePlan("extract", where(sizing, "extract", gpus), parts, note, disk_gb=disk)
     plan.engine_room_gb, plan.engine_sequence_gb = pool, sequence
-    engine_hours(plan, cfg, "capture", config, gpus, tokens, True)
+    engine_hours(plan, sizing, "capture", gpus, tokens, True)
     return plan
 
 
-def drafter_params(cfg: Config, config: dict) -> int:
-    """Trainable parameters of the drafter this config trains (built on the meta device)."""
-    layers = int(config["num_hidden_layers"])
-    aux = list(cfg.target.aux_layer_ids or default_aux_layer_ids(layers))
+def drafter_params(target: PlannedTarget, drafter: DrafterConfig) -> int:
+    """Trainable parameters of the drafter `drafter` describes (built on the meta device)."""
     with torch.device("meta"):
-        drafter = Eagle3Drafter(drafter_config(config, cfg.drafter, aux))
-    return sum(
-        p.numel() for n, p in drafter.named_parameters() if not n.startswith("embed_tokens.")
-    )
+        model = Eagle3Drafter(drafter_config(target.config, drafter, target.aux_layer_ids))
+    return sum(p.numel() for n, p in model.named_parameters() if not n.startswith("embed_tokens."))
 
 
-def train_world(cfg: Config) -> int:
+def train_world(trainer: TrainerConfig) -> int:
     """Training ranks: trainer.devices (1 when not a count) x trainer.num_nodes."""
-    devices = int(cfg.trainer.devices) if str(cfg.trainer.devices).isdigit() else 1
-    return devices * int(cfg.trainer.num_nodes)
+    devices = int(trainer.devices) if str(trainer.devices).isdigit() else 1
+    return devices * int(trainer.num_nodes)
 
 
-def train_gpu(cfg: Config, config: dict, params: int, world: int) -> dict[str, float]:
+@dataclass(frozen=True)
+class DrafterTraining:
+    """One training of the drafter as the memory model sizes it: the target as planned, the
+    drafter, train and trainer sections, and pipeline.plan's activation copies."""
+
+    target: PlannedTarget
+    drafter: DrafterConfig
+    train: TrainConfig
+    trainer: TrainerConfig
+    settings: PlanConfig
+
+    def as_strategy(self, strategy: str, max_length: int | None = None) -> DrafterTraining:
+        """The same training under another trainer.strategy (and train.max_length)."""
+        train = self.train if max_length is None else replace(self.train, max_length=max_length)
+        return replace(self, train=train, trainer=replace(self.trainer, strategy=strategy))
+
+
+def train_gpu(training: DrafterTraining, params: int, world: int) -> dict[str, float]:
     """Per GPU: fp32 params, grads and Adam m, v (16 B a parameter; sharded over the ranks under
     FSDP), DDP's gradient buckets (4 B), the frozen fp32 embedding, under FSDP the unit it gathers
     to compute (the whole drafter, Lightning's default wrapping: bf16 params with the embedding and
     bf16 grads, 2 + 2 B a parameter), the target's head as a buffer plus the fp32 copy the loss
     makes, and activations per token and TTT step (conf/pipeline)."""
-    settings = plan_settings(cfg)
+    settings, drafter, train = training.settings, training.drafter, training.train
+    config = training.target.config
     vocab, hidden = int(config["vocab_size"]), int(config["hidden_size"])
-    draft_hidden = int(cfg.drafter.hidden_size or hidden)
-    fsdp = str(cfg.trainer.strategy).startswith("fsdp")
+    draft_hidden = int(drafter.hidden_size or hidden)
+    fsdp = str(training.trainer.strategy).startswith("fsdp")
     shards = world if fsdp else 1
-    tokens = int(cfg.train.batch_size) * int(cfg.train.max_length) * int(cfg.train.ttt_length)
+    tokens = int(train.batch_size) * int(train.max_length) * int(train.ttt_length)
     per_token = 4 * (
-        settings.logit_copies * int(cfg.drafter.draft_vocab_size)
+        settings.logit_copies * int(drafter.draft_vocab_size)
         + settings.hidden_copies * draft_hidden
     )
     embedding = vocab * draft_hidden
@@ -553,7 +611,7 @@ def train_gpu(cfg: Config, config: dict, params: int, world: int) -> dict[str, f
         "states": 16 * params / shards / 1e9,
         "DDP buckets": 0.0 if fsdp or world == 1 else 4 * params / 1e9,
         "frozen embedding": 4 * embedding / shards / 1e9,
-        "target head": (cpu_itemsize(cfg) + 4) * vocab * hidden / 1e9,
+        "target head": (training.target.cpu_itemsize + 4) * vocab * hidden / 1e9,
         "activations": tokens * per_token / 1e9,
     }
     if fsdp:
@@ -561,58 +619,61 @@ def train_gpu(cfg: Config, config: dict, params: int, world: int) -> dict[str, f
     return parts
 
 
-def parts_gb(cfg: Config, config: dict) -> float:
+def parts_gb(target: PlannedTarget) -> float:
     """Embedding, head and final norm as eagle3.core.target_parts reads them."""
+    config = target.config
     vocab, hidden = int(config["vocab_size"]), int(config["hidden_size"])
     rows = 1 if config.get("tie_word_embeddings") else 2
-    return (rows * vocab + 1) * hidden * cpu_itemsize(cfg) / 1e9
+    return (rows * vocab + 1) * hidden * target.cpu_itemsize / 1e9
 
 
-def train_plan(cfg: Config, config: dict, weights: float) -> StagePlan:
-    from eagle3.train.app import needs_whole_target
-
-    world = train_world(cfg)
-    params = drafter_params(cfg, config)
-    if needs_whole_target(cfg):
-        host, what = weights, "the whole model: online states or measured acceptance"
+def train_plan(
+    sizing: Sizing, training: DrafterTraining, whole_target: bool, tokens: int
+) -> StagePlan:
+    """The train stage over the planned `tokens` (planned_tokens) an epoch; `whole_target`: its
+    process loads the whole target (eagle3.train.app.needs_whole_target)."""
+    world = train_world(training.trainer)
+    params = drafter_params(sizing.target, training.drafter)
+    if whole_target:
+        host, what = sizing.weights_gb, "the whole model: online states or measured acceptance"
     else:
-        host, what = parts_gb(cfg, config), "embedding, head and final norm by name"
-    rates = plan_settings(cfg).rates
+        host, what = parts_gb(sizing.target), "embedding, head and final norm by name"
+    rates = sizing.settings.rates
+    config = sizing.target.config
     head = int(config["vocab_size"]) * int(config["hidden_size"])
-    cost = int(cfg.train.ttt_length) * (params + head)
+    cost = int(training.train.ttt_length) * (params + head)
     rate = rates.train_tokens_per_s * world * rates.train_cost_per_token / cost
     plan = StagePlan(
         "train",
-        where(cfg, "train", world),
-        train_gpu(cfg, config, params, world),
-        f"{params / 1e6:,.1f} M trainable parameters, {world} rank(s), {cfg.trainer.strategy}",
+        where(sizing, "train", world),
+        train_gpu(training, params, world),
+        f"{params / 1e6:,.1f} M trainable parameters, {world} rank(s), {training.trainer.strategy}",
         host,
         what,
         disk_gb=2 * 12 * params / 1e9,  # last.ckpt and best.ckpt: weights and Adam m, v in fp32
     )
-    tokens, _ = planned_tokens(cfg)
     if tokens:
-        tokens *= int(cfg.train.epochs)
+        tokens *= int(training.train.epochs)
         plan.hours = tokens / rate / 3600
         plan.time_note = f"{tokens:,} tokens at {rate:,.0f} tok/s over {world} GPU(s)"
-        limit = int(cfg.cluster.train.timeout_min)
-        if cfg.pipeline.launcher and plan.hours * 60 > limit:
+        limit = int(sizing.cluster.train.timeout_min)
+        if sizing.launcher and plan.hours * 60 > limit:
             jobs = math.ceil(plan.hours * 60 / limit)
             plan.time_note += (
                 f"; longer than cluster.train.timeout_min={limit}: {jobs} jobs, each requeued at its "
-                f"limit (cluster.requeue_signal={cfg.cluster.requeue_signal}) and resumed from its "
+                f"limit (cluster.requeue_signal={sizing.cluster.requeue_signal}) and resumed from its "
                 "checkpoint"
             )
     return plan
 
 
-def export_plan(cfg: Config, config: dict) -> StagePlan:
-    params = drafter_params(cfg, config)
-    itemsize = 4 if cfg.export.dtype in (None, "float32") else 2
+def export_plan(sizing: Sizing, export: ExportConfig, drafter: DrafterConfig) -> StagePlan:
+    params = drafter_params(sizing.target, drafter)
+    itemsize = 4 if export.dtype in (None, "float32") else 2
     plan = StagePlan(
         "export",
-        where(cfg, "export", 0),
-        host_gb=parts_gb(cfg, config),
+        where(sizing, "export", 0),
+        host_gb=parts_gb(sizing.target),
         host_what="embedding, head and final norm by name",
         disk_gb=2 * params * itemsize / 1e9,  # the sglang/ and vllm/ folders
         hours=0.0,
@@ -621,12 +682,14 @@ def export_plan(cfg: Config, config: dict) -> StagePlan:
     return plan
 
 
-def bench_plan(cfg: Config, config: dict, weights: float) -> StagePlan:
-    scfg = cfg.serve
-    if scfg.engine in ("local", "hf"):
+def bench_plan(sizing: Sizing, serve: ServeConfig, batch_size: int) -> StagePlan:
+    """The target served as one bench job serves it, `batch_size` (bench.batch_size) requests at
+    once."""
+    weights = sizing.weights_gb
+    if serve.engine in ("local", "hf"):
         return StagePlan(
             "bench",
-            where(cfg, "bench", 1),
+            where(sizing, "bench", 1),
             {"weights": weights},
             "the target in the bench process",
             weights,
@@ -635,18 +698,18 @@ def bench_plan(cfg: Config, config: dict, weights: float) -> StagePlan:
             None,
             "measured by the bench",
         )
-    gpus = int(getattr(scfg, "tp_size", None) or 1)
-    fraction = getattr(scfg, "mem_fraction_static", None) or flag_value(
-        scfg.extra_args, "--gpu-memory-utilization"
+    gpus = int(getattr(serve, "tp_size", None) or 1)
+    fraction = getattr(serve, "mem_fraction_static", None) or flag_value(
+        serve.extra_args, "--gpu-memory-utilization"
     )
-    default = "engine_memory_fraction" if scfg.engine == "sglang" else "vllm_memory_fraction"
-    fraction = float(fraction or getattr(plan_settings(cfg), default))
-    tokens = int(cfg.bench.batch_size) * int(cfg.data.max_length)
+    default = "engine_memory_fraction" if serve.engine == "sglang" else "vllm_memory_fraction"
+    fraction = float(fraction or getattr(sizing.settings, default))
+    tokens = int(batch_size) * sizing.max_length
     parts, note, pool, sequence = engine_gpu(
-        cfg, config, weights, gpus, fraction, scfg.dtype, tokens, str(scfg.engine)
+        sizing, gpus, fraction, serve.dtype, tokens, str(serve.engine)
     )
     plan = StagePlan(
-        "bench", where(cfg, "bench", gpus), parts, note, time_note="measured by the bench"
+        "bench", where(sizing, "bench", gpus), parts, note, time_note="measured by the bench"
     )
     plan.engine_room_gb, plan.engine_sequence_gb = pool, sequence
     return plan
@@ -658,21 +721,33 @@ def stage_plans(
     """Every stage's plan; none for a hub id given without target.plan.config (nothing to size).
     On a cluster (pipeline.launcher, or the Hydra `launcher` a stage was started with) each plan
     carries its job's shape and time limit from conf/cluster."""
-    config = target_config(cfg)
-    if config is None:
+    from eagle3.train.app import needs_whole_target
+
+    artifacts = Path(cfg.paths.artifacts)
+    target = planned_target(cfg.target, artifacts)
+    if target is None:
         return {}
-    weights = target_weights_gb(cfg) or 0.0
+    weights = target_weights_gb(cfg.target, artifacts) or 0.0
+    pipeline = cfg.pipeline
+    sizing = Sizing(
+        target, weights, pipeline.plan, pipeline.launcher, cfg.cluster, int(cfg.data.max_length)
+    )
+    training = DrafterTraining(target, cfg.drafter, cfg.train, cfg.trainer, pipeline.plan)
+
+    def tokens() -> int:
+        return planned_tokens(data_output(cfg), cfg.extract.splits, cfg.data)[0]
+
     build = {
-        "data": lambda: data_plan(cfg, config, weights),
-        "extract": lambda: extract_plan(cfg, config, weights),
-        "train": lambda: train_plan(cfg, config, weights),
-        "export": lambda: export_plan(cfg, config),
-        "bench": lambda: bench_plan(cfg, config, weights),
+        "data": lambda: data_plan(sizing, cfg.data, cfg.serve),
+        "extract": lambda: extract_plan(sizing, cfg.extract, tokens()),
+        "train": lambda: train_plan(sizing, training, needs_whole_target(cfg), tokens()),
+        "export": lambda: export_plan(sizing, cfg.export, cfg.drafter),
+        "bench": lambda: bench_plan(sizing, cfg.serve, cfg.bench.batch_size),
     }
     plans = {stage: build[stage]() for stage in stages}
-    if on_cluster(cfg, launcher):
+    if on_cluster(pipeline.launcher, launcher):
         for stage, plan in plans.items():
-            plan.job = job_shape(cfg, stage)
+            plan.job = job_shape(cfg.cluster, stage)
     return plans
 
 
@@ -680,11 +755,12 @@ def check_plans(cfg: Config, plans: dict[str, StagePlan]) -> None:
     """Refuse the first stage that does not fit its GPUs, one host process or its cluster job (GPUs
     per node, host memory per node, time limit), then a plan whose outputs do not fit the disk;
     each with its numbers."""
-    gpu, host = float(plan_settings(cfg).gpu_memory_gb), float(cfg.pipeline.process_memory_gb)
+    gpu, host = float(cfg.pipeline.plan.gpu_memory_gb), float(cfg.pipeline.process_memory_gb)
     for plan in plans.values():
-        refusal = plan.cluster_refusal(cfg) or plan.refusal(gpu, host)
+        refusal = plan.cluster_refusal(cfg.cluster) or plan.refusal(gpu, host)
         if refusal:
             raise Eagle3Error(refusal)
-    refusal = disk_refusal(cfg, plans)
+    writes = disk_writes(plans, lambda stage: STAGE_OUTPUTS[stage](cfg).complete)
+    refusal = disk_refusal(writes, cfg.cluster, cfg.paths.artifacts)
     if refusal:
         raise Eagle3Error(refusal)

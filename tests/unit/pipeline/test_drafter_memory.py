@@ -3,14 +3,22 @@ bytes a real drafter and a real AdamW step hold on tiny-llama."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from eagle3.core.drafter import build_drafter
 from eagle3.pipeline.memory import measure, memory_table
+from eagle3.pipeline.plan import DrafterTraining, planned_target
 
 RANKS = 4
 OVERRIDES = ("target=tiny-llama", "drafter.draft_vocab_size=128", "trainer.accelerator=cpu")
+
+
+def training_of(cfg) -> DrafterTraining:
+    target = planned_target(cfg.target, Path(cfg.paths.artifacts))
+    return DrafterTraining(target, cfg.drafter, cfg.train, cfg.trainer, cfg.pipeline.plan)
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
@@ -19,7 +27,7 @@ def nbytes(*tensors: torch.Tensor) -> int:
 
 def test_states_equal_the_bytes_a_real_adamw_step_holds(make_cfg, tiny_target):
     cfg = make_cfg(*OVERRIDES, f"trainer.devices={RANKS}")
-    table = memory_table(cfg)
+    table = memory_table(training_of(cfg))
     drafter = build_drafter(tiny_target, cfg.drafter).float()
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable)
@@ -48,8 +56,10 @@ def test_states_equal_the_bytes_a_real_adamw_step_holds(make_cfg, tiny_target):
 
 def test_a_measured_step_is_set_against_the_one_process_total(make_cfg):
     cfg = make_cfg(*OVERRIDES, "pipeline.memory.device=cpu", "train.ttt_length=2")
-    (row,) = measure(cfg, [16])
-    one_process = memory_table(make_cfg(*OVERRIDES, "train.max_length=16", "train.ttt_length=2"))
+    (row,) = measure(training_of(cfg), cfg.pipeline.memory.device, cfg.seed, [16])
+    one_process = memory_table(
+        training_of(make_cfg(*OVERRIDES, "train.max_length=16", "train.ttt_length=2"))
+    )
     assert row["tokens"] == 16
     assert row["computed_gb"] == pytest.approx(sum(one_process["ddp"].values()), rel=1e-12)
     assert row["measured_gb"] is None  # peaks are read on CUDA only
