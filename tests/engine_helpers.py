@@ -141,6 +141,7 @@ def _train_smollm2_drafter(test_root: Path, out: Path) -> None:
     from eagle3.export.app import export_drafter
     from eagle3.train.app import fit
     from eagle3.train.datamodule import DrafterData
+    from support import train_settings
 
     train_dir = test_root / "drafters" / "smollm2-bench-train"
     cfg = agree_cfg(
@@ -181,7 +182,7 @@ def _train_smollm2_drafter(test_root: Path, out: Path) -> None:
     t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
     t2d[top] = True
     data = DrafterData(items, items[:2], cfg.train, cfg.seed, pad_id=0)
-    fit(cfg, target, data, train_dir, top - torch.arange(AGREE_VOCAB), t2d)
+    fit(train_settings(cfg), target, data, train_dir, top - torch.arange(AGREE_VOCAB), t2d)
     drafter = load_trained_drafter(train_dir, target, which="final")
     drafter.config.target_num_layers = target.num_layers
     export_drafter(

@@ -573,7 +573,7 @@ def train_plan(cfg: Config, config: dict, weights: float) -> StagePlan:
 
     world = train_world(cfg)
     params = drafter_params(cfg, config)
-    if needs_whole_target(cfg):
+    if needs_whole_target(cfg.train):
         host, what = weights, "the whole model: online states or measured acceptance"
     else:
         host, what = parts_gb(cfg, config), "embedding, head and final norm by name"
