@@ -136,12 +136,13 @@ def trained_smollm2_drafter(test_root: Path) -> Path:
 
 
 def _train_smollm2_drafter(test_root: Path, out: Path) -> None:
+    from support import train_settings
+
     from eagle3.core.drafter_io import load_trained_drafter
     from eagle3.core.target import load_target
     from eagle3.export.app import export_drafter
     from eagle3.train.app import fit
     from eagle3.train.datamodule import DrafterData
-    from support import train_settings
 
     train_dir = test_root / "drafters" / "smollm2-bench-train"
     cfg = agree_cfg(
@@ -186,7 +187,11 @@ def _train_smollm2_drafter(test_root: Path, out: Path) -> None:
     drafter = load_trained_drafter(train_dir, target, which="final")
     drafter.config.target_num_layers = target.num_layers
     export_drafter(
-        cfg, drafter, {"note": "trained on the bench prompts' greedy continuations"}, out
+        cfg.export,
+        cfg.target,
+        drafter,
+        {"note": "trained on the bench prompts' greedy continuations"},
+        out,
     )
 
 

@@ -238,7 +238,7 @@ def _export_untrained(cfg, out: Path) -> Path:
     t2d[:draft_vocab] = True
     drafter.set_vocab_map(torch.zeros(draft_vocab, dtype=torch.long), t2d)
     drafter.config.target_num_layers = target.num_layers
-    export_drafter(cfg, drafter, {"note": "untrained, for engine tests"}, out)
+    export_drafter(cfg.export, cfg.target, drafter, {"note": "untrained, for engine tests"}, out)
     return out
 
 

@@ -37,7 +37,7 @@ def serve_yaml(engine: str) -> Path:
 def drafter_lineage(cfg: Config) -> list[dict]:
     """The lineage of drafter.path: a drafter folder, or `shipped` (the drafter in assets/)."""
     if str(cfg.drafter.path) == KEYWORD:
-        return chain_to(str(asset_manifest(asset_path(cfg))["hash"]))
+        return chain_to(str(asset_manifest(asset_path(cfg.shipped))["hash"]))
     return lineage_of(cfg.drafter.path)
 
 
