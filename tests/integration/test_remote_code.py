@@ -107,7 +107,8 @@ def test_every_engine_command_carries_the_setting(make_cfg, remote_code_target, 
         sglang_argv(
             target_cfg(
                 make_cfg, remote_code_target, trust, "serve=sglang", f"serve.python={SGLANG_PYTHON}"
-            ),
+            ).serve,
+            trust,
             OFF,
             None,
             str(remote_code_target),
