@@ -344,7 +344,7 @@ def capture_source(cfg: Config, root: Path, plans: list[ShardPlan]) -> Iterator[
         return
     path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
     capture = VllmCapture(cfg, target_shape(cfg.target, path), root / "engine")
-    capture.tokenizer = load_tokenizer(cfg)[0]
+    capture.tokenizer = load_tokenizer(cfg.target, cfg.paths.artifacts)[0]
     if all(shard_in_place(root, p, capture.hidden_size) for p in plans):  # no server needed
         yield capture
         return
