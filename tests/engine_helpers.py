@@ -136,6 +136,8 @@ def trained_smollm2_drafter(test_root: Path) -> Path:
 
 
 def _train_smollm2_drafter(test_root: Path, out: Path) -> None:
+    from support import train_settings
+
     from eagle3.core.drafter_io import load_trained_drafter
     from eagle3.core.target import load_target
     from eagle3.export.app import export_drafter
@@ -181,11 +183,15 @@ def _train_smollm2_drafter(test_root: Path, out: Path) -> None:
     t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
     t2d[top] = True
     data = DrafterData(items, items[:2], cfg.train, cfg.seed, pad_id=0)
-    fit(cfg, target, data, train_dir, top - torch.arange(AGREE_VOCAB), t2d)
+    fit(train_settings(cfg), target, data, train_dir, top - torch.arange(AGREE_VOCAB), t2d)
     drafter = load_trained_drafter(train_dir, target, which="final")
     drafter.config.target_num_layers = target.num_layers
     export_drafter(
-        cfg, drafter, {"note": "trained on the bench prompts' greedy continuations"}, out
+        cfg.export,
+        cfg.target,
+        drafter,
+        {"note": "trained on the bench prompts' greedy continuations"},
+        out,
     )
 
 

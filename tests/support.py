@@ -74,6 +74,13 @@ def peaked_target(cfg):
     return target
 
 
+def train_settings(cfg):
+    """The sections a training reads, as the train stage takes them from `cfg`."""
+    from eagle3.train.app import TrainSettings
+
+    return TrainSettings(cfg.train, cfg.trainer, cfg.drafter, cfg.cluster, cfg.tracking, cfg.seed)
+
+
 def synthetic_fit(cfg, folder: Path, callbacks=(), target=None, n_train: int = 24):
     from eagle3.train.app import fit
     from eagle3.train.datamodule import DrafterData
@@ -81,7 +88,7 @@ def synthetic_fit(cfg, folder: Path, callbacks=(), target=None, n_train: int = 2
     target = target or peaked_target(cfg)
     train_set, val_set, d2t, t2d = synthetic_data(target, n_train=n_train)
     data = DrafterData(train_set, val_set, cfg.train, cfg.seed, pad_id=0)
-    return fit(cfg, target, data, folder, d2t, t2d, callbacks=callbacks)
+    return fit(train_settings(cfg), target, data, folder, d2t, t2d, callbacks=callbacks)
 
 
 # ---------------------------------------------------------------- training as separate processes
@@ -231,7 +238,7 @@ def _export_untrained(cfg, out: Path) -> Path:
     t2d[:draft_vocab] = True
     drafter.set_vocab_map(torch.zeros(draft_vocab, dtype=torch.long), t2d)
     drafter.config.target_num_layers = target.num_layers
-    export_drafter(cfg, drafter, {"note": "untrained, for engine tests"}, out)
+    export_drafter(cfg.export, cfg.target, drafter, {"note": "untrained, for engine tests"}, out)
     return out
 
 

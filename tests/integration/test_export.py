@@ -397,7 +397,7 @@ def test_check_drafter_for_target_names_each_mismatch(drafter, tiny_target):
 def test_register_and_resolve_models_uri(drafter, tiny_target, make_cfg, tmp_path, shared_mlflow):
     from mlflow.tracking import MlflowClient
 
-    from eagle3.core.tracking import stage_run
+    from eagle3.core.tracking import client, stage_run
 
     cfg = make_cfg(
         "target=tiny-llama",
@@ -406,11 +406,12 @@ def test_register_and_resolve_models_uri(drafter, tiny_target, make_cfg, tmp_pat
         "export.registry_name=registry-test",
     )
     out_dir = tmp_path / "export"
-    folders = export.export_drafter(cfg, drafter, RECIPE, out_dir)
+    folders = export.export_drafter(cfg.export, cfg.target, drafter, RECIPE, out_dir)
     assert sorted(folders) == ["sglang", "vllm"]
     with stage_run(cfg, "export") as run:
-        version = export.register_export(cfg, out_dir, RECIPE, run)
-    assert export.registry_name(cfg) == "registry-test" and version == "1"
+        name = export.registry_name(cfg.export, cfg.target)
+        version = export.register_export(client(cfg), name, "tiny-llama", out_dir, RECIPE, run)
+    assert name == "registry-test" and version == "1"
     tags = MlflowClient(cfg.tracking.uri).get_model_version("registry-test", "1").tags
     assert (
         tags["tau_hat"] == "2.5"
@@ -459,7 +460,7 @@ def test_resolve_drafter_path_errors_say_what_to_run(make_cfg, tmp_path):
 
 def test_resolve_drafter_path_accepts_a_folder_or_an_export(drafter, make_cfg, tmp_path):
     cfg = make_cfg("target=tiny-llama")
-    export.export_drafter(cfg, drafter, RECIPE, tmp_path / "exp")
+    export.export_drafter(cfg.export, cfg.target, drafter, RECIPE, tmp_path / "exp")
     assert (
         outputs.resolve_drafter_path(make_cfg(f"drafter.path={tmp_path}/exp"), "vllm")
         == tmp_path / "exp" / "vllm"
@@ -616,12 +617,16 @@ def test_export_app_command_line(drafter, make_cfg, own_artifacts):
 
 
 def test_registry_name_follows_the_target(make_cfg):
-    assert export.registry_name(make_cfg("target=tiny-llama")) == "eagle3-tiny-llama"
+    def name(*overrides):
+        cfg = make_cfg(*overrides)
+        return export.registry_name(cfg.export, cfg.target)
+
+    assert name("target=tiny-llama") == "eagle3-tiny-llama"
     assert (
-        export.registry_name(make_cfg("target=hf", "target.path=meta-llama/Llama-3.1-8B-Instruct"))
+        name("target=hf", "target.path=meta-llama/Llama-3.1-8B-Instruct")
         == "eagle3-Llama-3.1-8B-Instruct"
     )
-    assert export.registry_name(make_cfg("export.registry_name=mine")) == "mine"
+    assert name("export.registry_name=mine") == "mine"
 
 
 # Runs SGLang's own LlamaForCausalLM.set_eagle3_layers_to_capture (lifted out of the installed

@@ -44,7 +44,13 @@ def export_fitted(test_root, tiny_target, tiny_fitted_drafter, out) -> None:
     t2d = torch.zeros(tiny_target.vocab_size, dtype=torch.bool)
     t2d[vocab] = True
     fitted.set_vocab_map(vocab - torch.arange(size), t2d)
-    export_drafter(cfg, fitted, {"note": "fitted to tiny-llama's rollouts, for engine tests"}, out)
+    export_drafter(
+        cfg.export,
+        cfg.target,
+        fitted,
+        {"note": "fitted to tiny-llama's rollouts, for engine tests"},
+        out,
+    )
 
 
 def test_several_suites_are_the_first_prompts_of_each(make_cfg):

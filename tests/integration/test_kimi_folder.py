@@ -357,7 +357,7 @@ def test_a_kimi_like_folder_trains_offline_and_exports(make_cfg, tmp_path, one_t
     assert data.run(cfg).path == out.path and data_output(cfg).complete  # the same data, reused
     assert shards_output(cfg).complete
     # the wrapper's own config class (trust_remote_code) gives the text model's vocabulary
-    assert load_tokenizer(cfg)[1] == VOCAB
+    assert load_tokenizer(cfg.target, cfg.paths.artifacts)[1] == VOCAB
 
     parts = load_target_parts(cfg)
     assert parts.input_embedding().shape == (VOCAB, 32) and parts.norm.shape == (32,)

@@ -74,13 +74,13 @@ def test_hf_loads_run_the_folders_code_only_when_trusted(make_cfg, remote_code_t
     target = load_target(trusted)
     assert type(target.model).__name__ == "RemoteLlamaForCausalLM"
     assert type(target.tokenizer).__name__ == "RemoteTokenizer"
-    tokenizer, vocab = load_tokenizer(trusted)  # the data stage's
+    tokenizer, vocab = load_tokenizer(trusted.target, trusted.paths.artifacts)  # the data stage's
     assert type(tokenizer).__name__ == "RemoteTokenizer" and vocab == target.vocab_size
     # the bench's
     assert type(target_tokenizer(remote_code_target, trusted.target)).__name__ == "RemoteTokenizer"
 
     untrusted = target_cfg(make_cfg, remote_code_target, False)
-    for load in (load_target, load_tokenizer):
+    for load in (load_target, lambda c: load_tokenizer(c.target, c.paths.artifacts)):
         with pytest.raises(Eagle3Error, match="set target.trust_remote_code=true"):
             load(untrusted)
     # without trust transformers falls back to its own tokenizer class
@@ -107,7 +107,8 @@ def test_every_engine_command_carries_the_setting(make_cfg, remote_code_target, 
         sglang_argv(
             target_cfg(
                 make_cfg, remote_code_target, trust, "serve=sglang", f"serve.python={SGLANG_PYTHON}"
-            ),
+            ).serve,
+            trust,
             OFF,
             None,
             str(remote_code_target),

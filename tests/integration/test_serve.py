@@ -131,10 +131,11 @@ def test_sglang_argv_accepted_by_sglangs_own_parser(make_cfg):
         if preset != "off"
     ]
     stale = make_cfg("serve=sglang", f"serve.python={SGLANG_PYTHON}", "serve.version=0.5.19")
-    argvs = [sglang_argv(cfg, spec, DRAFTER, TARGET, 30000) for spec in specs]
+    trust = cfg.target.trust_remote_code
+    argvs = [sglang_argv(cfg.serve, trust, spec, DRAFTER, TARGET, 30000) for spec in specs]
     argvs += [
-        sglang_argv(cfg, OFF, None, TARGET, 30000),
-        sglang_argv(stale, OFF, None, TARGET, 30000),
+        sglang_argv(cfg.serve, trust, OFF, None, TARGET, 30000),
+        sglang_argv(stale.serve, trust, OFF, None, TARGET, 30000),
     ]
     *spec_results, off, refused = sglang_parse_many(str(SGLANG_PYTHON), argvs)
     for spec, result in zip(specs, spec_results):

@@ -16,7 +16,7 @@ from eagle3.export.shipped import asset_path, pack, unpack
 
 
 def shipped_asset() -> Path:
-    return asset_path(compose())
+    return asset_path(compose().shipped)
 
 
 def shipped_recipe():
@@ -133,7 +133,10 @@ def test_the_shipped_drafter_is_chosen_only_when_nothing_else_is(make_cfg, own_a
     assert not wanted(cfg("shipped.use=never"))
     assert wanted(cfg("target=tiny-llama", "drafter.path=shipped"))  # asked for by name ...
     with pytest.raises(Exception, match="trained for target smollm2-135m, not tiny-llama"):
-        unpacked(cfg("target=tiny-llama", "drafter.path=shipped"))  # ... and refused, saying why
+        refused = cfg("target=tiny-llama", "drafter.path=shipped")
+        unpacked(
+            refused.shipped, refused.target, refused.paths.artifacts
+        )  # ... and refused, saying why
 
 
 def test_unpacked_once_registered_once_announced_once(make_cfg, own_artifacts, capsys):

@@ -149,7 +149,7 @@ def test_info_finds_the_engine_venvs_where_the_launcher_does(make_cfg, tmp_path)
     from eagle3.serve.launch import engine_python
     from eagle3.tools.info import engines_available
 
-    found = engines_available(make_cfg(f"paths.root={tmp_path}"))
+    found = engines_available(make_cfg(f"paths.root={tmp_path}").serve)
     for engine in ("vllm", "sglang"):
         python = Path(engine_python(make_cfg(f"serve={engine}").serve))
         assert python.is_relative_to(REPO)

@@ -25,6 +25,7 @@ from support import (
     step_recorder,
     synthetic_data,
     synthetic_fit,
+    train_settings,
 )
 
 from eagle3.core import outputs
@@ -161,7 +162,7 @@ def test_init_from_starts_where_the_source_ended(make_cfg, target, tmp_path):
     d2t = t2d.nonzero().flatten() - torch.arange(DRAFT_VOCAB)
     with pytest.raises(Eagle3Error, match="vocab map differs"):
         fit(
-            make_cfg(*BASE, f"train.init_from={source}"),
+            train_settings(make_cfg(*BASE, f"train.init_from={source}")),
             target,
             DrafterData(train_set, val_set, make_cfg(*BASE).train, 0, pad_id=0),
             tmp_path / "other_vocab",
@@ -244,7 +245,7 @@ def test_evaluation_prompts_stop_before_the_first_trained_token_and_take_the_eng
         {"input_ids": torch.arange(5), "loss_mask": torch.zeros(5, dtype=torch.long)},
     ]
     cfg = make_cfg(*BASE, "train.eval_prompts=2", "spec=d6s3k2", "engine.tree_temperature=0.5")
-    evaluation = evaluation_for(cfg, rows)
+    evaluation = evaluation_for(cfg.train, cfg.spec, cfg.engine.tree_temperature, rows)
     assert evaluation["prompts"] == [[0, 1, 2, 3], [0, 1, 2, 3, 4]]
     assert evaluation["tree_temperature"] == 0.5 and evaluation["spec"].label == "d6s3k2"
 

@@ -79,10 +79,11 @@ def test_engine_states_refuse_more_than_one_training_process(make_cfg):
 
     cfg = make_cfg("target=tiny-llama", "train.hidden_states=engine", "trainer.devices=2")
     with pytest.raises(Eagle3Error) as refused:
-        train.check_engine_states(cfg)
+        train.check_engine_states(cfg.train, cfg.trainer)
     assert str(refused.value) == (
         "train.hidden_states=engine starts one capture server in the training process: train with "
         "trainer.devices=1 and trainer.num_nodes=1 (not 2 x 1), or extract the shards and train "
         "offline"
     )
-    train.check_engine_states(make_cfg("target=tiny-llama", "train.hidden_states=engine"))
+    cfg = make_cfg("target=tiny-llama", "train.hidden_states=engine")
+    train.check_engine_states(cfg.train, cfg.trainer)

@@ -136,7 +136,7 @@ def export_dir(tiny_target, make_cfg, tmp_path):
     cfg = make_cfg("target=tiny-llama")
     drafter = randomise(build_drafter(tiny_target, cfg.drafter))
     drafter.config.aux_layer_ids = [1, 2, 3]  # custom ids: the folders' conventions differ
-    export_drafter(cfg, drafter, {"tau_hat": 1.0}, tmp_path / "exp")
+    export_drafter(cfg.export, cfg.target, drafter, {"tau_hat": 1.0}, tmp_path / "exp")
     return tmp_path / "exp"
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from eagle3.core.common import Eagle3Error, installed_file, log
-from eagle3.core.config import Config, ExtraSourceConfig, SelfPromptsConfig, SuiteConfig
+from eagle3.core.config import DataConfig, ExtraSourceConfig, SelfPromptsConfig, SuiteConfig
 from eagle3.data.suites import read_rows
 
 SELF_PROMPT_LOG = "self_prompts.jsonl"
@@ -114,32 +114,34 @@ def self_prompt_requests(scfg: SelfPromptsConfig) -> list[tuple[str, int, list[d
     ]
 
 
-def generator_cfg(cfg: Config) -> Config:
-    """The config a generator writes self-prompts under: data.self_prompts's sampling settings; a
-    thinking target's prompt is the text after its thinking (reasoning keep becomes drop)."""
-    scfg = cfg.data.self_prompts
-    reasoning = cfg.data.regen.reasoning
+def self_prompt_data(dcfg: DataConfig) -> DataConfig:
+    """The data settings a generator writes self-prompts under: data.self_prompts's sampling
+    settings; a thinking target's prompt is the text after its thinking (reasoning keep becomes
+    drop)."""
+    scfg = dcfg.self_prompts
+    reasoning = dcfg.regen.reasoning
     regen = dataclasses.replace(
-        cfg.data.regen,
+        dcfg.regen,
         temperature=scfg.temperature,
         top_p=1.0,
         max_new_tokens=scfg.max_new_tokens,
         seed=scfg.seed,
         reasoning="drop" if reasoning == "keep" else reasoning,
     )
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, regen=regen))
+    return dataclasses.replace(dcfg, regen=regen)
 
 
 def self_written_prompts(
-    cfg: Config, folder: Path, make_generator: Callable, make_log
+    scfg: SelfPromptsConfig, folder: Path, new_generator: Callable, make_log
 ) -> list[dict]:
-    """The target's own prompts (data.self_prompts), logged in `folder` as they arrive (resumable):
-    each written prompt becomes a single-turn row, ids self:<index>; empty ones are dropped."""
-    requests = self_prompt_requests(cfg.data.self_prompts)
+    """The target's own prompts (data.self_prompts), logged in `folder` as they arrive (resumable),
+    written by `new_generator()` (generating at self_prompt_data's settings): each written prompt
+    becomes a single-turn row, ids self:<index>; empty ones are dropped."""
+    requests = self_prompt_requests(scfg)
     prompt_log = make_log(folder / SELF_PROMPT_LOG)
     pending = [r for r in requests if not prompt_log.find(r[0], r[2])[0]]
     if pending:
-        make_generator(generator_cfg(cfg)).run(pending, prompt_log, desc="self-written prompts")
+        new_generator().run(pending, prompt_log, desc="self-written prompts")
     written = [(rid, prompt_log.find(rid, messages)[1]) for rid, _, messages in requests]
     return [
         {"id": rid, "messages": [{"role": "user", "content": text.strip()}]}
@@ -149,15 +151,16 @@ def self_written_prompts(
 
 
 def more_prompts(
-    cfg: Config,
+    dcfg: DataConfig,
+    suites: dict[str, SuiteConfig],
     splits: dict[str, list[dict]],
     counts: dict,
     folder: Path,
-    make_generator: Callable,
+    new_generator: Callable,
     make_log: Callable,
 ) -> dict[str, list[dict]]:
-    """The splits with the configured extra prompts; counts gets how many of each kind were added."""
-    dcfg = cfg.data
+    """The splits with the configured extra prompts (packaged ones found among bench.suites, `suites`;
+    self-written ones by `new_generator()`); counts gets how many of each kind were added."""
     added = bool(dcfg.first_turn_copies) or bool(dcfg.extra_sources) or bool(dcfg.self_prompts)
     if added and not dcfg.regenerate:
         raise Eagle3Error(
@@ -167,11 +170,11 @@ def more_prompts(
     splits = first_turn_copies(splits, int(dcfg.first_turn_copies or 0))
     train = list(splits["train"])
     if dcfg.extra_sources:
-        extra = packaged_prompts(dcfg.extra_sources, cfg.bench.suites, counts)
+        extra = packaged_prompts(dcfg.extra_sources, suites, counts)
         train += extra
         counts["extra_source_prompts"] = len(extra)
     if dcfg.self_prompts:
-        written = self_written_prompts(cfg, folder, make_generator, make_log)
+        written = self_written_prompts(dcfg.self_prompts, folder, new_generator, make_log)
         train += written
         counts["self_prompts"] = len(written)
         log.info("data: %d prompts written by the target", len(written))

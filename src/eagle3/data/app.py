@@ -12,6 +12,7 @@ map); this module runs them in order and writes the stage's folder.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import Counter
@@ -26,7 +27,7 @@ from eagle3.core.config import Config
 from eagle3.core.outputs import data_output
 from eagle3.core.target import tokenizer_hash
 from eagle3.core.tracking import stage_run
-from eagle3.data.added_prompts import more_prompts
+from eagle3.data.added_prompts import more_prompts, self_prompt_data
 from eagle3.data.conversations import conversations_for
 from eagle3.data.regen import TurnLog, generator_for, regen_log_path, regenerate, sampling_params
 from eagle3.data.sources import local_source
@@ -94,8 +95,16 @@ def write_splits(cfg: Config, out: StageOutput, mlflow_run) -> None:
     started = time.time()
     counts: dict[str, Any] = {}
     splits = conversations_for(cfg.data, counts)
-    splits = more_prompts(cfg, splits, counts, regen_log_path(cfg).parent, generator_for, TurnLog)
-    tokenizer, target_vocab = load_tokenizer(cfg)
+    splits = more_prompts(
+        cfg.data,
+        cfg.bench.suites,
+        splits,
+        counts,
+        regen_log_path(cfg).parent,
+        lambda: generator_for(dataclasses.replace(cfg, data=self_prompt_data(cfg.data))),
+        TurnLog,
+    )
+    tokenizer, target_vocab = load_tokenizer(cfg.target, cfg.paths.artifacts)
     if cfg.data.regenerate:
         splits = regenerate(cfg, out.path, splits, tokenizer, counts)
     dropped: Counter = Counter()
@@ -117,7 +126,9 @@ def write_splits(cfg: Config, out: StageOutput, mlflow_run) -> None:
             f"data.val_fraction={cfg.data.val_fraction}, then dropped: {dict(dropped)}); raise "
             "data.val_fraction or data.limit"
         )
-    d2t, t2d, coverage = vocab_map_for(cfg, train, target_vocab)
+    d2t, t2d, coverage = vocab_map_for(
+        cfg.drafter.draft_vocab_size, cfg.data.vocab_map_from, train, target_vocab
+    )
     save_file({"d2t": d2t, "t2d": t2d}, str(out.path / "vocab_map.safetensors"))
     save_dataset(out.path, columns)
     for name, cols in columns.items():

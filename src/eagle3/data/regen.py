@@ -22,11 +22,11 @@ from tqdm import tqdm
 
 from eagle3.core.artifacts import config_hash, read_json
 from eagle3.core.common import Eagle3Error, log
-from eagle3.core.config import Config, DataConfig, RegenConfig
+from eagle3.core.config import Config, DataConfig, RegenConfig, TargetConfig
 from eagle3.core.outputs import answer_sections
 from eagle3.core.redact import mask
 from eagle3.core.spec import OFF
-from eagle3.core.target import load_target, target_key, target_path_for
+from eagle3.core.target import Target, load_target, target_key, target_path_for
 from eagle3.data.conversations import user_turns
 from eagle3.data.tokens import end_of_turn, render
 from eagle3.serve.launch import start_engine
@@ -39,12 +39,12 @@ def regen_log_path(cfg: Config) -> Path:
     return Path(cfg.paths.artifacts) / "regen" / config_hash(answer_sections(cfg)) / "turns.jsonl"
 
 
-def seed_regen_log(cfg: Config, shared: Path) -> None:
+def seed_regen_log(sections: dict, artifacts: str, shared: Path) -> None:
     """A data output written before the shared log existed (this run's own, cut short, or one
-    copied from another machine) keeps its answers in its regen/turns.jsonl: the first one with the
-    same answer_sections starts the shared log."""
-    wanted = json.loads(json.dumps(answer_sections(cfg), default=str))
-    for manifest in sorted(Path(cfg.paths.artifacts, "data").glob("*/manifest.json")):
+    copied from another machine) keeps its answers in its regen/turns.jsonl: the first one under
+    `artifacts` with the same answer_sections (`sections`) starts the shared log."""
+    wanted = json.loads(json.dumps(sections, default=str))
+    for manifest in sorted(Path(artifacts, "data").glob("*/manifest.json")):
         config = read_json(
             manifest, "remove that data output and rerun `python -m eagle3.data`"
         ).get("config", {})
@@ -288,17 +288,17 @@ def regen_lock(folder: Path) -> Iterator[None]:
 
 def answer_turns(cfg: Config, shared: Path, splits: dict[str, list[dict]], tokenizer, counts: dict):
     """Turn-major, so each batch mixes conversations: -> (the shared TurnLog, {conversation id: error})."""
-    rcfg = cfg.data.regen
+    rcfg, sections = cfg.data.regen, answer_sections(cfg)
     if not shared.exists():
-        seed_regen_log(cfg, shared)
+        seed_regen_log(sections, cfg.paths.artifacts, shared)
     turn_log = TurnLog(shared)
-    record_answer_sections(cfg, shared.parent)
+    record_answer_sections(sections, shared.parent)
     conversations = [c for convs in splits.values() for c in convs]
     if rcfg.reuse_answers:
         sources = rcfg.reuse_answers
         sources = [sources] if isinstance(sources, str) else list(sources)
         for source in sources:  # every log checked before any is taken
-            check_answer_target(cfg, Path(str(source)))
+            check_answer_target(cfg.target, Path(str(source)))
         counts["regen_turns_reused"] = sum(
             reuse_answers(turn_log, Path(str(source)), conversations) for source in sources
         )
@@ -332,20 +332,22 @@ def generator_for(cfg: Config):
     backend = cfg.data.regen.backend
     if backend not in BACKENDS:
         raise Eagle3Error(f"data.regen.backend={backend}: use one of {', '.join(BACKENDS)}")
-    generators = {"local": LocalGenerator, "openai": OpenAIGenerator, "engine": EngineGenerator}
-    return generators[backend](cfg)
+    if backend == "local":
+        return LocalGenerator(load_target(cfg), cfg.data)
+    return OpenAIGenerator(cfg.data.regen) if backend == "openai" else EngineGenerator(cfg)
 
 
 ANSWERS_FILE = "answers.json"  # beside a shared answer log: what its answers depend on (masked)
 
 
-def record_answer_sections(cfg: Config, folder: Path) -> None:
+def record_answer_sections(sections: dict, folder: Path) -> None:
     """Write <folder>/answers.json once: the target and data settings the log's answers come from
-    (answer_sections, secrets masked), so a later data.regen.reuse_answers can tell their target."""
+    (`sections`: answer_sections, secrets masked), so a later data.regen.reuse_answers can tell
+    their target."""
     path = folder / ANSWERS_FILE
     if path.exists():
         return
-    sections = mask(json.loads(json.dumps(answer_sections(cfg), default=str)))
+    sections = mask(json.loads(json.dumps(sections, default=str)))
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(sections, indent=1))
     tmp.replace(path)
@@ -376,21 +378,21 @@ def describe_target(target: dict, other: dict) -> str:
     return f"{target.get('name')}" + (f" ({fields})" if fields else "")
 
 
-def check_answer_target(cfg: Config, source: Path) -> None:
+def check_answer_target(tcfg: TargetConfig, source: Path) -> None:
     """data.regen.reuse_answers takes answers only from logs of this config's target: one written by
     another target is refused naming both; one that does not say which target wrote it is taken
     with a warning naming it."""
     if not source.is_file():
         return  # reuse_answers names it
     theirs = answer_log_target(source)
-    ours = json.loads(json.dumps(target_key(cfg.target), default=str))
+    ours = json.loads(json.dumps(target_key(tcfg), default=str))
     if theirs is None:
         log.warning(
             "data: %s does not say which target wrote it (no %s beside it, no data manifest above "
             "it): its answers are taken as target %s's",
             source,
             ANSWERS_FILE,
-            cfg.target.name,
+            tcfg.name,
         )
     elif theirs != ours:
         raise Eagle3Error(
@@ -543,14 +545,14 @@ def answer_of(choice: dict, rcfg: RegenConfig) -> tuple[str, str | None]:
 class LocalGenerator:
     """Batched HF generate with left padding, prompts grouped by length."""
 
-    def __init__(self, cfg: Config):
-        self.target = load_target(cfg)
-        self.rcfg = cfg.data.regen
+    def __init__(self, target: Target, dcfg: DataConfig):
+        self.target = target
+        self.rcfg = dcfg.regen
         tokenizer = self.target.tokenizer
-        self.eot_id = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer, cfg.data))
+        self.eot_id = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer, dcfg))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eot_id
         seed = self.rcfg.seed
-        torch.manual_seed(cfg.data.seed if seed is None else seed)
+        torch.manual_seed(dcfg.seed if seed is None else seed)
 
     def run(self, items: list[tuple], turn_log: TurnLog, desc: str) -> dict[str, str]:
         tokenizer = self.target.tokenizer
@@ -605,10 +607,10 @@ class OpenAIGenerator:
     """Any OpenAI-compatible chat endpoint: bounded concurrency, retries with backoff, timeouts.
     The API key comes from the environment variable data.regen.api_key_env and is never logged."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, rcfg: RegenConfig):
         import httpx
 
-        self.rcfg = cfg.data.regen
+        self.rcfg = rcfg
         self.url = str(self.rcfg.base_url).rstrip("/")
         try:
             httpx.URL(self.url)
@@ -717,7 +719,7 @@ class EngineGenerator:
         self.cfg = regen_engine_config(cfg)
         self.folder = regen_log_path(cfg).parent / "engine"
         self.engine = None
-        self.client = OpenAIGenerator(cfg)
+        self.client = OpenAIGenerator(cfg.data.regen)
 
     def run(self, items: list[tuple], turn_log: TurnLog, desc: str) -> dict[str, str]:
         if self.engine is None:

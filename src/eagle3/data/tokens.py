@@ -10,7 +10,7 @@ import numpy as np
 from tqdm import tqdm
 
 from eagle3.core.common import Eagle3Error
-from eagle3.core.config import Config, DataConfig
+from eagle3.core.config import DataConfig, TargetConfig
 from eagle3.core.target import (
     download_hint,
     remote_code_error,
@@ -132,20 +132,21 @@ def loss_mask_of(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -
     return mask.tolist()
 
 
-def load_tokenizer(cfg: Config):
-    """The target's tokenizer and vocabulary size (no weights loaded)."""
+def load_tokenizer(tcfg: TargetConfig, artifacts: str | Path):
+    """The target's tokenizer and vocabulary size (no weights loaded; a downloaded target is looked
+    for under `artifacts`)."""
     from transformers import AutoConfig
 
-    path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
-    trust = trust_remote_code(cfg.target)
+    path = resolve_target_path(tcfg, Path(artifacts))
+    trust = trust_remote_code(tcfg)
     try:
-        tokenizer = target_tokenizer(path, cfg.target)
+        tokenizer = target_tokenizer(path, tcfg)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
         # a multimodal wrapper (Kimi-K2.5) keeps the vocabulary in its text config
         return tokenizer, config.get_text_config().vocab_size
     except OSError as err:
         if isinstance(path, str):  # a hub id this machine cannot reach
-            hint = download_hint(cfg.target, Path(cfg.paths.artifacts))
+            hint = download_hint(tcfg, Path(artifacts))
             raise Eagle3Error(f"cannot load the tokenizer of target {path}: {hint}") from err
         raise Eagle3Error(f"cannot load the tokenizer of target {path!s}: {err}") from err
     except ValueError as err:

@@ -9,7 +9,6 @@ import torch
 
 from eagle3.core.artifacts import load_safetensors
 from eagle3.core.common import Eagle3Error
-from eagle3.core.config import Config
 from eagle3.core.drafter_io import load_drafter
 
 
@@ -21,11 +20,11 @@ def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def vocab_map_for(
-    cfg: Config, train: dict, target_vocab: int
+    draft_vocab: int, source: str | None, train: dict, target_vocab: int
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(d2t, t2d, coverage of the training answers): counted from them, or data.vocab_map_from's: a data
-    output folder, its vocab_map.safetensors, or any drafter export.load_drafter reads."""
-    draft_vocab, source = cfg.drafter.draft_vocab_size, cfg.data.vocab_map_from
+    """(d2t, t2d, coverage of the training answers) of `draft_vocab` (drafter.draft_vocab_size) draft
+    ids: counted from them, or `source`'s (data.vocab_map_from): a data output folder, its
+    vocab_map.safetensors, or any drafter export.load_drafter reads."""
     if source is None:
         return build_vocab_map(train["input_ids"], train["loss_mask"], target_vocab, draft_vocab)
     if Path(source).is_file() or (Path(source) / "vocab_map.safetensors").exists():

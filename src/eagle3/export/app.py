@@ -11,7 +11,7 @@ from pathlib import Path
 
 from eagle3.core.artifacts import StageOutput
 from eagle3.core.common import Eagle3Error, app, log
-from eagle3.core.config import Config, plain
+from eagle3.core.config import Config, ExportConfig, TargetConfig, TrainConfig, plain
 from eagle3.core.drafter import Eagle3Drafter
 from eagle3.core.drafter_io import (
     ENGINES,
@@ -30,25 +30,24 @@ from eagle3.core.tracking import client, flatten, stage_run
 # ---------------------------------------------------------------- MLflow model registry
 
 
-def registry_name(cfg: Config) -> str:
+def registry_name(ecfg: ExportConfig, tcfg: TargetConfig) -> str:
     """eagle3-<target>: the target's config name, or its folder / hub id for target=hf."""
-    if cfg.export.registry_name:
-        return cfg.export.registry_name
-    name = cfg.target.name if cfg.target.kind != "hf" else Path(str(cfg.target.path)).name
+    if ecfg.registry_name:
+        return ecfg.registry_name
+    name = tcfg.name if tcfg.kind != "hf" else Path(str(tcfg.path)).name
     return "eagle3-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
 
 
-def register_export(cfg: Config, folder: Path, recipe: dict, run) -> str:
-    """Log the export's engine folders to the stage's MLflow run and register them; returns the version."""
+def register_export(registry, name: str, target_name: str, folder: Path, recipe: dict, run) -> str:
+    """Log the export's engine folders to the stage's MLflow run and register them under `name` with
+    `registry` (an MlflowClient); returns the version."""
     import mlflow
 
     for engine_dir in sorted(p for p in folder.iterdir() if (p / "config.json").exists()):
         mlflow.log_artifacts(str(engine_dir), artifact_path=f"drafter/{engine_dir.name}")
-    name = registry_name(cfg)
-    registry = client(cfg)
     if not registry.search_registered_models(filter_string=f"name='{name}'"):
         registry.create_registered_model(
-            name, description=f"EAGLE-3 drafters for target {cfg.target.name}"
+            name, description=f"EAGLE-3 drafters for target {target_name}"
         )
     tags = {f"recipe.{k}": str(v)[:5000] for k, v in flatten(plain(recipe)).items()}
     tags["tau_hat"] = str(recipe.get("tau_hat"))
@@ -69,29 +68,39 @@ def vocab_map_hash(drafter: Eagle3Drafter) -> str:
     return digest.hexdigest()[:12]
 
 
-def build_recipe(cfg: Config, drafter: Eagle3Drafter, train_manifest: dict) -> dict:
+def build_recipe(
+    tcfg: TrainConfig,
+    target_cfg: TargetConfig,
+    drafter: Eagle3Drafter,
+    train_manifest: dict,
+    lineage: list,
+) -> dict:
     """What made this drafter: TTT settings, vocab map and data hashes, τ̂, target identity, and its
-    lineage (the trainings from its first weights to these)."""
+    `lineage` (the trainings from its first weights to these)."""
     counts = train_manifest.get("counts", {})
     upstream = train_manifest.get("upstream", {})
     return {
-        "ttt_length": cfg.train.ttt_length,
-        "step_decay": cfg.train.step_decay,
+        "ttt_length": tcfg.ttt_length,
+        "step_decay": tcfg.step_decay,
         "vocab_map_hash": vocab_map_hash(drafter),
         "data_hash": upstream.get("data", counts.get("data_hash")),
         "train_hash": train_manifest.get("hash"),
         "tau_hat": counts.get("tau_hat"),
         "tokenizer_hash": counts.get("tokenizer_hash"),
-        "target": target_key(cfg.target),
-        "lineage": lineage_for_export(cfg, train_manifest, export_output(cfg).hash),
+        "target": target_key(target_cfg),
+        "lineage": lineage,
     }
 
 
 def export_drafter(
-    cfg: Config, drafter: Eagle3Drafter, recipe: dict, out_dir: Path
+    ecfg: ExportConfig,
+    target_cfg: TargetConfig,
+    drafter: Eagle3Drafter,
+    recipe: dict,
+    out_dir: Path,
 ) -> dict[str, Path]:
-    """All configured folders for one drafter: sglang/, vllm/ and (on request) speculators/."""
-    ecfg = cfg.export
+    """All configured folders for one drafter: sglang/, vllm/ and (on request) speculators/ (whose
+    verifier is the target)."""
     folders = {
         engine: export_sglang(
             drafter, out_dir / engine, recipe, engine, ecfg.dtype, ecfg.include_embedding
@@ -106,7 +115,7 @@ def export_drafter(
             ecfg.speculative_tokens,
             ecfg.dtype,
             ecfg.include_embedding,
-            verifier=str(cfg.target.path or cfg.target.name),
+            verifier=str(target_cfg.path or target_cfg.name),
         )
     return folders
 
@@ -126,21 +135,24 @@ def run(cfg: Config) -> StageOutput:
         trained.check_files(cfg.verify)
         target = load_target_parts(cfg)
         drafter = load_trained_drafter(trained.path, target).cpu()
-        recipe = build_recipe(cfg, drafter, trained.manifest())
+        manifest = trained.manifest()
+        lineage = lineage_for_export(cfg, manifest, out.hash)
+        recipe = build_recipe(cfg.train, cfg.target, drafter, manifest, lineage)
         drafter.config.recipe = recipe
         check_drafter_for_target(drafter, target)
         out.start()
         with stage_run(cfg, "export", artifact_hash=out.hash) as mlflow_run:
-            folders = export_drafter(cfg, drafter, recipe, out.path)
+            folders = export_drafter(cfg.export, cfg.target, drafter, recipe, out.path)
+            name = registry_name(cfg.export, cfg.target)
             version = (
-                register_export(cfg, out.path, recipe, mlflow_run)
+                register_export(client(cfg), name, cfg.target.name, out.path, recipe, mlflow_run)
                 if cfg.export.register and mlflow_run
                 else None
             )
         out.finish(
             {"folders": sorted(folders), "tau_hat": recipe["tau_hat"]},
             recipe=recipe,
-            registered=f"{MODELS_URI}{registry_name(cfg)}/{version}" if version else None,
+            registered=f"{MODELS_URI}{name}/{version}" if version else None,
         )
         return out
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from eagle3.core.artifacts import StageOutput, file_sha256, stage_output
 from eagle3.core.common import Eagle3Error, app, log
-from eagle3.core.config import Config, plain
+from eagle3.core.config import Config, DrafterConfig, ExportConfig, TargetConfig, plain
 from eagle3.core.drafter import Eagle3Drafter, build_drafter
 from eagle3.core.drafter_io import check_drafter_for_target, drafter_weights
 from eagle3.core.outputs import HASH_EXCLUDED_EXPORT, train_output
@@ -44,26 +44,28 @@ def newest_checkpoint(source: Path) -> Path:
     return max(found, key=lambda path: path.stat().st_mtime_ns)
 
 
-def checkpoint_source(cfg: Config) -> Path:
-    """export.checkpoint, else the train folder of the composed config."""
-    chosen = cfg.export.checkpoint
-    return Path(str(chosen)).expanduser() if chosen else train_output(cfg).path
+def chosen_checkpoint(ecfg: ExportConfig) -> Path | None:
+    """export.checkpoint (None: the train folder of the composed config)."""
+    chosen = ecfg.checkpoint
+    return Path(str(chosen)).expanduser() if chosen else None
 
 
-def checkpoint_output(cfg: Config, checksum: str) -> StageOutput:
+def checkpoint_output(
+    ecfg: ExportConfig, target_cfg: TargetConfig, artifacts: str, checksum: str
+) -> StageOutput:
     """The export's folder: named by the checkpoint's contents, the target and the export settings."""
-    settings = {k: v for k, v in plain(cfg.export).items() if k not in HASH_EXCLUDED_EXPORT}
+    settings = {k: v for k, v in plain(ecfg).items() if k not in HASH_EXCLUDED_EXPORT}
     sections = {
         "export": settings,
         "checkpoint": {"sha256": checksum},
-        "target": target_key(cfg.target),
+        "target": target_key(target_cfg),
     }
-    return stage_output(cfg.paths.artifacts, STAGE, sections)
+    return stage_output(artifacts, STAGE, sections)
 
 
-def checkpoint_drafter(cfg: Config, checkpoint: Path, target) -> Eagle3Drafter:
-    """A drafter shaped by the config with the checkpoint's weights (the embedding: the target's)."""
-    drafter = build_drafter(target, cfg.drafter).float()
+def checkpoint_drafter(drafter_cfg: DrafterConfig, checkpoint: Path, target) -> Eagle3Drafter:
+    """A drafter shaped by drafter_cfg with the checkpoint's weights (the embedding: the target's)."""
+    drafter = build_drafter(target, drafter_cfg).float()
     missing, unexpected = drafter.load_state_dict(drafter_weights(checkpoint), strict=False)
     missing = [key for key in missing if not key.startswith("embed_tokens.")]
     if missing or unexpected:
@@ -77,15 +79,15 @@ def checkpoint_drafter(cfg: Config, checkpoint: Path, target) -> Eagle3Drafter:
 
 def export_checkpoint(cfg: Config) -> StageOutput:
     """Export the newest checkpoint (no-op when that checkpoint was exported with these settings)."""
-    checkpoint = newest_checkpoint(checkpoint_source(cfg))
+    checkpoint = newest_checkpoint(chosen_checkpoint(cfg.export) or train_output(cfg).path)
     checksum = file_sha256(checkpoint)
-    out = checkpoint_output(cfg, checksum)
+    out = checkpoint_output(cfg.export, cfg.target, cfg.paths.artifacts, checksum)
     with out.lock():
         if out.complete:
             log.info("%s already exported: %s", checkpoint, out.path)
             return out
         target = load_target_parts(cfg)
-        drafter = checkpoint_drafter(cfg, checkpoint, target)
+        drafter = checkpoint_drafter(cfg.drafter, checkpoint, target)
         recipe = {
             "checkpoint": str(checkpoint),
             "checkpoint_sha256": checksum,
@@ -95,7 +97,7 @@ def export_checkpoint(cfg: Config) -> StageOutput:
         }
         drafter.config.recipe = recipe
         out.start()
-        folders = export_drafter(cfg, drafter, recipe, out.path)
+        folders = export_drafter(cfg.export, cfg.target, drafter, recipe, out.path)
         out.finish({"folders": sorted(folders)}, recipe=recipe)
     return out
 

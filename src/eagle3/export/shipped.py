@@ -31,7 +31,7 @@ from safetensors.torch import load, save
 from eagle3.core import tracking
 from eagle3.core.artifacts import StageOutput
 from eagle3.core.common import CONF_DIR, Eagle3Error, log
-from eagle3.core.config import Config
+from eagle3.core.config import Config, ShippedConfig, TargetConfig
 from eagle3.core.drafter_io import MODELS_URI
 from eagle3.core.outputs import export_output
 from eagle3.core.target import target_key
@@ -124,12 +124,12 @@ def write_engine_folder(files: dict[str, bytes], folder: Path) -> None:
 # ---------------------------------------------------------------- the shipped drafter
 
 
-def asset_path(cfg: Config) -> Path:
+def asset_path(shipped: ShippedConfig) -> Path:
     """shipped.asset; a relative path is taken from the eagle3 checkout."""
-    path = Path(str(cfg.shipped.asset)).expanduser()
+    path = Path(str(shipped.asset)).expanduser()
     path = path if path.is_absolute() else Path(CONF_DIR).parent / path
     if not path.is_file():
-        raise Eagle3Error(f"shipped.asset={cfg.shipped.asset}: no such file ({path})")
+        raise Eagle3Error(f"shipped.asset={shipped.asset}: no such file ({path})")
     return path
 
 
@@ -138,8 +138,8 @@ def asset_manifest(asset: Path) -> dict:
         return json.loads(archive.extractfile("manifest.json").read())
 
 
-def fits_target(cfg: Config, manifest: dict) -> bool:
-    return manifest.get("recipe", {}).get("target") == target_key(cfg.target)
+def fits_target(tcfg: TargetConfig, manifest: dict) -> bool:
+    return manifest.get("recipe", {}).get("target") == target_key(tcfg)
 
 
 def wanted(cfg: Config) -> bool:
@@ -152,10 +152,10 @@ def wanted(cfg: Config) -> bool:
         return False
     if export_output(cfg).complete:
         return False
-    return fits_target(cfg, asset_manifest(asset_path(cfg)))
+    return fits_target(cfg.target, asset_manifest(asset_path(cfg.shipped)))
 
 
-def shipped_output(cfg: Config, manifest: dict, asset: Path) -> StageOutput:
+def shipped_output(artifacts: str, manifest: dict, asset: Path) -> StageOutput:
     """<artifacts>/shipped/<export hash>: named by the export it was packed from, its lineage
     (that export and its train stage) as upstream."""
     digest = hashlib.sha256(asset.read_bytes()).hexdigest()[:12]
@@ -163,23 +163,23 @@ def shipped_output(cfg: Config, manifest: dict, asset: Path) -> StageOutput:
     return StageOutput(
         STAGE,
         export_hash,
-        Path(cfg.paths.artifacts) / STAGE / export_hash,
+        Path(artifacts) / STAGE / export_hash,
         {"asset": asset.name, "asset_sha256": digest},
         {"export": export_hash, **manifest.get("upstream", {})},
     )
 
 
-def unpacked(cfg: Config) -> StageOutput:
-    """The shipped drafter as a stage folder, unpacked on first use."""
-    asset = asset_path(cfg)
+def unpacked(shipped: ShippedConfig, tcfg: TargetConfig, artifacts: str) -> StageOutput:
+    """The shipped drafter as a stage folder under `artifacts`, unpacked on first use."""
+    asset = asset_path(shipped)
     manifest = asset_manifest(asset)
-    if not fits_target(cfg, manifest):
+    if not fits_target(tcfg, manifest):
         raise Eagle3Error(
             f"the shipped drafter {manifest['hash']} was trained for target "
-            f"{manifest.get('recipe', {}).get('target', {}).get('name')}, not {cfg.target.name}: "
+            f"{manifest.get('recipe', {}).get('target', {}).get('name')}, not {tcfg.name}: "
             "train one with `python -m eagle3.pipeline` or set drafter.path"
         )
-    out = shipped_output(cfg, manifest, asset)
+    out = shipped_output(artifacts, manifest, asset)
     if out.complete and out.config == out.manifest().get("config"):
         return out
     out.start()
@@ -199,7 +199,7 @@ def registered(cfg: Config, out: StageOutput) -> str | None:
     if not cfg.tracking.enabled:
         return None
     client = tracking.client(cfg)
-    name = registry_name(cfg)
+    name = registry_name(cfg.export, cfg.target)
     if not client.search_registered_models(filter_string=f"name='{name}'"):
         client.create_registered_model(name, description=f"EAGLE-3 drafters for {cfg.target.name}")
     for version in client.search_model_versions(f"name='{name}'"):
@@ -225,7 +225,7 @@ def registered(cfg: Config, out: StageOutput) -> str | None:
 
 def shipped_drafter(cfg: Config) -> Path:
     """The shipped drafter's export folder (unpacked, registered), announced once per process."""
-    out = unpacked(cfg)
+    out = unpacked(cfg.shipped, cfg.target, cfg.paths.artifacts)
     uri = registered(cfg, out)
     if out.hash not in announced:
         announced.add(out.hash)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from eagle3.core.artifacts import StageOutput
 from eagle3.core.common import Eagle3Error, app, log
-from eagle3.core.config import Config
+from eagle3.core.config import Config, ExtractConfig
 from eagle3.core.outputs import extract_output
 from eagle3.core.target import load_target, resolve_target_path
 from eagle3.core.tracking import stage_run
@@ -301,7 +301,7 @@ def check_disk(
 
 def run(cfg: Config) -> StageOutput:
     """Extract every configured split (a no-op when complete; resumes at shard granularity)."""
-    check_backend(cfg)
+    check_backend(cfg.extract)
     data_out = data.run(cfg)
     out = extract_output(cfg)
     with out.lock():  # runs started at once (a parallel launcher): one builds, the others reuse
@@ -317,8 +317,8 @@ def run(cfg: Config) -> StageOutput:
             ]
             with capture_source(cfg, out.path, plans) as target:
                 check_tokenizer(target.tokenizer, data_out)
-                stats = extract_all(cfg, target, plans, out.path)
-            write_index(out.path, cfg, target, plans)
+                stats = extract_all(cfg.extract, target, plans, out.path)
+            write_index(out.path, cfg.extract, target, plans)
             if mlflow_run is not None:
                 import mlflow
 
@@ -327,10 +327,10 @@ def run(cfg: Config) -> StageOutput:
         return out
 
 
-def check_backend(cfg: Config) -> None:
-    if cfg.extract.backend not in BACKENDS:
+def check_backend(ecfg: ExtractConfig) -> None:
+    if ecfg.backend not in BACKENDS:
         raise Eagle3Error(
-            f"extract.backend={cfg.extract.backend}: use one of {', '.join(BACKENDS)} "
+            f"extract.backend={ecfg.backend}: use one of {', '.join(BACKENDS)} "
             "(hf = the target in this process, vllm = a vLLM server the stage starts)"
         )
 
@@ -344,7 +344,7 @@ def capture_source(cfg: Config, root: Path, plans: list[ShardPlan]) -> Iterator[
         return
     path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
     capture = VllmCapture(cfg, target_shape(cfg.target, path), root / "engine")
-    capture.tokenizer = load_tokenizer(cfg)[0]
+    capture.tokenizer = load_tokenizer(cfg.target, cfg.paths.artifacts)[0]
     if all(shard_in_place(root, p, capture.hidden_size) for p in plans):  # no server needed
         yield capture
         return
@@ -360,8 +360,9 @@ def check_tokenizer(tokenizer, data_out: StageOutput) -> None:
         )
 
 
-def extract_all(cfg: Config, target, plans: list[ShardPlan], root: Path) -> dict[str, float]:
-    ecfg = cfg.extract
+def extract_all(
+    ecfg: ExtractConfig, target, plans: list[ShardPlan], root: Path
+) -> dict[str, float]:
     dtype = STORAGE_DTYPES.get(ecfg.dtype)
     if dtype is None:
         raise Eagle3Error(f"extract.dtype={ecfg.dtype}: use one of {', '.join(STORAGE_DTYPES)}")
@@ -418,8 +419,8 @@ def shard_in_place(root: Path, plan: ShardPlan, hidden: int) -> bool:
         return False
 
 
-def write_index(root: Path, cfg: Config, target, plans: list[ShardPlan]) -> None:
-    splits: dict[str, list[dict]] = {name: [] for name in cfg.extract.splits}
+def write_index(root: Path, ecfg: ExtractConfig, target, plans: list[ShardPlan]) -> None:
+    splits: dict[str, list[dict]] = {name: [] for name in ecfg.splits}
     for p in plans:
         splits[p.split].append(
             {
@@ -434,7 +435,7 @@ def write_index(root: Path, cfg: Config, target, plans: list[ShardPlan]) -> None
         "format": FORMAT,
         "hidden_size": target.hidden_size,
         "aux_layer_ids": list(target.aux_layer_ids),
-        "dtype": cfg.extract.dtype,
+        "dtype": ecfg.dtype,
         "splits": splits,
     }
     tmp = root / "index.json.tmp"

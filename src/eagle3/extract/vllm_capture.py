@@ -123,19 +123,13 @@ def rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 # ---------------------------------------------------------------- the server command
 
 
-def engine_config(cfg: Config, max_model_len: int) -> Config:
-    """The primary config with `serve` replaced by `extract.engine` (the vLLM settings of
-    serve=vllm), so launch.vllm_launch composes the base command."""
-    return dataclasses.replace(
-        cfg, serve=dataclasses.replace(cfg.extract.engine, max_model_len=max_model_len)
-    )
-
-
 def capture_launch(cfg: Config, shape: TargetShape, states_dir: Path, port: int | None = None):
-    """The vLLM command (launch.Launch) that captures `shape.capture_ids` into `states_dir`."""
+    """The vLLM command (launch.Launch) that captures `shape.capture_ids` into `states_dir`: the
+    config with `serve` replaced by `extract.engine` (the vLLM settings of serve=vllm, each prompt
+    and the one token sampled in its context) composes the base command."""
     ecfg = cfg.extract
-    engine = engine_config(cfg, int(cfg.data.max_length) + 1)  # the prompt + the one token sampled
-    launch = compose_launch(engine, OFF, None, shape.path, port)
+    serve = dataclasses.replace(ecfg.engine, max_model_len=int(cfg.data.max_length) + 1)
+    launch = compose_launch(dataclasses.replace(cfg, serve=serve), OFF, None, shape.path, port)
     speculative = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,

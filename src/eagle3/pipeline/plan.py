@@ -740,7 +740,7 @@ def stage_plans(
     build = {
         "data": lambda: data_plan(sizing, cfg.data, cfg.serve),
         "extract": lambda: extract_plan(sizing, cfg.extract, tokens()),
-        "train": lambda: train_plan(sizing, training, needs_whole_target(cfg), tokens()),
+        "train": lambda: train_plan(sizing, training, needs_whole_target(cfg.train), tokens()),
         "export": lambda: export_plan(sizing, cfg.export, cfg.drafter),
         "bench": lambda: bench_plan(sizing, cfg.serve, cfg.bench.batch_size),
     }

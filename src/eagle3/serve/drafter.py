@@ -24,7 +24,7 @@ def drafter_for(cfg: Config, spec: Spec) -> Path | None:
         try:
             folder = Path(resolve_drafter_path(cfg, engine=cfg.serve.engine))
         except Eagle3Error:
-            if untrained_fallback(cfg):
+            if untrained_fallback(cfg.serve, cfg.drafter.path):
                 return None
             raise
     check_drafter_files(folder, cfg.verify)

@@ -25,8 +25,9 @@ from tqdm import tqdm
 
 from eagle3.core.common import log
 from eagle3.core.config import BenchConfig, Config, from_plain, plain
+from eagle3.core.redact import masked_config
 from eagle3.core.spec import Spec
-from eagle3.core.target import load_target
+from eagle3.core.target import Target, load_target
 from eagle3.engine.service import Generation, build_service
 from eagle3.serve.launch import local_job_config
 
@@ -88,8 +89,8 @@ class HFGenerate(InProcess):
     """HF `generate` on the target: static batches of bench.batch_size left-padded prompts, each
     batch's wall time every one of its requests' latency."""
 
-    def __init__(self, cfg: Config):
-        self.target = load_target(cfg)
+    def __init__(self, target: Target):
+        self.target = target
         tokenizer = self.target.tokenizer
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
@@ -177,13 +178,13 @@ def engine_for(cfg: Config, spec: Spec, drafter_path: Path | None):
     if cfg.serve.engine == "hf":
         config = {"target": plain(cfg.target), "hf": True}
     else:
-        config = local_job_config(cfg, spec, drafter_path)
+        config = local_job_config(masked_config(cfg), cfg.bench.batch_size, spec, drafter_path)
     key = json.dumps(config, sort_keys=True, default=str)
     if _KEPT.get("key") == key:
         log.info("reusing the in-process %s engine of the previous job", cfg.serve.engine)
         return _KEPT["engine"]
     release()
-    engine = HFGenerate(cfg) if cfg.serve.engine == "hf" else LocalEngine(config)
+    engine = HFGenerate(load_target(cfg)) if cfg.serve.engine == "hf" else LocalEngine(config)
     _KEPT.update(key=key, engine=engine)
     return engine
 

@@ -136,13 +136,13 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def untrained_fallback(cfg: Config) -> bool:
+def untrained_fallback(scfg: ServeConfig, drafter_path: str | None) -> bool:
     """serve=local with serve.drafter_fallback=untrained and no drafter.path: the local server
     builds an untrained drafter itself when none was exported for this config."""
     return (
-        cfg.serve.engine == "local"
-        and getattr(cfg.serve, "drafter_fallback", None) == "untrained"
-        and not cfg.drafter.path
+        scfg.engine == "local"
+        and getattr(scfg, "drafter_fallback", None) == "untrained"
+        and not drafter_path
     )
 
 
@@ -156,13 +156,32 @@ def compose_launch(
     """The command that serves `cfg.target` (+ the drafter when spec is enabled) on `cfg.serve.engine`."""
     scfg = cfg.serve
     check_spec_for_engine(scfg.engine, spec, scfg.max_depth)
-    if spec.enabled and drafter_path is None and not untrained_fallback(cfg):
+    if spec.enabled and drafter_path is None and not untrained_fallback(scfg, cfg.drafter.path):
         raise Eagle3Error(f"spec {spec.label} needs a drafter; set drafter.path or use spec=off")
     if scfg.engine not in SERVED:
         raise Eagle3Error(
             f"serve={scfg.engine} has no server: it runs inside the bench (python -m eagle3.bench "
             f"serve={scfg.engine})"
         )
+    port = launch_port(scfg, port)
+    trust = cfg.target.trust_remote_code
+    if scfg.engine == "local":
+        job = local_job_config(masked_config(cfg), cfg.bench.batch_size, spec, drafter_path, port)
+        launch = local_launch(scfg, job, port)
+    elif scfg.engine == "vllm":
+        launch = vllm_launch(scfg, cfg.seed, trust, spec, drafter_path, target_path, port)
+    else:
+        launch = sglang_launch(scfg, trust, spec, drafter_path, target_path, port)
+    launch.stop_timeout_s = scfg.stop_timeout_s
+    launch.watchdog_poll_s = scfg.watchdog_poll_s
+    launch.error_lines = scfg.error_lines
+    launch.api_key = api_key(scfg)
+    return launch
+
+
+def launch_port(scfg: ServeConfig, port: int | None) -> int:
+    """`port`, else serve.port, else a free one; refused when a port the engine derives from it
+    (serve.derived_port_offsets) is above 65535."""
     port = port or scfg.port or free_port(scfg.host, list(scfg.derived_port_offsets))
     too_high = [port + o for o in scfg.derived_port_offsets if port + o > 65535]
     if too_high:
@@ -171,19 +190,15 @@ def compose_launch(
             f"{too_high[0] - port}, serve.derived_port_offsets), above 65535: choose a port "
             f"at most {65535 - max(scfg.derived_port_offsets)}"
         )
-    composer = {"local": local_launch, "vllm": vllm_launch, "sglang": sglang_launch}[scfg.engine]
-    launch = composer(cfg, spec, drafter_path, target_path, port)
-    launch.stop_timeout_s = scfg.stop_timeout_s
-    launch.watchdog_poll_s = scfg.watchdog_poll_s
-    launch.error_lines = scfg.error_lines
-    launch.api_key = api_key(scfg)
-    return launch
+    return port
 
 
-def local_job_config(cfg: Config, spec, drafter_path, port: int | None = None) -> dict:
-    """The config the embedded engine is built from: the job's resolved config (secrets masked: the
-    server reads its API key from the environment) with the resolved spec and drafter folder."""
-    job = masked_config(cfg)
+def local_job_config(
+    job: dict, batch_size: int, spec, drafter_path, port: int | None = None
+) -> dict:
+    """The config the embedded engine is built from: `job`, the job's resolved config (secrets
+    masked: the server reads its API key from the environment), with the resolved spec and drafter
+    folder; engine.max_batch_size null becomes `batch_size` (bench.batch_size)."""
     job["spec"] = {
         "enabled": spec.enabled,
         "depth": spec.depth,
@@ -192,16 +207,15 @@ def local_job_config(cfg: Config, spec, drafter_path, port: int | None = None) -
     }
     job["serve"]["port"] = port
     if job["engine"].get("max_batch_size") is None:  # batch as many as the bench keeps in flight
-        job["engine"]["max_batch_size"] = cfg.bench.batch_size
+        job["engine"]["max_batch_size"] = batch_size
     job["drafter"]["path"] = str(drafter_path) if drafter_path else None
     return job
 
 
-def local_launch(cfg: Config, spec, drafter_path, target_path, port) -> Launch:
-    """Our server gets local_job_config as its primary config file."""
-    job = local_job_config(cfg, spec, drafter_path, port)
+def local_launch(scfg: ServeConfig, job: dict, port: int) -> Launch:
+    """Our server gets `job` (local_job_config) as its primary config file."""
     argv = [
-        engine_python(cfg.serve) if cfg.serve.python else sys.executable,
+        engine_python(scfg) if scfg.python else sys.executable,
         "-m",
         "eagle3.serve.server",
         "--config-path",
@@ -216,7 +230,7 @@ def local_launch(cfg: Config, spec, drafter_path, target_path, port) -> Launch:
         "local",
         argv,
         {LAUNCH_TOKEN_ENV: token},
-        cfg.serve.host,
+        scfg.host,
         port,
         files={"engine_config.yaml": OmegaConf.to_yaml(OmegaConf.create(job))},
         launch_token=token,
@@ -232,8 +246,9 @@ def vllm_cli(scfg: ServeConfig) -> list[str]:
     return [str(Path(engine_python(scfg)).with_name("vllm"))]
 
 
-def vllm_launch(cfg: Config, spec, drafter_path, target_path, port) -> Launch:
-    v = cfg.serve
+def vllm_launch(
+    v: ServeConfig, seed: int, trust_remote_code: bool, spec, drafter_path, target_path, port
+) -> Launch:
     argv = [
         *vllm_cli(v),
         "serve",
@@ -249,11 +264,11 @@ def vllm_launch(cfg: Config, spec, drafter_path, target_path, port) -> Launch:
         "--max-num-seqs",
         str(v.max_num_seqs),
         "--seed",
-        str(cfg.seed),
+        str(seed),
     ]
     if v.enforce_eager:
         argv.append("--enforce-eager")
-    if cfg.target.trust_remote_code:  # the model folder's own code (conf/target)
+    if trust_remote_code:  # the model folder's own code (conf/target)
         argv.append("--trust-remote-code")
     if spec.enabled:
         config = {
@@ -296,9 +311,10 @@ def sglang_version(scfg: ServeConfig) -> str:
     return out.stdout.strip()
 
 
-def sglang_argv(cfg: Config, spec: Spec, drafter_path, target_path, port) -> list[str]:
+def sglang_argv(
+    s: ServeConfig, trust_remote_code: bool, spec: Spec, drafter_path, target_path, port
+) -> list[str]:
     """Arguments of `python -m sglang.launch_server` (also fed to SGLang's own parser in tests)."""
-    s = cfg.serve
     argv = [
         "--model-path",
         str(target_path),
@@ -328,7 +344,7 @@ def sglang_argv(cfg: Config, spec: Spec, drafter_path, target_path, port) -> lis
             "--speculative-num-draft-tokens",
             str(spec.depth),
         ]
-    if cfg.target.trust_remote_code:  # the model folder's own code (conf/target)
+    if trust_remote_code:  # the model folder's own code (conf/target)
         argv.append("--trust-remote-code")
     if api_key(s):
         argv += ["--api-key", api_key(s)]  # masked in command.json and the log
@@ -384,14 +400,16 @@ def sglang_parse(python: str, argv: list[str]) -> dict:
     return result["parsed"]
 
 
-def sglang_launch(cfg: Config, spec, drafter_path, target_path, port) -> Launch:
-    args = sglang_argv(cfg, spec, drafter_path, target_path, port)
-    if cfg.serve.validate_args:
-        sglang_parse(engine_python(cfg.serve), args)
-    argv = [engine_python(cfg.serve), "-m", "sglang.launch_server", *args]
-    env = {k: str(v) for k, v in cfg.serve.env.items()}
-    env.update(config_clash_env(getattr(cfg.serve, "tolerate_config_names", []), env))
-    return Launch("sglang", argv, env, cfg.serve.host, port)
+def sglang_launch(
+    scfg: ServeConfig, trust_remote_code: bool, spec, drafter_path, target_path, port
+) -> Launch:
+    args = sglang_argv(scfg, trust_remote_code, spec, drafter_path, target_path, port)
+    if scfg.validate_args:
+        sglang_parse(engine_python(scfg), args)
+    argv = [engine_python(scfg), "-m", "sglang.launch_server", *args]
+    env = {k: str(v) for k, v in scfg.env.items()}
+    env.update(config_clash_env(getattr(scfg, "tolerate_config_names", []), env))
+    return Launch("sglang", argv, env, scfg.host, port)
 
 
 def config_clash_env(names: list[str], env: dict[str, str]) -> dict[str, str]:

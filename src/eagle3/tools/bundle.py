@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from eagle3.core.artifacts import COMMIT_FILE, git_commit
 from eagle3.core.common import CONF_DIR, Eagle3Error, app, log
-from eagle3.core.config import Config
+from eagle3.core.config import BundleConfig, Config, TargetConfig
 from eagle3.tools import bundle_engines, bundle_run
 
 REPO_ROOT = Path(CONF_DIR).parent
@@ -41,20 +41,24 @@ def installed_version(package: str) -> str:
         ) from None
 
 
-def wanted_packages(cfg: Config) -> list[str]:
+def target_package(tcfg: TargetConfig) -> str | None:
+    """The package the target is shipped in (target=gguf_package), else None."""
+    return getattr(tcfg, "package", None) if tcfg.kind == "gguf_package" else None
+
+
+def wanted_packages(bcfg: BundleConfig, tcfg: TargetConfig) -> list[str]:
     """bundle.packages, plus the package the target is shipped in."""
-    packages = list(cfg.bundle.packages)
-    if cfg.target.kind == "gguf_package" and cfg.target.package:
-        packages.append(str(cfg.target.package))
+    packages = list(bcfg.packages)
+    if target_package(tcfg):
+        packages.append(str(target_package(tcfg)))
     return list(dict.fromkeys(packages))
 
 
-def download_wheels(cfg: Config, into: Path) -> None:
+def download_wheels(bcfg: BundleConfig, packages: list[str], into: Path) -> None:
     """A wheel per package at its installed version for the machine's Python and platforms; a
     package published without one is built here."""
-    bcfg = cfg.bundle
     platforms = [arg for name in bcfg.platforms for arg in ("--platform", str(name))]
-    for package in tqdm(wanted_packages(cfg), desc="wheels", unit="package"):
+    for package in tqdm(packages, desc="wheels", unit="package"):
         pinned = f"{package}=={installed_version(package)}"
         download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(into)]
         binary = ["--only-binary=:all:", "--python-version", str(bcfg.python_version)]
@@ -69,24 +73,17 @@ def download_wheels(cfg: Config, into: Path) -> None:
             shutil.copy2(wheel, into / wheel.name)
 
 
-def configured_files(cfg: Config) -> dict[str, Path]:
-    """files/<name> -> path: the data source, the drafter, the starting weights and a local target
-    the config names (those that exist here), and bundle.files."""
-    named = [
-        cfg.data.source,
-        cfg.drafter.path,
-        cfg.train.init_from,
-        cfg.target.path,
-        *cfg.bundle.files,
-    ]
+def configured_files(named: list, bundle_files: list[str]) -> dict[str, Path]:
+    """files/<name> -> path: the paths the config names (`named`: the data source, the drafter, the
+    starting weights and a local target; those that exist here), and bundle.files."""
     files = {}
-    for value in named:
+    for value in [*named, *bundle_files]:
         if value is None:
             continue
         path = Path(str(value)).expanduser()
         if path.exists():
             files[path.name] = path
-        elif value in cfg.bundle.files:
+        elif value in bundle_files:
             raise Eagle3Error(f"bundle.files: {value} does not exist")
     return files
 
@@ -100,13 +97,17 @@ def source_files() -> list[str]:
 
 
 def packs(
-    cfg: Config, wheels: Path, base_wheels: list[Path], engines: dict
+    bcfg: BundleConfig,
+    target_package: str | None,
+    files: dict[str, Path],
+    wheels: Path,
+    base_wheels: list[Path],
+    engines: dict,
 ) -> dict[str, dict[str, Path]]:
     """Pack name -> {name in the pack: path here}. Each pack travels in parts of its own, so a
     change re-sends only its pack: `source` (this repository's tracked files), `assets` (its shipped
     drafter and answer logs), `files`, `base` (the packages the machine lacks), `target` (the
     package the target is shipped in), and one per engine (`engine-sglang`, ...)."""
-    target_package = cfg.target.package if cfg.target.kind == "gguf_package" else None
     target_prefix = f"{str(target_package).replace('-', '_')}-" if target_package else None
     chosen: dict[str, dict[str, Path]] = {}
     for engine, done in engines.items():  # each engine has all its wheels (they go to its own site)
@@ -114,9 +115,9 @@ def packs(
     for wheel in sorted(base_wheels):
         pack = "target" if target_prefix and wheel.name.startswith(target_prefix) else "base"
         chosen.setdefault(pack, {})[f"wheels/{wheel.name}"] = wheel
-    for name, path in configured_files(cfg).items():
+    for name, path in files.items():
         chosen.setdefault("files", {})[f"files/{name}"] = path
-    if cfg.bundle.source:  # the shipped assets (drafter, answer logs) apart: they seldom change
+    if bcfg.source:  # the shipped assets (drafter, answer logs) apart: they seldom change
         for name in source_files():
             pack = "assets" if name.startswith("assets/") else "source"
             chosen.setdefault(pack, {})[f"source/{name}"] = REPO_ROOT / name
@@ -159,17 +160,21 @@ def split_parts(packed: Path, part_bytes: int) -> list[dict]:
 
 def build(cfg: Config) -> Path:
     """Write the bundle into bundle.out; returns its manifest.json."""
-    out = Path(str(cfg.bundle.out))
+    bcfg = cfg.bundle
+    out = Path(str(bcfg.out))
     if out.exists():
         shutil.rmtree(out)
     wheels = out / "wheels"
     wheels.mkdir(parents=True)
-    download_wheels(cfg, wheels)
+    download_wheels(bcfg, wanted_packages(bcfg, cfg.target), wheels)
     base_wheels = list(wheels.glob("*.whl"))
-    engines = bundle_engines.add_engines(cfg.bundle, wheels) if cfg.bundle.engines else {}
-    part_bytes = max(1, int(float(cfg.bundle.part_mib) * 2**20))
-    manifest = {"packs": [], "engines": engines, "source": bool(cfg.bundle.source)}
-    for name, chosen in packs(cfg, wheels, base_wheels, engines).items():
+    engines = bundle_engines.add_engines(bcfg, wheels) if bcfg.engines else {}
+    part_bytes = max(1, int(float(bcfg.part_mib) * 2**20))
+    manifest = {"packs": [], "engines": engines, "source": bool(bcfg.source)}
+    named = [cfg.data.source, cfg.drafter.path, cfg.train.init_from, cfg.target.path]
+    files = configured_files(named, list(bcfg.files))
+    chosen_packs = packs(bcfg, target_package(cfg.target), files, wheels, base_wheels, engines)
+    for name, chosen in chosen_packs.items():
         packed = out / f"{name}.tar"
         pack(chosen, packed)
         digest = bundle_run.sha256_of([packed])

@@ -9,21 +9,21 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from eagle3.core.common import CONF_DIR, app
-from eagle3.core.config import Config, plain
+from eagle3.core.config import Config, ServeConfig, ShippedConfig, plain
 from eagle3.core.lineage import chain_to, lineage_lines, lineage_of
 from eagle3.core.target import load_target
 from eagle3.export.shipped import KEYWORD, asset_manifest, asset_path
 from eagle3.serve.launch import engine_python
 
 
-def engines_available(cfg: Config) -> dict[str, str]:
+def engines_available(scfg: ServeConfig) -> dict[str, str]:
     """Whether each engine's interpreter is there, found as the launcher finds it: the configured
-    serve.python for the engine in use, conf/serve/<engine>.yaml's for the others (a relative path
-    is inside the eagle3 checkout, wherever the app runs from)."""
+    serve.python for the engine in use (`scfg`), conf/serve/<engine>.yaml's for the others (a
+    relative path is inside the eagle3 checkout, wherever the app runs from)."""
     found = {"local": "available"}
     for engine, make in (("vllm", "make vllm"), ("sglang", "make sglang")):
-        scfg = cfg.serve if cfg.serve.engine == engine else OmegaConf.load(serve_yaml(engine))
-        python = Path(engine_python(scfg))
+        settings = scfg if scfg.engine == engine else OmegaConf.load(serve_yaml(engine))
+        python = Path(engine_python(settings))
         found[engine] = (
             f"venv found ({python})" if python.exists() else f"not installed: no {python} ({make})"
         )
@@ -34,11 +34,11 @@ def serve_yaml(engine: str) -> Path:
     return Path(CONF_DIR) / "serve" / f"{engine}.yaml"
 
 
-def drafter_lineage(cfg: Config) -> list[dict]:
+def drafter_lineage(drafter_path: str, shipped: ShippedConfig) -> list[dict]:
     """The lineage of drafter.path: a drafter folder, or `shipped` (the drafter in assets/)."""
-    if str(cfg.drafter.path) == KEYWORD:
-        return chain_to(str(asset_manifest(asset_path(cfg))["hash"]))
-    return lineage_of(cfg.drafter.path)
+    if str(drafter_path) == KEYWORD:
+        return chain_to(str(asset_manifest(asset_path(shipped))["hash"]))
+    return lineage_of(drafter_path)
 
 
 @app
@@ -53,10 +53,10 @@ def main(cfg: Config) -> None:
     )
     print(f"artifacts: {cfg.paths.artifacts}")
     print(f"mlflow: {cfg.tracking.uri}")
-    print("engines: " + json.dumps(engines_available(cfg)))
+    print("engines: " + json.dumps(engines_available(cfg.serve)))
     if cfg.drafter.path:
         print(f"drafter {cfg.drafter.path}, lineage (oldest first):")
-        print("\n".join(lineage_lines(drafter_lineage(cfg))))
+        print("\n".join(lineage_lines(drafter_lineage(cfg.drafter.path, cfg.shipped))))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ trainer and runs the stage.
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
@@ -33,7 +35,15 @@ from torch.utils.data import Dataset
 
 from eagle3.core.artifacts import StageOutput
 from eagle3.core.common import Eagle3Error, app, log, resolve_device
-from eagle3.core.config import Config, TrainerConfig
+from eagle3.core.config import (
+    ClusterConfig,
+    Config,
+    DrafterConfig,
+    SpecConfig,
+    TrackingConfig,
+    TrainConfig,
+    TrainerConfig,
+)
 from eagle3.core.drafter import Eagle3Drafter, build_drafter
 from eagle3.core.drafter_io import (
     BEST_WEIGHTS,
@@ -49,7 +59,7 @@ from eagle3.core.lifecycle import Stopped
 from eagle3.core.outputs import data_output, shards_output, train_output
 from eagle3.core.spec import resolve_spec
 from eagle3.core.target import Target, load_target, tokenizer_hash
-from eagle3.core.target_parts import TargetParts, load_target_parts
+from eagle3.core.target_parts import load_target_parts
 from eagle3.core.tracking import stage_run
 from eagle3.data.vocab import load_vocab_map
 from eagle3.train.callbacks import (
@@ -74,24 +84,39 @@ from eagle3.train.distributed import (
 )
 from eagle3.train.drafter_module import DrafterModule
 
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The config sections a training reads (train.init_from may name a models:/ drafter, the
+    tracking section's URI finds it)."""
+
+    train: TrainConfig
+    trainer: TrainerConfig
+    drafter: DrafterConfig
+    cluster: ClusterConfig
+    tracking: TrackingConfig
+    seed: int
+
+
 # ---------------------------------------------------------------- guard rails
 
 
-def check_engine_states(cfg: Config) -> None:
+def check_engine_states(tcfg: TrainConfig, trainer_cfg: TrainerConfig) -> None:
     """train.hidden_states=engine: one capture server per training process, so one process."""
-    if cfg.train.hidden_states != "engine":
+    if tcfg.hidden_states != "engine":
         return
-    devices = str(cfg.trainer.devices)
-    if (devices.isdigit() and int(devices) > 1) or int(cfg.trainer.num_nodes) > 1:
+    devices = str(trainer_cfg.devices)
+    if (devices.isdigit() and int(devices) > 1) or int(trainer_cfg.num_nodes) > 1:
         raise Eagle3Error(
             f"train.hidden_states=engine starts one capture server in the training process: train "
-            f"with trainer.devices=1 and trainer.num_nodes=1 (not {cfg.trainer.devices} x "
-            f"{cfg.trainer.num_nodes}), or extract the shards and train offline"
+            f"with trainer.devices=1 and trainer.num_nodes=1 (not {trainer_cfg.devices} x "
+            f"{trainer_cfg.num_nodes}), or extract the shards and train offline"
         )
 
 
 def check_inputs(
-    cfg: Config,
+    tcfg: TrainConfig,
+    drafter_cfg: DrafterConfig,
     target: Target,
     data_manifest: dict,
     d2t: torch.Tensor,
@@ -99,7 +124,7 @@ def check_inputs(
     sample: dict | None,
 ) -> None:
     """Refuse, before the first step, inputs that would train a useless drafter."""
-    hidden = cfg.drafter.hidden_size
+    hidden = drafter_cfg.hidden_size
     if hidden is not None and hidden != target.hidden_size:
         raise Eagle3Error(
             f"drafter.hidden_size={hidden} but the target's hidden size is {target.hidden_size}: the "
@@ -110,10 +135,10 @@ def check_inputs(
             f"the vocab map covers {t2d.numel()} target tokens but the target has {target.vocab_size}: "
             "it was built for another target; rerun `python -m eagle3.data`"
         )
-    if d2t.numel() != cfg.drafter.draft_vocab_size:
+    if d2t.numel() != drafter_cfg.draft_vocab_size:
         raise Eagle3Error(
             f"the vocab map has {d2t.numel()} draft tokens, drafter.draft_vocab_size is "
-            f"{cfg.drafter.draft_vocab_size}"
+            f"{drafter_cfg.draft_vocab_size}"
         )
     recorded = data_manifest.get("counts", {}).get("tokenizer_hash")
     current = tokenizer_hash(target.tokenizer)
@@ -130,25 +155,25 @@ def check_inputs(
                 f"target needs {3 * target.hidden_size} and {target.hidden_size}: they were extracted "
                 "from another target; rerun `python -m eagle3.extract`"
             )
-    if cfg.train.attention == "flex" and not torch.cuda.is_available():
+    if tcfg.attention == "flex" and not torch.cuda.is_available():
         raise Eagle3Error(
             "train.attention=flex needs a GPU (flex_attention has no CPU backward); "
             "use train.attention=sdpa on CPU"
         )
 
 
-def check_shards(cfg: Config, shards: StageOutput, data_hash: str) -> None:
+def check_shards(shards: StageOutput, data_hash: str, target_name: str, verify: bool) -> None:
     if not shards.complete:
         raise Eagle3Error(
             f"no complete hidden-state shards at {shards.path}: run `python -m eagle3.extract` "
             "(or train.hidden_states=online)"
         )
-    shards.check_files(cfg.verify)
+    shards.check_files(verify)
     recorded = shards.manifest().get("upstream", {}).get("data")
     if recorded != data_hash:
         raise Eagle3Error(
             f"the shards at {shards.path} were extracted from data {recorded}, this config's data "
-            f"(target {cfg.target.name}) is {data_hash}: another target or data set; rerun "
+            f"(target {target_name}) is {data_hash}: another target or data set; rerun "
             "`python -m eagle3.extract` or point train.shards at the right folder"
         )
 
@@ -191,24 +216,30 @@ def precision_for(trainer_cfg: TrainerConfig) -> str:
     return "bf16-mixed" if trains_on_gpu(trainer_cfg) else "32-true"
 
 
-def build_trainer(cfg: Config, folder: Path, logger, callbacks=()) -> L.Trainer:
-    trainer_cfg = cfg.trainer
+def build_trainer(
+    tcfg: TrainConfig,
+    trainer_cfg: TrainerConfig,
+    cluster: ClusterConfig,
+    folder: Path,
+    logger,
+    callbacks=(),
+) -> L.Trainer:
     return L.Trainer(
         accelerator=trainer_cfg.accelerator,
         devices=trainer_cfg.devices,
         num_nodes=trainer_cfg.num_nodes,
         strategy=strategy_for(trainer_cfg, choose_strategy(trainer_cfg, in_multirun())),
-        plugins=[*cluster_plugins(cfg.cluster), AtomicCheckpointIO()],
+        plugins=[*cluster_plugins(cluster), AtomicCheckpointIO()],
         precision=precision_for(trainer_cfg),
-        max_epochs=cfg.train.epochs,
-        gradient_clip_val=cfg.train.grad_clip,
-        accumulate_grad_batches=cfg.train.grad_accum,
-        check_val_every_n_epoch=cfg.train.val_every_n_epochs,
+        max_epochs=tcfg.epochs,
+        gradient_clip_val=tcfg.grad_clip,
+        accumulate_grad_batches=tcfg.grad_accum,
+        check_val_every_n_epoch=tcfg.val_every_n_epochs,
         default_root_dir=str(folder),
         logger=logger if logger is not None else False,
         callbacks=[
-            *checkpoint_callbacks(folder / CHECKPOINTS, cfg.train.checkpoint_every_n_steps),
-            *requeue_callbacks(cfg.cluster),
+            *checkpoint_callbacks(folder / CHECKPOINTS, tcfg.checkpoint_every_n_steps),
+            *requeue_callbacks(cluster),
             *callbacks,
         ],
         use_distributed_sampler=False,
@@ -280,7 +311,7 @@ def set_checkpoint_aside(path: Path) -> Path:
 
 
 def fit(
-    cfg: Config,
+    settings: TrainSettings,
     target: Target,
     datamodule: DrafterData,
     folder: Path,
@@ -291,26 +322,29 @@ def fit(
     evaluation: dict | None = None,
 ) -> dict:
     """Train into `folder` (resuming from its last.ckpt if any); returns the final val metrics."""
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    drafter = build_drafter(target, cfg.drafter).float()
+    tcfg, trainer_cfg = settings.train, settings.trainer
+    L.seed_everything(settings.seed, workers=True, verbose=False)
+    drafter = build_drafter(target, settings.drafter).float()
     drafter.set_vocab_map(d2t.to(drafter.d2t.device), t2d.to(drafter.t2d.device))
-    if cfg.train.init_from:
-        start_from(drafter, cfg.train.init_from, target, cfg.tracking.uri)
-    module = DrafterModule(drafter, target.output_embedding(), cfg.train, target, evaluation)
+    if tcfg.init_from:
+        start_from(drafter, tcfg.init_from, target, settings.tracking.uri)
+    module = DrafterModule(drafter, target.output_embedding(), tcfg, target, evaluation)
     throughput = Throughput(
-        0 if cfg.trainer.progress_bar else cfg.trainer.log_every_n_steps,
-        GpuBusy(cfg.trainer.gpu_busy_from_step, cfg.trainer.gpu_busy_steps),
+        0 if trainer_cfg.progress_bar else trainer_cfg.log_every_n_steps,
+        GpuBusy(trainer_cfg.gpu_busy_from_step, trainer_cfg.gpu_busy_steps),
     )
     last = folder / CHECKPOINTS / "last.ckpt"
     stopper = StopAtStepEnd(last)
-    trainer = build_trainer(cfg, folder, logger, [throughput, *callbacks, stopper])
+    trainer = build_trainer(
+        tcfg, trainer_cfg, settings.cluster, folder, logger, [throughput, *callbacks, stopper]
+    )
     resume = resume_checkpoint(folder, set_aside=trainer.global_rank == 0)
     if resume is not None:
         log.info("resuming from %s", resume)
     cudnn = torch.backends.cuda.cudnn_sdp_enabled()  # process-wide: restored after the fit
-    torch.backends.cuda.enable_cudnn_sdp(cfg.trainer.cudnn_attention)  # a no-op without CUDA
+    torch.backends.cuda.enable_cudnn_sdp(trainer_cfg.cudnn_attention)  # a no-op without CUDA
     try:
-        with stopper.installed(trainer.world_size == 1), requeue_signal_free(cfg.cluster):
+        with stopper.installed(trainer.world_size == 1), requeue_signal_free(settings.cluster):
             trainer.fit(module, datamodule=datamodule, ckpt_path=resume and str(resume))
     except SIGTERMException:  # a SystemExit with status 0: the run was stopped, not finished
         raise Stopped(stopper.signum or signal.SIGTERM) from None
@@ -389,43 +423,39 @@ def write_weights(folder: Path, drafter: Eagle3Drafter) -> None:
 # ---------------------------------------------------------------- the app
 
 
-def evaluation_for(cfg: Config, val_set: Dataset) -> dict:
+def evaluation_for(
+    tcfg: TrainConfig, spec_cfg: SpecConfig, tree_temperature: float, val_set: Dataset
+) -> dict:
     """Held-out prompts (token ids before the first trained token) for measured acceptance."""
-    if not cfg.train.eval_prompts:
+    if not tcfg.eval_prompts:
         return {}
     prompts = []
-    for index in range(min(cfg.train.eval_prompts, len(val_set))):
+    for index in range(min(tcfg.eval_prompts, len(val_set))):
         item = val_set[index]
         trained = item["loss_mask"].nonzero()
         cut = int(trained[0]) if len(trained) else len(item["input_ids"])
         prompts.append(item["input_ids"][: max(cut, 1)].tolist())
     return {
         "prompts": prompts,
-        "spec": resolve_spec(cfg.spec),
-        "max_new_tokens": cfg.train.eval_max_new_tokens,
-        "tree_temperature": cfg.engine.tree_temperature,
+        "spec": resolve_spec(spec_cfg),
+        "max_new_tokens": tcfg.eval_max_new_tokens,
+        "tree_temperature": tree_temperature,
     }
 
 
-def target_device(cfg: Config) -> str:
+def target_device(tcfg: TrainConfig, trainer_cfg: TrainerConfig, device_name: str) -> str:
     """Offline the target only lends its embedding and lm_head: CPU. Online it runs in every step:
-    this rank's GPU (and so the GPU dtype), when there is one."""
-    if cfg.train.hidden_states != "online" or cfg.trainer.accelerator == "cpu":
+    this rank's GPU (and so the GPU dtype), when there is one (target.device)."""
+    if tcfg.hidden_states != "online" or trainer_cfg.accelerator == "cpu":
         return "cpu"
-    device = resolve_device(cfg.target.device)
+    device = resolve_device(device_name)
     return f"cuda:{local_rank()}" if device.type == "cuda" else str(device)
 
 
-def needs_whole_target(cfg: Config) -> bool:
+def needs_whole_target(tcfg: TrainConfig) -> bool:
     """Online states and measured acceptance run the target; offline training reads only its
     embedding and head (eagle3.core.target_parts)."""
-    return cfg.train.hidden_states == "online" or bool(cfg.train.eval_prompts)
-
-
-def target_for(cfg: Config) -> Target | TargetParts:
-    if needs_whole_target(cfg):
-        return load_target(cfg, device=target_device(cfg))
-    return load_target_parts(cfg)
+    return tcfg.hidden_states == "online" or bool(tcfg.eval_prompts)
 
 
 def run(cfg: Config, callbacks=()) -> StageOutput:
@@ -445,59 +475,99 @@ def run(cfg: Config, callbacks=()) -> StageOutput:
 
 def train_into(cfg: Config, out: StageOutput, callbacks=()) -> StageOutput:
     """Check the inputs, train into `out`, write its manifest (rank 0)."""
+    tcfg = cfg.train
     data = data_output(cfg)
     if not data.complete:
         raise Eagle3Error(
             f"no complete data stage output at {data.path}: run `python -m eagle3.data` first"
         )
     data.check_files(cfg.verify)
-    if cfg.train.hidden_states == "offline":
-        check_shards(cfg, shards_output(cfg), data.hash)
-    check_engine_states(cfg)
-    target = target_for(cfg)
+    shards = shards_output(cfg) if tcfg.hidden_states == "offline" else None
+    if shards is not None:
+        check_shards(shards, data.hash, cfg.target.name, cfg.verify)
+    check_engine_states(tcfg, cfg.trainer)
+    if needs_whole_target(tcfg):
+        target = load_target(cfg, device=target_device(tcfg, cfg.trainer, cfg.target.device))
+    else:
+        target = load_target_parts(cfg)
+    settings = TrainSettings(tcfg, cfg.trainer, cfg.drafter, cfg.cluster, cfg.tracking, cfg.seed)
     with contextlib.ExitStack() as stack:
         capture = None
-        if cfg.train.hidden_states == "engine":  # a vLLM server captures every item's states
+        if tcfg.hidden_states == "engine":  # a vLLM server captures every item's states
             from eagle3.train.engine_states import capture_server
 
             capture = stack.enter_context(capture_server(cfg))
-        return train_with(cfg, out, data, target, capture, callbacks)
+        datasets = datasets_for(tcfg, cfg.extract.dtype, data.path, shards, capture)
+        evaluate = functools.partial(evaluation_for, tcfg, cfg.spec, cfg.engine.tree_temperature)
+        record = functools.partial(stage_run, cfg, "train", artifact_hash=out.hash)
+        return train_with(settings, out, data, target, datasets, evaluate, record, callbacks)
 
 
-def train_with(cfg: Config, out: StageOutput, data: StageOutput, target, capture, callbacks):
-    """Train on the data stage's rows (states from shards, the target, or `capture`'s server)."""
+def train_with(
+    settings: TrainSettings,
+    out: StageOutput,
+    data: StageOutput,
+    target,
+    datasets: tuple[Dataset, Dataset],
+    evaluate,
+    record,
+    callbacks=(),
+) -> StageOutput:
+    """Train on the data stage's rows (`datasets`: states from shards, the target or a capture
+    server), measuring acceptance on `evaluate(val_set)`'s prompts; rank 0 records the run with
+    `record()` (an MLflow run, or None)."""
+    tcfg, trainer_cfg = settings.train, settings.trainer
     d2t, t2d = load_vocab_map(data.path)
-    train_set, val_set = datasets_for(cfg, data.path, capture)
-    check_inputs(cfg, target, data.manifest(), d2t, t2d, train_set[0] if len(train_set) else None)
+    train_set, val_set = datasets
+    check_inputs(
+        tcfg,
+        settings.drafter,
+        target,
+        data.manifest(),
+        d2t,
+        t2d,
+        train_set[0] if len(train_set) else None,
+    )
     datamodule = DrafterData(
         train_set,
         val_set,
-        cfg.train,
-        cfg.seed,
+        tcfg,
+        settings.seed,
         target.tokenizer.pad_token_id or 0,
-        cfg.trainer.num_workers,
-        pin_memory=trains_on_gpu(cfg.trainer),
+        trainer_cfg.num_workers,
+        pin_memory=trains_on_gpu(trainer_cfg),
     )
-    evaluation = evaluation_for(cfg, val_set)
-    rank = global_rank(cfg.trainer.devices)
+    evaluation = evaluate(val_set)
+    rank = global_rank(trainer_cfg.devices)
     if rank > 0:  # train only; rank 0 owns the folder, its manifest and the MLflow run
-        fit(cfg, target, datamodule, out.path, d2t, t2d, callbacks=callbacks, evaluation=evaluation)
-        timeout = cfg.trainer.dist_timeout_s
+        fit(
+            settings,
+            target,
+            datamodule,
+            out.path,
+            d2t,
+            t2d,
+            callbacks=callbacks,
+            evaluation=evaluation,
+        )
+        timeout = trainer_cfg.dist_timeout_s
         wait_for_rank_zero(lambda: out.complete, out.path, rank, timeout)
         log.info("train: rank %d done; rank 0 wrote %s", rank, out.path)
         return out
     out.start()
-    with stage_run(cfg, "train", artifact_hash=out.hash) as mlflow_run:
+    with record() as mlflow_run:
         logger = None
         if mlflow_run is not None:
             from lightning.pytorch.loggers import MLFlowLogger
 
             logger = MLFlowLogger(
-                experiment_name=cfg.tracking.experiment,
-                tracking_uri=cfg.tracking.uri,
+                experiment_name=settings.tracking.experiment,
+                tracking_uri=settings.tracking.uri,
                 run_id=mlflow_run.info.run_id,
             )
-        metrics = fit(cfg, target, datamodule, out.path, d2t, t2d, logger, callbacks, evaluation)
+        metrics = fit(
+            settings, target, datamodule, out.path, d2t, t2d, logger, callbacks, evaluation
+        )
     counts = {
         "train_sequences": len(train_set),
         "val_sequences": len(val_set),
@@ -521,17 +591,17 @@ def train_with(cfg: Config, out: StageOutput, data: StageOutput, target, capture
             )
         },
         # per TTT step, so a run without MLflow (a GPU box) still reports them
-        "val_acc": [metrics.get(f"val/acc_{k}") for k in range(cfg.train.ttt_length)],
+        "val_acc": [metrics.get(f"val/acc_{k}") for k in range(tcfg.ttt_length)],
         # the last validation's, over each sequence's first train.val_head_tokens tokens (ttt.py)
         "tau_hat_head": metrics.get("val/tau_hat_head"),
-        "val_acc_head": [metrics.get(f"val/acc_head_{k}") for k in range(cfg.train.ttt_length)],
+        "val_acc_head": [metrics.get(f"val/acc_head_{k}") for k in range(tcfg.ttt_length)],
     }
     out.finish(counts)
     log.info(
         "train: wrote %s (val tau_hat %.3f; over the first %s tokens, the last validation: %.3f)",
         out.path,
         counts["tau_hat"] or float("nan"),
-        cfg.train.val_head_tokens,
+        tcfg.val_head_tokens,
         counts["tau_hat_head"] or float("nan"),
     )
     return out

@@ -11,9 +11,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from eagle3.core.artifacts import StageOutput
 from eagle3.core.common import Eagle3Error
-from eagle3.core.config import Config, TrainConfig
-from eagle3.core.outputs import shards_output
+from eagle3.core.config import TrainConfig
 from eagle3.data.splits import load_splits
 from eagle3.extract.shards import ShardDataset
 
@@ -224,10 +224,13 @@ class DrafterData(L.LightningDataModule):
             self.train_sampler.resume(*self.pending_resume)
 
 
-def datasets_for(cfg: Config, data_dir: Path, capture=None) -> tuple[Dataset, Dataset]:
-    """Train and val datasets; with train.hidden_states=engine, over `capture` (a started server)."""
-    train_set, val_set = split_datasets(cfg, data_dir, capture)
-    return first_rows(train_set, cfg.train.limit), val_set
+def datasets_for(
+    tcfg: TrainConfig, states_dtype: str, data_dir: Path, shards: StageOutput | None, capture=None
+) -> tuple[Dataset, Dataset]:
+    """Train and val datasets: states from `shards` (offline), the target (online) or, with
+    train.hidden_states=engine, `capture` (a started server) at `states_dtype` (extract.dtype)."""
+    train_set, val_set = split_datasets(tcfg.hidden_states, states_dtype, data_dir, shards, capture)
+    return first_rows(train_set, tcfg.limit), val_set
 
 
 def first_rows(dataset: Dataset, limit: int | None) -> Dataset:
@@ -243,23 +246,22 @@ def first_rows(dataset: Dataset, limit: int | None) -> Dataset:
     return subset
 
 
-def split_datasets(cfg: Config, data_dir: Path, capture=None) -> tuple[Dataset, Dataset]:
-    if cfg.train.hidden_states == "online":
+def split_datasets(
+    hidden_states: str, states_dtype: str, data_dir: Path, shards: StageOutput | None, capture=None
+) -> tuple[Dataset, Dataset]:
+    if hidden_states == "online":
         splits = load_splits(data_dir)
         return TokenDataset(splits["train"]), TokenDataset(splits["val"])
-    if cfg.train.hidden_states == "engine":
+    if hidden_states == "engine":
         from eagle3.train.engine_states import EngineStates
 
         splits = load_splits(data_dir)
         return tuple(
-            EngineStates(splits[name], name, capture, cfg.extract.dtype)
-            for name in ("train", "val")
+            EngineStates(splits[name], name, capture, states_dtype) for name in ("train", "val")
         )
-    if cfg.train.hidden_states != "offline":
-        raise Eagle3Error(
-            f"train.hidden_states={cfg.train.hidden_states}: use offline, online or engine"
-        )
-    shards, splits = shards_output(cfg), load_splits(data_dir)
+    if hidden_states != "offline":
+        raise Eagle3Error(f"train.hidden_states={hidden_states}: use offline, online or engine")
+    splits = load_splits(data_dir)
     return tuple(
         with_lengths(ShardDataset(shards.path, split=name), splits[name])
         for name in ("train", "val")

@@ -67,5 +67,6 @@ def test_info_names_the_shipped_drafters_chain_by_keyword(make_cfg):
     """drafter.path=shipped: the chain ending at the asset's export hash."""
     from eagle3.tools.info import drafter_lineage
 
-    links = drafter_lineage(make_cfg("drafter.path=shipped"))
+    cfg = make_cfg("drafter.path=shipped")
+    links = drafter_lineage(cfg.drafter.path, cfg.shipped)
     assert links[-1]["export"] == "4f658d4f4df1" and len(links) == 5
