@@ -80,8 +80,8 @@ class BenchSweepCallback(Callback):
         (sweep_dir / JOBS_FILE).write_text(json.dumps({"jobs": job_count(config.hydra)}))
         if not config.tracking.enabled:
             return
-        client = tracking.client(config)
-        experiment_id = tracking.setup(config)
+        client = tracking.client(config.tracking)
+        experiment_id = tracking.setup(config.tracking)
         watch_runs(config.tracking.uri, experiment_id, config.tracking.watchdog_poll_s)
         run = client.create_run(
             experiment_id,
@@ -366,7 +366,7 @@ def log_to_parent(
     failed: int,
     verdict: list[str],
 ) -> None:
-    client = tracking.client(cfg)
+    client = tracking.client(cfg.tracking)
     for path in files:
         client.log_artifact(run_id, str(path))
     client.set_tag(run_id, "failed_jobs", str(failed))

@@ -45,7 +45,7 @@ def register_export(cfg: Config, folder: Path, recipe: dict, run) -> str:
     for engine_dir in sorted(p for p in folder.iterdir() if (p / "config.json").exists()):
         mlflow.log_artifacts(str(engine_dir), artifact_path=f"drafter/{engine_dir.name}")
     name = registry_name(cfg)
-    registry = client(cfg)
+    registry = client(cfg.tracking)
     if not registry.search_registered_models(filter_string=f"name='{name}'"):
         registry.create_registered_model(
             name, description=f"EAGLE-3 drafters for target {cfg.target.name}"
@@ -83,7 +83,7 @@ def build_recipe(cfg: Config, drafter: Eagle3Drafter, train_manifest: dict) -> d
         "tau_hat": counts.get("tau_hat"),
         "tokenizer_hash": counts.get("tokenizer_hash"),
         "target": target_key(cfg.target),
-        "lineage": lineage_for_export(cfg, train_manifest, export_output(cfg).hash),
+        "lineage": lineage_for_export(cfg.data, cfg.train, train_manifest, export_output(cfg).hash),
     }
 
 
@@ -124,7 +124,7 @@ def run(cfg: Config) -> StageOutput:
                 "first (or `python -m eagle3.pipeline`)"
             )
         trained.check_files(cfg.verify)
-        target = load_target_parts(cfg)
+        target = load_target_parts(cfg.target, cfg.paths.artifacts)
         drafter = load_trained_drafter(trained.path, target).cpu()
         recipe = build_recipe(cfg, drafter, trained.manifest())
         drafter.config.recipe = recipe

@@ -84,7 +84,7 @@ def export_checkpoint(cfg: Config) -> StageOutput:
         if out.complete:
             log.info("%s already exported: %s", checkpoint, out.path)
             return out
-        target = load_target_parts(cfg)
+        target = load_target_parts(cfg.target, cfg.paths.artifacts)
         drafter = checkpoint_drafter(cfg, checkpoint, target)
         recipe = {
             "checkpoint": str(checkpoint),

@@ -198,7 +198,7 @@ def registered(cfg: Config, out: StageOutput) -> str | None:
     """models:/<name>/<version> of the shipped drafter in the configured store (registered once)."""
     if not cfg.tracking.enabled:
         return None
-    client = tracking.client(cfg)
+    client = tracking.client(cfg.tracking)
     name = registry_name(cfg)
     if not client.search_registered_models(filter_string=f"name='{name}'"):
         client.create_registered_model(name, description=f"EAGLE-3 drafters for {cfg.target.name}")
@@ -206,7 +206,7 @@ def registered(cfg: Config, out: StageOutput) -> str | None:
         if version.tags.get(TAG) == out.hash:
             return f"{MODELS_URI}{name}/{version.version}"
     run = client.create_run(
-        tracking.setup(cfg),
+        tracking.setup(cfg.tracking),
         run_name=f"shipped drafter {out.hash}",
         tags={"stage": STAGE, "artifact_hash": out.hash},
     )

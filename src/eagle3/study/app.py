@@ -235,7 +235,7 @@ def log_mlflow(cfg: Config, result: dict, files: list[Path]) -> str | None:
         for path in files:
             mlflow.log_artifact(str(path))
         parent_id = parent.info.run_id
-    client, experiment_id = tracking.client(cfg), tracking.setup(cfg)
+    client, experiment_id = tracking.client(cfg.tracking), tracking.setup(cfg.tracking)
     for point in result["points"]:
         child = client.create_run(
             experiment_id,

@@ -425,7 +425,7 @@ def needs_whole_target(cfg: Config) -> bool:
 def target_for(cfg: Config) -> Target | TargetParts:
     if needs_whole_target(cfg):
         return load_target(cfg, device=target_device(cfg))
-    return load_target_parts(cfg)
+    return load_target_parts(cfg.target, cfg.paths.artifacts)
 
 
 def run(cfg: Config, callbacks=()) -> StageOutput:
