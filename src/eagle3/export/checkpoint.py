@@ -22,7 +22,8 @@ from eagle3.core.common import Eagle3Error, app, log
 from eagle3.core.config import Config, plain
 from eagle3.core.drafter import Eagle3Drafter, build_drafter
 from eagle3.core.drafter_io import check_drafter_for_target, drafter_weights
-from eagle3.core.outputs import HASH_EXCLUDED_EXPORT, train_output
+from eagle3.core.hash_schema import hashed
+from eagle3.core.outputs import train_output
 from eagle3.core.target import target_key
 from eagle3.core.target_parts import load_target_parts
 from eagle3.export.app import export_drafter
@@ -52,7 +53,7 @@ def checkpoint_source(cfg: Config) -> Path:
 
 def checkpoint_output(cfg: Config, checksum: str) -> StageOutput:
     """The export's folder: named by the checkpoint's contents, the target and the export settings."""
-    settings = {k: v for k, v in plain(cfg.export).items() if k not in HASH_EXCLUDED_EXPORT}
+    settings = hashed("export", {"export": plain(cfg.export)})["export"]
     sections = {
         "export": settings,
         "checkpoint": {"sha256": checksum},

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3.core.common import compose
+from eagle3.core.hash_schema import OFF, Keys
 from eagle3.core.outputs import data_output, export_output, extract_output, train_output
 
 # where the target runs decides the extract stage's compute dtype (auto: bfloat16 on a GPU)
@@ -69,3 +70,27 @@ def test_a_local_source_files_content_is_in_the_data_hash(tmp_path, monkeypatch)
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "hello"}\n')
     cfg = compose(["data=file", "data.source=prompts.jsonl", "data.regenerate=true", ON_CPU])
     assert data_output(cfg).hash == "bbbbea78f4af"
+
+
+def test_a_schema_leaves_out_excluded_keys_defaults_from_before_a_key_and_unread_keys():
+    keys = Keys(
+        excluded=("workers",),
+        absent_when={"limit": (None,), "copies": (OFF,), "backend": ("hf",)},
+        only_with={"tags": ("mode", ("keep",))},
+        nested={"inner": Keys(excluded=("speed",))},
+    )
+    values = {
+        "workers": 4,
+        "limit": None,
+        "copies": 0,
+        "backend": "hf",
+        "tags": "<t>",
+        "mode": None,
+    }
+    assert keys.select({**values, "inner": {"speed": 1, "size": 2}}) == {
+        "mode": None,
+        "inner": {"size": 2},
+    }
+    values = {"limit": 5, "copies": [1], "backend": "vllm", "tags": "<t>", "mode": "keep"}
+    assert keys.select(values) == values
+    assert all(not keys.select({"copies": off}) for off in (0, [], None, False, {}))
