@@ -172,11 +172,13 @@ def serving_folder(folder: Path, engine: str) -> Path:
         names = ENGINE_SUBFOLDERS.get(engine, (engine,))
         found = [folder / n for n in names if (folder / n / "config.json").exists()]
         found += [
-            folder / n for n in ENGINES if n not in names and neutral(folder / n / "config.json")
+            folder / n
+            for n in ENGINES
+            if n not in names and writes_no_aux_layer_ids(folder / n / "config.json")
         ]
         if not found:
-            wanted = " or ".join(f"{n}/config.json" for n in names)
-            raise Eagle3Error(f"{folder} holds no drafter for serve={engine} (no {wanted})")
+            looked_for = " or ".join(f"{n}/config.json" for n in names)
+            raise Eagle3Error(f"{folder} holds no drafter for serve={engine} (no {looked_for})")
         chosen = found[0]
     if not any(any(chosen.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.pt")):
         raise Eagle3Error(f"{chosen} has a config.json but no weights: an incomplete export")
@@ -185,7 +187,7 @@ def serving_folder(folder: Path, engine: str) -> Path:
         engine in ENGINES
         and convention in ENGINES
         and convention != engine
-        and not neutral(chosen / "config.json")
+        and not writes_no_aux_layer_ids(chosen / "config.json")
     ):
         raise Eagle3Error(
             f"{chosen} was written for {convention} (aux-layer ids in {convention}'s convention); "
@@ -211,7 +213,7 @@ def read_config(folder: Path) -> dict:
     return read_drafter_config(folder)
 
 
-def neutral(config_path: Path) -> bool:
+def writes_no_aux_layer_ids(config_path: Path) -> bool:
     """A drafter config that writes no aux-layer ids: every engine reads it the same way."""
     if not config_path.exists():
         return False

@@ -142,7 +142,7 @@ def fits_target(cfg: Config, manifest: dict) -> bool:
     return manifest.get("recipe", {}).get("target") == target_key(cfg.target)
 
 
-def wanted(cfg: Config) -> bool:
+def uses_shipped_drafter(cfg: Config) -> bool:
     """Whether this config's drafter is the shipped one: asked for by name, or (shipped.use=auto)
     nothing else named or trained and the target is the shipped drafter's."""
     path = cfg.drafter.path
