@@ -21,7 +21,7 @@ from eagle3.core.common import compose
 from eagle3.core.spec import resolve_spec
 from eagle3.core.target import load_target
 from eagle3.engine import SpecDecoder
-from eagle3.engine.batch import BatchDecoder
+from eagle3.engine.batch_decoder import BatchDecoder
 from eagle3.engine.options import DecoderOptions
 from eagle3.engine.service import load_engine_drafter
 from eagle3.export.shipped import shipped_drafter

@@ -27,7 +27,7 @@ from eagle3.bench.concurrency import write_load_summary, write_schedule
 from eagle3.core.common import Eagle3Error, hardware, local_engine_version
 from eagle3.core.spec import OFF, Spec
 from eagle3.engine import DecodeRequest
-from eagle3.engine.batch import BatchDecoder
+from eagle3.engine.batch_decoder import BatchDecoder
 from eagle3.engine.options import DecoderOptions
 from eagle3.engine.schedule import Schedule, read_schedule, resolve_schedule_path
 from eagle3.engine.service import Generation, build_service

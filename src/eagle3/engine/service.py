@@ -20,7 +20,7 @@ from eagle3.core.drafter_io import attach_target_embedding, check_drafter_for_ta
 from eagle3.core.outputs import resolve_drafter_path
 from eagle3.core.spec import resolve_spec
 from eagle3.core.target import load_target
-from eagle3.engine.batch import BatchDecoder
+from eagle3.engine.batch_decoder import BatchDecoder
 from eagle3.engine.decoder import DecodeRequest, GenerationResult, RequestStats, SpecDecoder
 from eagle3.engine.options import DecoderOptions
 from eagle3.engine.schedule import schedule_for

@@ -1,4 +1,4 @@
-"""Continuous batching (engine/batch.py): every request's greedy output is the target's own greedy
+"""Continuous batching (engine/batch_decoder.py): every request's greedy output is the target's own greedy
 decode of its prompt alone, whatever else shares its steps (mixed prompt lengths, staggered arrivals,
 stop tokens at different steps, a request cancelled mid-stream), trees and acceptance equal the
 batch-1 decoder's, sampling keeps the target's distribution, and the server batches concurrent
@@ -14,7 +14,7 @@ from engine_helpers import FALSE_ALARM, PROMPTS, chi_square_p_value, reference_g
 
 from eagle3.core.common import Eagle3Error
 from eagle3.engine import DecodeRequest, SpecDecoder
-from eagle3.engine.batch import BatchDecoder
+from eagle3.engine.batch_decoder import BatchDecoder
 from eagle3.engine.options import DecoderOptions
 
 NEW_TOKENS = 40

@@ -9,7 +9,7 @@ others by one prefill), and leave when they finish; the rows stay packed (the la
 into a freed one), so every forward reads a view of the caches. spec=off is the same loop with a
 root-only tree. The per-request arithmetic is SpecDecoder's (engine/decoder.py): the same tree,
 the same acceptance rules, the same positions; greedy output equals the target's own greedy decode.
-A batch of greedy requests steps through BatchGreedySteps (engine/batch_graphs.py: the same step at
+A batch of greedy requests steps through BatchGreedySteps (engine/batch_greedy.py: the same step at
 fixed shapes, kept on the device, replayed from CUDA graphs on a GPU); a batch with a sampled request
 steps through the methods below.
 
@@ -31,8 +31,7 @@ import torch
 from eagle3.core.common import Eagle3Error
 from eagle3.core.spec import Spec
 from eagle3.core.target import Target
-from eagle3.engine.batch_graphs import BatchGreedySteps
-from eagle3.engine.batched import (
+from eagle3.engine.batch_forwards import (
     BatchTrees,
     causal,
     copy_row,
@@ -45,6 +44,7 @@ from eagle3.engine.batched import (
     target_forward,
     tree_mask,
 )
+from eagle3.engine.batch_greedy import BatchGreedySteps
 from eagle3.engine.decoder import DecodeRequest, GenerationResult, RequestStats, check_prompt
 from eagle3.engine.kv import SlotKV
 from eagle3.engine.llama import LeanDrafter, LeanLlama
