@@ -21,7 +21,8 @@ from eagle3.core.common import compose
 from eagle3.core.spec import resolve_spec
 from eagle3.core.target import load_target
 from eagle3.engine import SpecDecoder
-from eagle3.engine.batch import BatchDecoder
+from eagle3.engine.batch_decoder import BatchDecoder
+from eagle3.engine.options import DecoderOptions
 from eagle3.engine.service import load_engine_drafter
 from eagle3.export.shipped import shipped_drafter
 
@@ -67,14 +68,18 @@ def check_spec(cfg, target, name: str, prompts, args) -> str:
             drafter,
             spec,
             args.rows,
-            max_context=args.max_context,
-            cuda_graphs=graphs,
-            graph_batch_sizes=tuple(2**n for n in range(args.rows.bit_length())),
+            DecoderOptions(
+                max_context=args.max_context,
+                cuda_graphs=graphs,
+                graph_batch_sizes=tuple(2**n for n in range(args.rows.bit_length())),
+            ),
         )
         for _ in range(2):  # the second pass runs on the graphs the first captured
             tokens[graphs], seconds[graphs] = timed_pass(decoder, prompts, args.new_tokens)
         captured = sum(len(steps.graphs) for steps in decoder.greedy.values())
-    single = SpecDecoder(target, drafter, spec, max_context=args.max_context, cuda_graphs=True)
+    single = SpecDecoder(
+        target, drafter, spec, DecoderOptions(max_context=args.max_context, cuda_graphs=True)
+    )
     alone = [single.generate(prompt, args.new_tokens).tokens for prompt in prompts]
     eager_same = sum(a == b for a, b in zip(tokens[True], tokens[False]))
     alone_same = sum(a == b for a, b in zip(tokens[True], alone))

@@ -34,6 +34,7 @@ from eagle3.core.drafter import build_drafter
 from eagle3.core.spec import Spec
 from eagle3.core.target import Target, default_aux_layer_ids
 from eagle3.engine import DecodeRequest, SpecDecoder, summarize
+from eagle3.engine.options import DecoderOptions
 
 ENGINE_CONF = Path(__file__).resolve().parents[1] / "conf" / "engine" / "default.yaml"
 
@@ -118,11 +119,13 @@ def bench(target, drafter, spec: Spec, prompts, args) -> dict:
         target,
         drafter if spec.enabled else None,
         spec,
-        max_context=args.max_context,
-        cuda_graphs=args.cuda_graphs,
-        fused=args.fused,
-        lean=args.lean,
-        **engine_options(args),
+        DecoderOptions(
+            max_context=args.max_context,
+            cuda_graphs=args.cuda_graphs,
+            fused=args.fused,
+            lean=args.lean,
+            **engine_options(args),
+        ),
     )
     capture_s = time.perf_counter() - started  # graphs (and compiles) are made in the constructor
     stop = [] if args.ignore_eos or target.tokenizer is None else [target.tokenizer.eos_token_id]
@@ -260,7 +263,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args) -> dict:
-    """SpecDecoder keyword arguments from add_engine_options' flags."""
+    """DecoderOptions keyword arguments from add_engine_options' flags."""
     return {
         "eager_cudnn": args.eager_cudnn,
         "compile_layers": args.compile_layers,

@@ -11,6 +11,7 @@ from engine_helpers import CACHE, PROMPTS, prefill_then_verify, reference_greedy
 from eagle3.core.common import compose
 from eagle3.core.drafter import build_drafter
 from eagle3.engine import DecodeRequest, SpecDecoder
+from eagle3.engine.options import DecoderOptions
 
 NEW_TOKENS = 40
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest
@@ -40,7 +41,7 @@ def test_compiled_draft_phases_commit_the_same(tiny_target, fitted, references):
         ("d8s4k3", [*references[:2], (long_prompt, None)], 4),
     ]:
         counters.clear()
-        compiled = SpecDecoder(tiny_target, fitted, spec(name), compile_draft=True)
+        compiled = SpecDecoder(tiny_target, fitted, spec(name), DecoderOptions(compile_draft=True))
         eager = SpecDecoder(tiny_target, fitted, spec(name))
         for prompt, expected in prompts:
             a, b = (
@@ -66,7 +67,7 @@ def test_compiled_layers_match_hf_and_decode_the_same(tiny_target):
     prefill_then_verify(tiny_target, lambda needed: CACHE, compiled=True)
     torch.manual_seed(0)
     drafter = build_drafter(tiny_target, compose(["target=tiny-llama"]).drafter).eval()
-    decoder = SpecDecoder(tiny_target, drafter, spec("d8s4k3"), compile_layers=True)
+    decoder = SpecDecoder(tiny_target, drafter, spec("d8s4k3"), DecoderOptions(compile_layers=True))
     assert decoder.target_run.compile_layers and decoder.fused is not None
     for text in PROMPTS[:2]:
         prompt = tiny_target.tokenizer(text)["input_ids"]

@@ -410,7 +410,9 @@ def test_register_and_resolve_models_uri(drafter, tiny_target, make_cfg, tmp_pat
     assert sorted(folders) == ["sglang", "vllm"]
     with stage_run(cfg, "export") as run:
         name = export.registry_name(cfg.export, cfg.target)
-        version = export.register_export(client(cfg), name, "tiny-llama", out_dir, RECIPE, run)
+        version = export.register_export(
+            client(cfg.tracking), name, "tiny-llama", out_dir, RECIPE, run
+        )
     assert name == "registry-test" and version == "1"
     tags = MlflowClient(cfg.tracking.uri).get_model_version("registry-test", "1").tags
     assert (

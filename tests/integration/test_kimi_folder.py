@@ -339,7 +339,8 @@ def test_a_kimi_like_folder_trains_offline_and_exports(make_cfg, tmp_path, one_t
     assert counts["train_conversations"] > 0 and counts["train_masked_tokens"] > 0
     dataset = data.load_splits(out.path)["train"]
     row = dataset[0]
-    parts = load_target_parts(cfg)  # (before packing: the tokenizer the data stage used)
+    # (before packing: the tokenizer the data stage used)
+    parts = load_target_parts(cfg.target, cfg.paths.artifacts)
     tokenizer = parts.tokenizer
     assert type(tokenizer).__name__ == "TikTokenTokenizer" and parts.vocab_size == VOCAB
     # the loss mask covers exactly the assistant contents and their <|im_end|>
@@ -359,7 +360,7 @@ def test_a_kimi_like_folder_trains_offline_and_exports(make_cfg, tmp_path, one_t
     # the wrapper's own config class (trust_remote_code) gives the text model's vocabulary
     assert load_tokenizer(cfg.target, cfg.paths.artifacts)[1] == VOCAB
 
-    parts = load_target_parts(cfg)
+    parts = load_target_parts(cfg.target, cfg.paths.artifacts)
     assert parts.input_embedding().shape == (VOCAB, 32) and parts.norm.shape == (32,)
     assert type(parts.tokenizer).__name__ == "TikTokenTokenizer"
     trained = train.run(cfg)
@@ -393,7 +394,7 @@ def test_a_hub_id_not_downloaded_is_one_line_saying_how(make_cfg, tmp_path):
         f"paths.artifacts={tmp_path}",
     )
     with pytest.raises(Eagle3Error) as refused:
-        load_target_parts(cfg)  # what offline training and export read
+        load_target_parts(cfg.target, cfg.paths.artifacts)  # what offline training and export read
     assert str(refused.value) == (
         "target.path=eagle3-tests/not-downloaded is a hub id that is not downloaded here: "
         f"download it with `hf download eagle3-tests/not-downloaded --local-dir "

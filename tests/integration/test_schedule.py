@@ -27,7 +27,8 @@ from eagle3.bench.concurrency import write_load_summary, write_schedule
 from eagle3.core.common import Eagle3Error, hardware, local_engine_version
 from eagle3.core.spec import OFF, Spec
 from eagle3.engine import DecodeRequest
-from eagle3.engine.batch import BatchDecoder
+from eagle3.engine.batch_decoder import BatchDecoder
+from eagle3.engine.options import DecoderOptions
 from eagle3.engine.schedule import Schedule, read_schedule, resolve_schedule_path
 from eagle3.engine.service import Generation, build_service
 from eagle3.serve.app import shapes
@@ -193,8 +194,7 @@ def test_shapes_follow_the_schedule_and_lose_nothing(
         tiny_fitted_drafter,
         spec("d6"),
         4,
-        graph_batch_sizes=(2,),
-        static_shapes=static,
+        DecoderOptions(graph_batch_sizes=(2,), static_shapes=static),
         schedule=schedule,
     )
     arrivals = {0: [0], 3: [1], 6: [2, 3]}
@@ -301,7 +301,9 @@ def test_deterministic_outputs_do_not_depend_on_batch_or_shape(
     outputs = {}
     for name in ("off", "d6", "d8s4k3"):
         for batch in (1, 4, 16):
-            decoder = BatchDecoder(target, drafter, spec(name), batch, deterministic=True)
+            decoder = BatchDecoder(
+                target, drafter, spec(name), batch, DecoderOptions(deterministic=True)
+            )
             requests = [decoder.add(DecodeRequest(p, 12)) for p in prompts]
             outputs[name, batch] = [r.tokens for r in decoder.generate_all(requests)]
             assert max(decoder.rows_per_step) == batch

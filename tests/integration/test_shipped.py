@@ -122,16 +122,18 @@ def test_shipped_drafter_drafts_smollm2_losslessly_on_prompts_it_never_saw(
 
 
 def test_the_shipped_drafter_is_chosen_only_when_nothing_else_is(make_cfg, own_artifacts):
-    from eagle3.export.shipped import unpacked, wanted
+    from eagle3.export.shipped import unpacked, uses_shipped_drafter
 
     def cfg(*overrides):
         return make_cfg(f"paths.artifacts={own_artifacts}", *overrides)
 
-    assert wanted(cfg())  # SmolLM2, nothing trained for this config, no drafter.path
-    assert not wanted(cfg("target=tiny-llama"))  # another target
-    assert not wanted(cfg("drafter.path=/some/export"))
-    assert not wanted(cfg("shipped.use=never"))
-    assert wanted(cfg("target=tiny-llama", "drafter.path=shipped"))  # asked for by name ...
+    assert uses_shipped_drafter(cfg())  # SmolLM2, nothing trained for this config, no drafter.path
+    assert not uses_shipped_drafter(cfg("target=tiny-llama"))  # another target
+    assert not uses_shipped_drafter(cfg("drafter.path=/some/export"))
+    assert not uses_shipped_drafter(cfg("shipped.use=never"))
+    assert uses_shipped_drafter(
+        cfg("target=tiny-llama", "drafter.path=shipped")
+    )  # asked for by name ...
     with pytest.raises(Exception, match="trained for target smollm2-135m, not tiny-llama"):
         refused = cfg("target=tiny-llama", "drafter.path=shipped")
         unpacked(

@@ -82,8 +82,8 @@ class BenchSweepCallback(Callback):
         (sweep_dir / JOBS_FILE).write_text(json.dumps({"jobs": job_count(config.hydra)}))
         if not config.tracking.enabled:
             return
-        client = tracking.client(config)
-        experiment_id = tracking.setup(config)
+        client = tracking.client(config.tracking)
+        experiment_id = tracking.setup(config.tracking)
         watch_runs(config.tracking.uri, experiment_id, config.tracking.watchdog_poll_s)
         run = client.create_run(
             experiment_id,
@@ -112,7 +112,7 @@ class BenchSweepCallback(Callback):
         failed = [r for r in results if r.get("status") != "ok"]
         run_id = parent_run_id(sweep_dir)
         if run_id:
-            client = tracking.client(config)
+            client = tracking.client(config.tracking)
             log_to_parent(client, run_id, summary, len(failed))
         if failed:  # the summary lists every job; the exit status says not all were measured
             print(failed_jobs_report(failed, len(results)), file=sys.stderr)

@@ -3,11 +3,11 @@
 - `raise_on_signals()`: SIGTERM and SIGHUP raise `Stopped` in the main thread and SIGINT raises
   KeyboardInterrupt, also where the process was started with SIGINT ignored (a shell without job
   control starts background jobs so), so `finally` blocks stop engines and MLflow marks the run KILLED.
-- `spawn()`: a child in its own process group plus a watchdog (eagle3/core/reaper.py) that ends the
+- `spawn()`: a child in its own process group plus a watchdog (eagle3/core/group_reaper.py) that ends the
   group when the starter dies without cleaning up (SIGKILL, OOM killer): bounded by the
   watchdog's poll interval plus the child's grace period. The watchdog exits with the group and
   is waited for by a thread (no zombie left per engine start).
-- `watch_runs()`: a watchdog (eagle3/core/run_reaper.py) that marks the MLflow runs of this process
+- `watch_runs()`: a watchdog (eagle3/core/mlflow_run_reaper.py) that marks the MLflow runs of this process
   KILLED when the process is killed outright (the runs a stage or a sweep left RUNNING).
 - `process_identity()` / `process_alive()`: pid + start time, so a run left RUNNING by a killed
   process can be recognised later (the pid alone may have been reused).
@@ -25,8 +25,8 @@ import threading
 from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-REAPER = Path(__file__).with_name("reaper.py")
-RUN_REAPER = Path(__file__).with_name("run_reaper.py")
+REAPER = Path(__file__).with_name("group_reaper.py")
+RUN_REAPER = Path(__file__).with_name("mlflow_run_reaper.py")
 _RUN_WATCHDOGS: dict[tuple[str, str], subprocess.Popen] = {}
 # The environment variable that hands a started engine server its launch token: its /health
 # answers with it, so a health check proves it reached the engine this process started.
@@ -85,7 +85,7 @@ def reap_in_background(proc: subprocess.Popen) -> None:
 
 
 def watch_runs(uri: str, experiment_id: str, poll_s: float) -> None:
-    """Once per (store, experiment) and process: start eagle3/core/run_reaper.py, which marks this
+    """Once per (store, experiment) and process: start eagle3/core/mlflow_run_reaper.py, which marks this
     process's runs still RUNNING there KILLED as soon as the process is gone without having
     stopped it (it is stopped at a normal exit, when every run has been closed)."""
     if (uri, experiment_id) in _RUN_WATCHDOGS:

@@ -14,7 +14,7 @@ from eagle3.core.artifacts import (
     stage_output,
 )
 from eagle3.core.common import Eagle3Error, resolve_device, resolve_dtype
-from eagle3.core.config import Config, plain
+from eagle3.core.config import Config, DataConfig, ServeConfig, TargetConfig, plain
 from eagle3.core.drafter_io import (
     ENGINES,
     MODELS_URI,
@@ -23,36 +23,21 @@ from eagle3.core.drafter_io import (
     parse_models_uri,
     read_drafter_config,
 )
+from eagle3.core.hash_schema import hashed
 from eagle3.core.target import target_key
-
-# data.* options that add prompts (eagle3.data.added_prompts); off by default
-MORE_PROMPTS = ("first_turn_copies", "extra_sources", "self_prompts")
-# Settings that change how fast regeneration runs (or what it reports), not what it produces:
-# outside the hash, so a rerun with another batch size or concurrency resumes the same output.
-REGEN_EXECUTION_ONLY = (
-    "batch_size",
-    "concurrency",
-    "timeout_s",
-    "max_retries",
-    "backoff_s",
-    "api_key_env",
-    "loop_ngram",
-)
 
 
 def data_output(cfg: Config) -> StageOutput:
     """The data stage's folder for this config (located, not run)."""
-    sections = {**answer_sections(cfg), "draft_vocab_size": cfg.drafter.draft_vocab_size}
-    fingerprint = source_fingerprint(str(cfg.data.source))
-    if fingerprint:  # absent for packaged and hub sources: their hashes stay as they were
-        sections["source_fingerprint"] = fingerprint
-    if cfg.data.regenerate and cfg.data.regen.keep_truncated:  # absent when false, as before it
-        sections["keep_truncated"] = True
-    if (
-        cfg.data.vocab_map_from is not None
-    ):  # absent when null: the hashes of outputs from before the key
-        sections["vocab_map_from"] = str(cfg.data.vocab_map_from)
-    return stage_output(cfg.paths.artifacts, "data", sections)
+    data = cfg.data
+    values = {
+        **answer_values(data, cfg.target, cfg.serve),
+        "draft_vocab_size": cfg.drafter.draft_vocab_size,
+        "source_fingerprint": source_fingerprint(str(data.source)),
+        "keep_truncated": bool(data.regenerate and data.regen.keep_truncated),
+        "vocab_map_from": None if data.vocab_map_from is None else str(data.vocab_map_from),
+    }
+    return stage_output(cfg.paths.artifacts, "data", hashed("data", values))
 
 
 def source_fingerprint(source: str) -> dict | None:
@@ -74,91 +59,29 @@ _FINGERPRINTS: dict[tuple, dict] = {}
 
 
 def answer_sections(cfg: Config) -> dict:
-    """What the conversations and their regenerated answers depend on: the target and the data config
-    (not the draft vocab's source)."""
-    data = plain(cfg.data)
-    data.pop("vocab_map_from", None)
-    for key in MORE_PROMPTS:  # absent when off: the hashes of answers from before these keys
-        if not data.get(key):
-            data.pop(key, None)
-    data["regen"] = {k: v for k, v in data["regen"].items() if k not in REGEN_EXECUTION_ONLY}
-    for key in (
-        "reuse_answers",
-        "seed",
-        "reasoning",
-        "reasoning_parser",
-    ):  # absent when null: the hashes of answers from before these keys
-        if data["regen"].get(key) is None:
-            data["regen"].pop(key, None)
-    # which answers a data output keeps, not what they are (data_output); the tags and the template
-    # switch only where the reasoning mode reads them
-    data["regen"].pop("keep_truncated", None)
-    if data["regen"].get("reasoning") not in ("keep", "drop"):
-        data["regen"].pop("think_tags", None)
-    if data["regen"].get("reasoning") != "off":
-        data["regen"].pop("thinking_switch", None)
-    if data["regen"].get("backend") == "engine":  # the engine and its precision write the answers
-        data["regen"]["served_by"] = {
-            "engine": cfg.serve.engine,
-            "dtype": getattr(cfg.serve, "dtype", None),
-        }
-    return {"target": target_key(cfg.target), "data": data}
+    """What the conversations and their regenerated answers depend on (the key of their shared
+    log, eagle3.data.regen): the target and the data config (not the draft vocab's source)."""
+    return hashed("answers", answer_values(cfg.data, cfg.target, cfg.serve))
 
 
-# How fast extraction runs, not what it writes: outside the hash.
-EXECUTION_ONLY = (
-    "batch_tokens",
-    "verify",
-    "disk_margin",
-    "writers",
-    "concurrency",
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "engine",
-)
+def answer_values(data: DataConfig, target: TargetConfig, serve: ServeConfig) -> dict:
+    """The target's identity and the data config, with the engine and precision that would write
+    the answers (data.regen.served_by); the hash schema picks what counts."""
+    values = plain(data)
+    values["regen"]["served_by"] = {"engine": serve.engine, "dtype": getattr(serve, "dtype", None)}
+    return {"target": target_key(target), "data": values}
 
 
 def extract_output(cfg: Config) -> StageOutput:
     """The extract stage's folder for this config (located, not run)."""
-    section = {k: v for k, v in plain(cfg.extract).items() if k not in EXECUTION_ONLY}
-    if section.get("backend") == "hf":  # the hash of an HF extraction predates the backends
-        del section["backend"]
     # the precision the target runs in changes the states (target_key leaves it out)
     if cfg.extract.backend == "vllm":
         compute = str(cfg.extract.engine.dtype)
     else:
         compute = str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device)))
-    compute = compute.removeprefix("torch.")
-    return stage_output(
-        cfg.paths.artifacts,
-        "extract",
-        {"extract": section, "compute_dtype": compute},
-        {"data": data_output(cfg).hash},
-    )
-
-
-# train.* fields that change how training is watched or where it reads, not what it learns.
-HASH_EXCLUDED = (
-    "eval_prompts",
-    "eval_max_new_tokens",
-    "checkpoint_every_n_steps",
-    "shards",
-    "val_head_tokens",
-    "compile_loss",
-    "compile_unroll",
-    "compile_target",
-    "length_buckets",
-    "adamw",
-)
-
-
-def upstream_hashes(cfg: Config) -> dict:
+    values = {"extract": plain(cfg.extract), "compute_dtype": compute.removeprefix("torch.")}
     upstream = {"data": data_output(cfg).hash}
-    if cfg.train.hidden_states == "offline":
-        upstream["extract"] = shards_output(cfg).hash
-    if cfg.train.hidden_states == "engine":  # the capture settings that make the states
-        upstream["capture"] = extract_output(cfg).hash
-    return upstream
+    return stage_output(cfg.paths.artifacts, "extract", hashed("extract", values), upstream)
 
 
 def shards_output(cfg: Config) -> StageOutput:
@@ -181,32 +104,27 @@ def shards_output(cfg: Config) -> StageOutput:
 
 
 def train_output(cfg: Config) -> StageOutput:
-    """The train stage's folder for this config (located, not run)."""
-    train = {k: v for k, v in plain(cfg.train).items() if k not in HASH_EXCLUDED}
-    for key in ("init_from", "limit"):  # null: the hashes of runs from before these keys
-        if train.get(key) is None:
-            train.pop(key, None)
-    drafter = {k: v for k, v in plain(cfg.drafter).items() if k != "path"}
-    sections = {
-        "drafter": drafter,
-        "train": train,
+    """The train stage's folder for this config (located, not run): upstream the data, and the
+    hidden states it reads (offline: the extract output; engine: the capture settings)."""
+    values = {
+        "drafter": plain(cfg.drafter),
+        "train": plain(cfg.train),
         "target": target_key(cfg.target),
         "seed": cfg.seed,
     }
-    return stage_output(cfg.paths.artifacts, "train", sections, upstream_hashes(cfg))
-
-
-# export.* fields that do not change what an export writes: where it is registered, and the
-# checkpoint `python -m eagle3.export.checkpoint` reads.
-HASH_EXCLUDED_EXPORT = ("register", "registry_name", "checkpoint")
+    upstream = {"data": data_output(cfg).hash}
+    if cfg.train.hidden_states == "offline":
+        upstream["extract"] = shards_output(cfg).hash
+    if cfg.train.hidden_states == "engine":
+        upstream["capture"] = extract_output(cfg).hash
+    return stage_output(cfg.paths.artifacts, "train", hashed("train", values), upstream)
 
 
 def export_output(cfg: Config) -> StageOutput:
     """Where the current config's export lives (upstream: the training stage's hash)."""
-    sections = {
-        "export": {k: v for k, v in plain(cfg.export).items() if k not in HASH_EXCLUDED_EXPORT}
-    }
-    return stage_output(cfg.paths.artifacts, "export", sections, {"train": train_output(cfg).hash})
+    values = {"export": plain(cfg.export)}
+    upstream = {"train": train_output(cfg).hash}
+    return stage_output(cfg.paths.artifacts, "export", hashed("export", values), upstream)
 
 
 def resolve_drafter_path(cfg: Config, engine: str = "sglang") -> Path:
@@ -254,11 +172,13 @@ def serving_folder(folder: Path, engine: str) -> Path:
         names = ENGINE_SUBFOLDERS.get(engine, (engine,))
         found = [folder / n for n in names if (folder / n / "config.json").exists()]
         found += [
-            folder / n for n in ENGINES if n not in names and neutral(folder / n / "config.json")
+            folder / n
+            for n in ENGINES
+            if n not in names and writes_no_aux_layer_ids(folder / n / "config.json")
         ]
         if not found:
-            wanted = " or ".join(f"{n}/config.json" for n in names)
-            raise Eagle3Error(f"{folder} holds no drafter for serve={engine} (no {wanted})")
+            looked_for = " or ".join(f"{n}/config.json" for n in names)
+            raise Eagle3Error(f"{folder} holds no drafter for serve={engine} (no {looked_for})")
         chosen = found[0]
     if not any(any(chosen.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.pt")):
         raise Eagle3Error(f"{chosen} has a config.json but no weights: an incomplete export")
@@ -267,7 +187,7 @@ def serving_folder(folder: Path, engine: str) -> Path:
         engine in ENGINES
         and convention in ENGINES
         and convention != engine
-        and not neutral(chosen / "config.json")
+        and not writes_no_aux_layer_ids(chosen / "config.json")
     ):
         raise Eagle3Error(
             f"{chosen} was written for {convention} (aux-layer ids in {convention}'s convention); "
@@ -293,7 +213,7 @@ def read_config(folder: Path) -> dict:
     return read_drafter_config(folder)
 
 
-def neutral(config_path: Path) -> bool:
+def writes_no_aux_layer_ids(config_path: Path) -> bool:
     """A drafter config that writes no aux-layer ids: every engine reads it the same way."""
     if not config_path.exists():
         return False

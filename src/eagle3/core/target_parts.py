@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import PretrainedConfig
 
 from eagle3.core.common import Eagle3Error, resolve_dtype
-from eagle3.core.config import Config
+from eagle3.core.config import TargetConfig
 from eagle3.core.target import (
     TargetShape,
     default_aux_layer_ids,
@@ -92,11 +92,10 @@ def read_tensors(folder: Path, wanted: dict[str, str], files: dict[str, str], dt
     return tensors
 
 
-def load_target_parts(cfg: Config) -> TargetParts:
-    """The configured target's tokenizer, config, embedding, head and final norm, on the CPU in the
-    dtype load_target would use there."""
-    tcfg = cfg.target
-    path = target_folder(tcfg, Path(cfg.paths.artifacts))
+def load_target_parts(tcfg: TargetConfig, artifacts: Path | str) -> TargetParts:
+    """The target's tokenizer, config, embedding, head and final norm, on the CPU in the dtype
+    load_target would use there (artifacts: paths.artifacts, where converted targets live)."""
+    path = target_folder(tcfg, Path(artifacts))
     config = PretrainedConfig(**folder_text_config(path))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     dtype = resolve_dtype(tcfg.dtype, torch.device("cpu"))

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from eagle3.core.artifacts import git_commit
-from eagle3.core.config import Config
+from eagle3.core.config import Config, TrackingConfig
 from eagle3.core.lifecycle import Stopped, process_alive, process_identity, watch_runs
 from eagle3.core.redact import masked_config
 
@@ -39,29 +39,29 @@ def store_lock(uri: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def setup(cfg: Config) -> str:
+def setup(tracking: TrackingConfig) -> str:
     """Point MLflow at the configured store and experiment; return the experiment id."""
-    with store_lock(cfg.tracking.uri):
-        return _setup(cfg)
+    with store_lock(tracking.uri):
+        return _setup(tracking)
 
 
-def _setup(cfg: Config) -> str:
+def _setup(tracking: TrackingConfig) -> str:
     import mlflow
 
-    uri = cfg.tracking.uri
+    uri = tracking.uri
     mlflow.set_tracking_uri(uri)
-    name = cfg.tracking.experiment
+    name = tracking.experiment
     experiment = mlflow.get_experiment_by_name(name)
     if experiment is not None:
         experiment_id = experiment.experiment_id
     else:
-        location = cfg.tracking.artifact_location
+        location = tracking.artifact_location
         # A local store keeps artifacts beside it; a server decides for itself.
         location = (
             Path(location).resolve().as_uri() if location and not uri.startswith("http") else None
         )
         experiment_id = mlflow.create_experiment(name, artifact_location=location)
-    set_experiment_kind(experiment_id, cfg.tracking.experiment_kind, experiment)
+    set_experiment_kind(experiment_id, tracking.experiment_kind, experiment)
     mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
 
@@ -84,22 +84,21 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def log_config(cfg: Config) -> None:
-    """The resolved config as params and config.yaml, secrets masked (eagle3.core.redact)."""
+def log_config(plain: dict) -> None:
+    """A resolved config (secrets masked: eagle3.core.redact) as params and config.yaml."""
     import mlflow
 
-    plain = masked_config(cfg)
     params = {k: str(v)[:MAX_PARAM_CHARS] for k, v in flatten(plain).items()}
     mlflow.log_params(params)
     mlflow.log_text(OmegaConf.to_yaml(OmegaConf.create(plain)), "config.yaml")
 
 
-def end_dead_runs(cfg: Config, experiment_id: str) -> list[str]:
+def end_dead_runs(uri: str, experiment_id: str) -> list[str]:
     """Runs left RUNNING by an eagle3 process of this host that no longer runs (killed outright)
     are marked KILLED; returns their ids."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    client = MlflowClient(tracking_uri=uri)
     ended = []
     for run in client.search_runs([experiment_id], "attributes.status = 'RUNNING'"):
         if process_alive(run.data.tags) is False:
@@ -124,8 +123,8 @@ def stage_run(
         return
     import mlflow
 
-    experiment_id = setup(cfg)
-    end_dead_runs(cfg, experiment_id)
+    experiment_id = setup(cfg.tracking)
+    end_dead_runs(cfg.tracking.uri, experiment_id)
     watch_runs(cfg.tracking.uri, experiment_id, cfg.tracking.watchdog_poll_s)
     all_tags = {
         "stage": stage,
@@ -139,15 +138,15 @@ def stage_run(
         all_tags["mlflow.parentRunId"] = parent_run_id
     with mlflow.start_run(run_name=run_name or stage, tags=all_tags) as run:
         try:
-            log_config(cfg)
+            log_config(masked_config(cfg))
             yield run
         except (KeyboardInterrupt, Stopped):  # Ctrl-C, SIGTERM, SIGHUP
             mlflow.end_run("KILLED")
             raise
 
 
-def client(cfg: Config):
+def client(tracking: TrackingConfig):
     from mlflow.tracking import MlflowClient
 
-    setup(cfg)
-    return MlflowClient(tracking_uri=cfg.tracking.uri)
+    setup(tracking)
+    return MlflowClient(tracking_uri=tracking.uri)

@@ -11,10 +11,12 @@ from eagle3.engine.decoder import (
     SpecDecoder,
 )
 from eagle3.engine.evaluate import measure_acceptance, summarize
+from eagle3.engine.options import DecoderOptions
 
 __all__ = [
     "ContextOverflow",
     "DecodeRequest",
+    "DecoderOptions",
     "GenerationResult",
     "RequestStats",
     "SpecDecoder",

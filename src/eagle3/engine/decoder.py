@@ -21,6 +21,7 @@ from eagle3.core.common import Eagle3Error, log
 from eagle3.core.spec import Spec
 from eagle3.core.target import Target
 from eagle3.engine.fused import FusedGreedy
+from eagle3.engine.options import DecoderOptions
 from eagle3.engine.runners import DrafterRunner, TargetRunner
 from eagle3.engine.sampling import Sampling, greedy_path, probabilities, sampled_path
 from eagle3.engine.tree import DraftTree, ancestor_mask, keep_best, root_only, subtree, top_children
@@ -133,81 +134,53 @@ class GenerationResult:
 class SpecDecoder:
     """Draft with `drafter` (None only with spec=off), verify with `target`, keep what matches."""
 
-    def __init__(
-        self,
-        target: Target,
-        drafter,
-        spec: Spec,
-        max_context: int | None = None,
-        cuda_graphs: bool = False,
-        seed: int = 0,
-        fused: bool = True,
-        lean: bool = True,
-        eager_cudnn: bool = False,
-        compile_layers: bool = False,
-        prefill_graphs: tuple[int, ...] = (),
-        compile_draft: bool = False,
-        overlap_steps: bool = True,
-        draft_attention: str = "explicit",
-        compile_prefill: bool = False,
-        tree_temperature: float = 1.0,
-    ):
-        """fused: greedy steps run as FusedGreedy (static shapes, one host read per step, one CUDA
-        graph per phase); False keeps every step on the step-by-step path below (same tokens).
-        lean: a plain Llama target and the drafter run engine/llama.py's forwards instead of HF's
-        and the drafter module's (same numbers). eager_cudnn: cuDNN attention also outside CUDA
-        graphs (runners.eager_attention: off by default, it builds a graph per prompt length).
-        compile_layers: verify forwards of fixed shape (graphs, fused steps) run the lean target's
-        layers torch.compile'd (TargetRunner). prefill_graphs: with cuda_graphs, prompt lengths up
-        to each of these widths replay a prefill graph captured at that width (the prompt padded; the
-        padding's cache slots lie past the prompt, where nothing attends before they are rewritten).
-        compile_draft: the fused steps' draft and extend phases run torch.compile'd (FusedGreedy).
-        overlap_steps: the fused greedy loop enqueues each step before reading the last one's result.
-        draft_attention: "explicit" (softmax(QK^T)V in the drafter's lean layer) | "sdpa".
-        compile_prefill: the prefill graphs run the lean target's layers torch.compile'd too (a compile
-        per prefill width, once per process). tree_temperature: trees rank their nodes by cumulative
-        log_softmax(drafter logits / tree_temperature) (tree.top_children); any value is lossless."""
+    def __init__(self, target: Target, drafter, spec: Spec, options: DecoderOptions | None = None):
+        """options: how it runs (engine/options.py; None: the defaults)."""
         if spec.enabled and drafter is None:
             raise Eagle3Error(f"spec {spec.label} needs a drafter; use spec=off for plain decoding")
-        if draft_attention not in ("explicit", "sdpa"):
-            raise Eagle3Error(f"engine.draft_attention={draft_attention!r}: use explicit or sdpa")
-        if not tree_temperature > 0:
-            raise Eagle3Error(
-                f"engine.tree_temperature={tree_temperature!r}: must be > 0 (1 = the drafter's own "
-                f"log-probabilities)"
-            )
-        self.tree_temperature = float(tree_temperature)
+        self.options = options = options or DecoderOptions()
+        self.tree_temperature = float(options.tree_temperature)
         self.target, self.spec = target, spec
         self.drafter = drafter if spec.enabled else None
         limit = target.config.max_position_embeddings
-        self.max_context = min(max_context or limit, limit)
+        self.max_context = min(options.max_context or limit, limit)
         self.target_run = TargetRunner(
             target,
             self.max_context,
-            lean=lean,
-            eager_cudnn=eager_cudnn,
-            compile_layers=compile_layers,
+            lean=options.lean,
+            eager_cudnn=options.eager_cudnn,
+            compile_layers=options.compile_layers,
         )
         self.drafter_run = (
             DrafterRunner(
                 self.drafter,
                 self.max_context + spec.steps * spec.topk,
-                lean=lean,
-                eager_cudnn=eager_cudnn,
-                explicit_attention=draft_attention == "explicit",
+                lean=options.lean,
+                eager_cudnn=options.eager_cudnn,
+                explicit_attention=options.draft_attention == "explicit",
             )
             if self.drafter is not None
             else None
         )
         self.device = target.device
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(options.seed)
         self.root_host = torch.zeros(1, dtype=torch.long, pin_memory=self.device.type == "cuda")
-        self.fused = FusedGreedy(self, compile_draft) if fused else None
-        self.overlap_steps = overlap_steps
-        self.compile_prefill = compile_prefill
+        self.fused = (
+            FusedGreedy(
+                spec,
+                self.target_run,
+                self.drafter_run,
+                self.max_context,
+                self.tree_temperature,
+                options.compile_draft,
+            )
+            if options.fused
+            else None
+        )
         self.prefill_widths: list[int] = []  # prompt lengths are padded up to the first that fits
-        if cuda_graphs and self.device.type == "cuda":
-            self.capture_graphs(sorted(w for w in set(prefill_graphs) if w < self.max_context))
+        if options.cuda_graphs and self.device.type == "cuda":
+            widths = set(options.prefill_graphs)
+            self.capture_graphs(sorted(w for w in widths if w < self.max_context))
 
     # ------------------------------------------------------------ public
 
@@ -252,12 +225,12 @@ class SpecDecoder:
         return GenerationResult(tokens, finish, stats)
 
     def _launch_ahead(self, position: int, produced: int, budget: int):
-        """With overlap_steps, the fused step after the one in flight, enqueued before the host reads
+        """With options.overlap_steps, the fused step after the one in flight, enqueued before the host reads
         that one, so the device never waits on the host. Launched only where it fits and the budget
         cannot run out in the step before it; a stop token there leaves it unused (at most one per request)."""
         furthest = position + self.fused.max_commit
         if (
-            self.overlap_steps
+            self.options.overlap_steps
             and self.fused.fits(furthest)
             and produced + self.fused.max_commit < budget
         ):
@@ -490,7 +463,9 @@ class SpecDecoder:
         lengths = [1, self.spec.depth] if self.spec.enabled else [1]
         self.target_run.capture(lengths, pool, compiled=self.target_run.compile_layers)
         self.target_run.capture(
-            [w for w in prefill_widths if w not in lengths], pool, compiled=self.compile_prefill
+            [w for w in prefill_widths if w not in lengths],
+            pool,
+            compiled=self.options.compile_prefill,
         )
         if self.drafter_run is not None:
             shapes = [("extend", w) for w in [self.spec.depth, *prefill_widths]] + [

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from eagle3.core.spec import Spec
 from eagle3.core.target import Target
 from eagle3.engine.decoder import DecodeRequest, RequestStats, SpecDecoder
+from eagle3.engine.options import DecoderOptions
 
 
 def summarize(stats: list[RequestStats]) -> dict:
@@ -49,9 +50,8 @@ def measure_acceptance(
     tree_temperature: float = 1.0,
 ) -> dict:
     """Greedy-decode every prompt with speculation `spec`; the summary of summarize()."""
-    decoder = SpecDecoder(
-        target, drafter, spec, max_context=max_context, tree_temperature=tree_temperature
-    )
+    options = DecoderOptions(max_context=max_context, tree_temperature=tree_temperature)
+    decoder = SpecDecoder(target, drafter, spec, options)
     stop_ids = (
         [target.tokenizer.eos_token_id]
         if getattr(target.tokenizer, "eos_token_id", None) is not None

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle3.core.spec import Spec
 from eagle3.engine.llama import compile_fixed
-from eagle3.engine.runners import Graphed
+from eagle3.engine.runners import DrafterRunner, Graphed, TargetRunner
 from eagle3.engine.tree import ancestor_mask, keep_best, subtree, top_children
 
 
@@ -54,14 +55,23 @@ class Pending:
 
 
 class FusedGreedy:
-    def __init__(self, decoder, compiled: bool = False):
-        """compiled: the draft and extend phases (the drafter's layer and the tree bookkeeping, many
-        small kernels) go through torch.compile; verify's target layers follow compile_layers."""
-        self.decoder, self.spec, self.device = decoder, decoder.spec, decoder.device
-        self.size = (
-            self.spec.depth if self.spec.enabled else 1
-        )  # verified nodes per step (root included)
-        self.drafter_run = decoder.drafter_run
+    def __init__(
+        self,
+        spec: Spec,
+        target_run: TargetRunner,
+        drafter_run: DrafterRunner | None,
+        max_context: int,
+        tree_temperature: float = 1.0,
+        compiled: bool = False,
+    ):
+        """The batch-1 decoder's runners (drafter_run None: spec=off) and context. compiled: the
+        draft and extend phases (the drafter's layer and the tree bookkeeping, many small kernels)
+        go through torch.compile; verify's target layers follow target_run.compile_layers."""
+        self.spec, self.device, self.max_context = spec, target_run.device, max_context
+        self.target_run, self.drafter_run = target_run, drafter_run
+        self.tree_temperature = tree_temperature
+        # verified nodes per step (root included)
+        self.size = self.spec.depth if self.spec.enabled else 1
         self.root = torch.zeros(1, dtype=torch.long, device=self.device)
         self.position = torch.zeros((), dtype=torch.long, device=self.device)
         # what the host reads (accepted count, committed tokens): one buffer that every width's graphs write
@@ -103,14 +113,14 @@ class FusedGreedy:
         )
         self.widths = sorted(
             {
-                min(2**n, decoder.max_context + self.reach)
-                for n in range(8, max(8, (decoder.max_context + self.reach - 1).bit_length()) + 1)
+                min(2**n, max_context + self.reach)
+                for n in range(8, max(8, (max_context + self.reach - 1).bit_length()) + 1)
             }
         )
         self.width = self.widths[-1]
 
     def fits(self, position: int) -> bool:
-        return position + self.size <= self.decoder.max_context
+        return position + self.size <= self.max_context
 
     # ------------------------------------------------------------ the host side
 
@@ -214,7 +224,7 @@ class FusedGreedy:
             else:
                 logits = run.logits(self.hidden)
             base = torch.cat(scores)[frontier]
-            log_probs, ids = top_children(logits, k, self.decoder.tree_temperature)
+            log_probs, ids = top_children(logits, k, self.tree_temperature)
             child_tokens, child_scores = drafter.to_target_ids(ids), base[:, None] + log_probs
             per_row, width = child_tokens.shape[1], child_tokens.numel()
             tokens.append(child_tokens.reshape(-1))
@@ -250,7 +260,7 @@ class FusedGreedy:
     def verify(self) -> None:
         """Target forward over the tree, greedy acceptance, the path's K/V to slots position..;
         -> self.accepted [1], self.bonus [1], self.new [max_commit] (committed tokens first), self.path_aux."""
-        run, q, position = self.decoder.target_run, self.size, self.position
+        run, q, position = self.target_run, self.size, self.position
         index = torch.arange(q, device=self.device)
         ancestors = ancestor_mask(self.parents, self.spec.steps if self.spec.enabled else 0)
         columns = torch.arange(self.span(run.kv), device=self.device)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from eagle3.core.common import log
-from eagle3.engine.batch import BatchDecoder, BatchRequest
+from eagle3.engine.batch_decoder import BatchDecoder, BatchRequest
 from eagle3.engine.decoder import DecodeRequest, GenerationResult, SpecDecoder
 
 

@@ -14,13 +14,17 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle3.core.common import Eagle3Error, log
-from eagle3.core.config import Config, ServeConfig
+from eagle3.core.config import Config, EngineConfig, ServeConfig
 from eagle3.core.drafter import build_drafter
 from eagle3.core.drafter_io import attach_target_embedding, check_drafter_for_target, load_drafter
 from eagle3.core.outputs import resolve_drafter_path
 from eagle3.core.spec import resolve_spec
 from eagle3.core.target import load_target
+from eagle3.engine.batch_decoder import BatchDecoder
 from eagle3.engine.decoder import DecodeRequest, GenerationResult, RequestStats, SpecDecoder
+from eagle3.engine.options import DecoderOptions
+from eagle3.engine.schedule import schedule_for
+from eagle3.engine.scheduler import BatchScheduler
 
 
 @dataclass
@@ -307,70 +311,74 @@ def load_engine_drafter(cfg: Config, target, spec):
 
 
 def build_service(cfg: Config) -> EngineService:
-    if cfg.engine.cpu_threads:
-        torch.set_num_threads(int(cfg.engine.cpu_threads))
+    """The engine this config serves: the batch-1 decoder, or the batched one where batches,
+    a schedule or engine.deterministic ask for it."""
+    ecfg = cfg.engine
+    if ecfg.cpu_threads:
+        torch.set_num_threads(int(ecfg.cpu_threads))
     spec = resolve_spec(cfg.spec)
     target = load_target(cfg)
     drafter, source = load_engine_drafter(cfg, target, spec)
-    schedule = engine_schedule(cfg, spec, source)
+    schedule = schedule_for(cfg, spec, source)
     wide = [shape for shape in schedule.shapes if shape.enabled] if schedule else []
     if wide and drafter is None:  # spec=off with a schedule file that drafts
         drafter, source = load_engine_drafter(cfg, target, wide[0])
-    deterministic = bool(cfg.engine.deterministic)
-    max_batch = max_batch_size(cfg, target, drafter)
-    if max_batch > 1 or schedule is not None or deterministic:
-        return batched_service(cfg, target, drafter, spec, source, max_batch, schedule)
-    decoder = single_decoder(cfg, target, drafter, spec)
+    options = decoder_options(ecfg, target.device)
+    max_batch = max_batch_size(ecfg, cfg.bench.batch_size, target, drafter)
+    forward = how = ""
+    if max_batch > 1 or schedule is not None or options.deterministic:
+        decoder = batched_decoder(target, drafter, spec, max_batch, options, schedule)
+        how = batching_words(max_batch, schedule, options.deterministic)
+    else:
+        decoder = SpecDecoder(target, drafter, spec, options)
+        forward = f" ({'lean' if decoder.target_run.lean else 'HF'} forward)"
     log.info(
-        "engine ready: target %s (%s forward), spec %s, drafter %s, context %d",
+        "engine ready: target %s%s, spec %s, drafter %s, context %d%s",
         cfg.target.name,
-        "lean" if decoder.target_run.lean else "HF",
+        forward,
         spec.label,
         source,
         decoder.max_context,
+        how,
     )
     return EngineService(decoder, target.tokenizer, cfg.serve, source, cfg.target.name)
 
 
-def uses_graphs(cfg: Config, target) -> bool:
-    graphs = cfg.engine.cuda_graphs
-    return target.device.type == "cuda" if graphs == "auto" else bool(graphs)
-
-
-def single_decoder(cfg: Config, target, drafter, spec) -> SpecDecoder:
-    """The fused batch-1 decoder: one request at a time."""
-    use_graphs = uses_graphs(cfg, target)
+def decoder_options(ecfg: EngineConfig, device: torch.device) -> DecoderOptions:
+    """The decoders' options from engine.*, `auto` resolved for `device`: CUDA graphs on a GPU,
+    compiled layers and draft phases where graphs replay."""
+    graphs = ecfg.cuda_graphs
+    use_graphs = device.type == "cuda" if graphs == "auto" else bool(graphs)
     compile_layers, compile_draft = (
         use_graphs if setting == "auto" else bool(setting)
-        for setting in (cfg.engine.compile_layers, cfg.engine.compile_draft)
+        for setting in (ecfg.compile_layers, ecfg.compile_draft)
     )
-    return SpecDecoder(
-        target,
-        drafter if spec.enabled else None,
-        spec,
-        max_context=cfg.engine.max_context,
+    return DecoderOptions(
+        max_context=ecfg.max_context,
+        seed=ecfg.seed,
         cuda_graphs=use_graphs,
-        seed=cfg.engine.seed,
-        lean=cfg.engine.lean_forward,
-        eager_cudnn=cfg.engine.eager_cudnn_attention,
+        draft_attention=ecfg.draft_attention,
+        tree_temperature=ecfg.tree_temperature,
+        lean=ecfg.lean_forward,
+        eager_cudnn=ecfg.eager_cudnn_attention,
         compile_layers=compile_layers,
-        prefill_graphs=tuple(cfg.engine.prefill_graphs or ()),
         compile_draft=compile_draft,
-        overlap_steps=cfg.engine.overlap_steps,
-        draft_attention=cfg.engine.draft_attention,
-        compile_prefill=cfg.engine.compile_prefill,
-        tree_temperature=cfg.engine.tree_temperature,
+        compile_prefill=ecfg.compile_prefill,
+        prefill_graphs=tuple(ecfg.prefill_graphs or ()),
+        overlap_steps=ecfg.overlap_steps,
+        graph_batch_sizes=tuple(ecfg.graph_batch_sizes or ()),
+        deterministic=bool(ecfg.deterministic),
     )
 
 
-def max_batch_size(cfg: Config, target, drafter) -> int:
+def max_batch_size(ecfg: EngineConfig, concurrency: int | None, target, drafter) -> int:
     """engine.max_batch_size, `auto` resolved: the device's default (engine.auto_batch_size), at
-    least the bench's concurrency; 1 where the batched forwards do not support the target or the
-    drafter (the fused batch-1 decoder serves any HF target)."""
+    least the bench's concurrency (bench.batch_size); 1 where the batched forwards do not support
+    the target or the drafter (the fused batch-1 decoder serves any HF target)."""
     from eagle3.engine.llama import LeanDrafter, LeanLlama
 
-    setting = cfg.engine.max_batch_size
-    concurrency = int(cfg.bench.batch_size or 1)
+    setting = ecfg.max_batch_size
+    concurrency = int(concurrency or 1)
     if setting is None:
         return concurrency
     if str(setting) != "auto":
@@ -380,7 +388,7 @@ def max_batch_size(cfg: Config, target, drafter) -> int:
     ):
         log.info("engine.max_batch_size=auto: this target or drafter is not batched; 1 at a time")
         return 1
-    per_device = cfg.engine.auto_batch_size
+    per_device = ecfg.auto_batch_size
     device = target.device.type
     if device not in per_device:
         raise Eagle3Error(
@@ -390,50 +398,24 @@ def max_batch_size(cfg: Config, target, drafter) -> int:
     return max(int(per_device[device]), concurrency)
 
 
-def engine_schedule(cfg: Config, spec, drafter_source: str):
-    """The schedule this config names (engine.schedule=<file>, spec=auto; None: `spec` at every
-    step), refused on other hardware or another engine version (eagle3.engine.schedule)."""
-    from eagle3.engine.schedule import schedule_for
-
-    return schedule_for(cfg, spec, drafter_source)
-
-
-def batched_service(cfg: Config, target, drafter, spec, source: str, max_batch: int, schedule=None):
-    """The service over a BatchScheduler: up to max_batch requests share each step, each step
-    runs the schedule's shape for its rows (`spec` throughout without one), and a request that
-    finds the engine idle runs on the fused batch-1 decoder (not with engine.deterministic, whose
-    numbers only the batched forwards give)."""
-    from eagle3.engine.batch import BatchDecoder
-    from eagle3.engine.scheduler import BatchScheduler
-
-    use_graphs = uses_graphs(cfg, target)
-    deterministic = bool(cfg.engine.deterministic)
-    decoder = BatchDecoder(
-        target,
-        drafter,
-        spec,
-        max_batch,
-        max_context=cfg.engine.max_context,
-        seed=cfg.engine.seed,
-        draft_attention=cfg.engine.draft_attention,
-        tree_temperature=cfg.engine.tree_temperature,
-        cuda_graphs=use_graphs,
-        graph_batch_sizes=tuple(cfg.engine.graph_batch_sizes or ()),
-        schedule=schedule,
-        deterministic=deterministic,
-    )
+def batched_decoder(
+    target, drafter, spec, max_batch: int, options: DecoderOptions, schedule=None
+) -> BatchScheduler:
+    """A BatchScheduler: up to max_batch requests share each step, each step runs the schedule's
+    shape for its rows (`spec` throughout without one), and a request that finds the engine idle
+    runs on the fused batch-1 decoder (not with engine.deterministic, whose numbers only the
+    batched forwards give)."""
+    decoder = BatchDecoder(target, drafter, spec, max_batch, options, schedule)
     single = None
-    if not deterministic:
-        single = single_decoder(cfg, target, drafter, decoder.schedule.shape_for(1))
-    log.info(
-        "engine ready: target %s, spec %s, drafter %s, context %d, batches up to %d requests%s%s",
-        cfg.target.name,
-        spec.label,
-        source,
-        decoder.max_context,
-        max_batch,
-        f", schedule {schedule.describe()} ({schedule.source})" if schedule else "",
-        ", deterministic (float64)" if deterministic else "",
+    if not options.deterministic:
+        single = SpecDecoder(target, drafter, decoder.schedule.shape_for(1), options)
+    return BatchScheduler(decoder, single)
+
+
+def batching_words(max_batch: int, schedule, deterministic: bool) -> str:
+    """How the batched engine batches, for its ready line."""
+    return (
+        f", batches up to {max_batch} requests"
+        + (f", schedule {schedule.describe()} ({schedule.source})" if schedule else "")
+        + (", deterministic (float64)" if deterministic else "")
     )
-    scheduler = BatchScheduler(decoder, single)
-    return EngineService(scheduler, target.tokenizer, cfg.serve, source, cfg.target.name)

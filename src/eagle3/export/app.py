@@ -133,10 +133,10 @@ def run(cfg: Config) -> StageOutput:
                 "first (or `python -m eagle3.pipeline`)"
             )
         trained.check_files(cfg.verify)
-        target = load_target_parts(cfg)
+        target = load_target_parts(cfg.target, cfg.paths.artifacts)
         drafter = load_trained_drafter(trained.path, target).cpu()
         manifest = trained.manifest()
-        lineage = lineage_for_export(cfg, manifest, out.hash)
+        lineage = lineage_for_export(cfg.data, cfg.train, manifest, out.hash)
         recipe = build_recipe(cfg.train, cfg.target, drafter, manifest, lineage)
         drafter.config.recipe = recipe
         check_drafter_for_target(drafter, target)
@@ -145,7 +145,9 @@ def run(cfg: Config) -> StageOutput:
             folders = export_drafter(cfg.export, cfg.target, drafter, recipe, out.path)
             name = registry_name(cfg.export, cfg.target)
             version = (
-                register_export(client(cfg), name, cfg.target.name, out.path, recipe, mlflow_run)
+                register_export(
+                    client(cfg.tracking), name, cfg.target.name, out.path, recipe, mlflow_run
+                )
                 if cfg.export.register and mlflow_run
                 else None
             )

@@ -22,7 +22,8 @@ from eagle3.core.common import Eagle3Error, app, log
 from eagle3.core.config import Config, DrafterConfig, ExportConfig, TargetConfig, plain
 from eagle3.core.drafter import Eagle3Drafter, build_drafter
 from eagle3.core.drafter_io import check_drafter_for_target, drafter_weights
-from eagle3.core.outputs import HASH_EXCLUDED_EXPORT, train_output
+from eagle3.core.hash_schema import hashed
+from eagle3.core.outputs import train_output
 from eagle3.core.target import target_key
 from eagle3.core.target_parts import load_target_parts
 from eagle3.export.app import export_drafter
@@ -54,7 +55,7 @@ def checkpoint_output(
     ecfg: ExportConfig, target_cfg: TargetConfig, artifacts: str, checksum: str
 ) -> StageOutput:
     """The export's folder: named by the checkpoint's contents, the target and the export settings."""
-    settings = {k: v for k, v in plain(ecfg).items() if k not in HASH_EXCLUDED_EXPORT}
+    settings = hashed("export", {"export": plain(ecfg)})["export"]
     sections = {
         "export": settings,
         "checkpoint": {"sha256": checksum},
@@ -86,7 +87,7 @@ def export_checkpoint(cfg: Config) -> StageOutput:
         if out.complete:
             log.info("%s already exported: %s", checkpoint, out.path)
             return out
-        target = load_target_parts(cfg)
+        target = load_target_parts(cfg.target, cfg.paths.artifacts)
         drafter = checkpoint_drafter(cfg.drafter, checkpoint, target)
         recipe = {
             "checkpoint": str(checkpoint),

@@ -142,7 +142,7 @@ def fits_target(tcfg: TargetConfig, manifest: dict) -> bool:
     return manifest.get("recipe", {}).get("target") == target_key(tcfg)
 
 
-def wanted(cfg: Config) -> bool:
+def uses_shipped_drafter(cfg: Config) -> bool:
     """Whether this config's drafter is the shipped one: asked for by name, or (shipped.use=auto)
     nothing else named or trained and the target is the shipped drafter's."""
     path = cfg.drafter.path
@@ -198,7 +198,7 @@ def registered(cfg: Config, out: StageOutput) -> str | None:
     """models:/<name>/<version> of the shipped drafter in the configured store (registered once)."""
     if not cfg.tracking.enabled:
         return None
-    client = tracking.client(cfg)
+    client = tracking.client(cfg.tracking)
     name = registry_name(cfg.export, cfg.target)
     if not client.search_registered_models(filter_string=f"name='{name}'"):
         client.create_registered_model(name, description=f"EAGLE-3 drafters for {cfg.target.name}")
@@ -206,7 +206,7 @@ def registered(cfg: Config, out: StageOutput) -> str | None:
         if version.tags.get(TAG) == out.hash:
             return f"{MODELS_URI}{name}/{version.version}"
     run = client.create_run(
-        tracking.setup(cfg),
+        tracking.setup(cfg.tracking),
         run_name=f"shipped drafter {out.hash}",
         tags={"stage": STAGE, "artifact_hash": out.hash},
     )

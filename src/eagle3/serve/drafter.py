@@ -8,7 +8,7 @@ from eagle3.core.common import Eagle3Error
 from eagle3.core.config import Config
 from eagle3.core.outputs import check_drafter_files, resolve_drafter_path, serving_folder
 from eagle3.core.spec import Spec
-from eagle3.export.shipped import shipped_drafter, wanted
+from eagle3.export.shipped import shipped_drafter, uses_shipped_drafter
 from eagle3.serve.launch import untrained_fallback
 
 
@@ -18,7 +18,7 @@ def drafter_for(cfg: Config, spec: Spec) -> Path | None:
     if not spec.enabled:
         return None
     # each engine reads custom aux-layer ids in its own convention; local reads any
-    if wanted(cfg):
+    if uses_shipped_drafter(cfg):
         folder = serving_folder(shipped_drafter(cfg), cfg.serve.engine)
     else:
         try:

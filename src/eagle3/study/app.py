@@ -47,6 +47,7 @@ from eagle3.data.splits import load_splits
 from eagle3.data.suites import load_suite
 from eagle3.engine.decoder import DecodeRequest, SpecDecoder
 from eagle3.engine.evaluate import summarize
+from eagle3.engine.options import DecoderOptions
 from eagle3.study.report import (
     compare_plot,
     compare_table,
@@ -197,15 +198,17 @@ def decoder_for(
         target,
         drafter,
         spec,
-        max_context=ecfg.max_context,
-        cuda_graphs=graphs,
-        lean=ecfg.lean_forward,
-        compile_layers=compiled,
-        compile_draft=compiled,
-        compile_prefill=compiled,
-        prefill_graphs=tuple(ecfg.prefill_graphs or ()) if graphs else (),
-        draft_attention=ecfg.draft_attention,
-        tree_temperature=ecfg.tree_temperature,
+        DecoderOptions(
+            max_context=ecfg.max_context,
+            cuda_graphs=graphs,
+            lean=ecfg.lean_forward,
+            compile_layers=compiled,
+            compile_draft=compiled,
+            compile_prefill=compiled,
+            prefill_graphs=tuple(ecfg.prefill_graphs or ()) if graphs else (),
+            draft_attention=ecfg.draft_attention,
+            tree_temperature=ecfg.tree_temperature,
+        ),
     )
 
 

@@ -211,7 +211,7 @@ def replace_earlier(mlflow, experiment_id: str, source: str) -> int:
 
 def import_folder(folder: Path, overrides: list[str]) -> dict:
     cfg = compose(overrides)
-    experiment_id = setup(cfg)
+    experiment_id = setup(cfg.tracking)
     mlflow = MlflowClient(tracking_uri=cfg.tracking.uri)
     replaced = replace_earlier(mlflow, experiment_id, folder.name)
     parent = mlflow.create_run(experiment_id, run_name=folder.name, tags=folder_tags(folder))

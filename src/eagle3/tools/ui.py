@@ -203,7 +203,7 @@ def main(cfg: Config) -> None:
     """Serve the configured MLflow store in the foreground until Ctrl-C; with
     tracking.ui_screenshot=<png>, screenshot the newest sweep's comparison instead and exit."""
 
-    experiment_id = tracking.setup(cfg)
+    experiment_id = tracking.setup(cfg.tracking)
     artifacts = str(Path(cfg.tracking.artifact_location).resolve().as_uri())
     if cfg.tracking.ui_screenshot:
         out = Path(cfg.tracking.ui_screenshot).resolve()

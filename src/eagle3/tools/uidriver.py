@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 
 from eagle3.core.common import Eagle3Error
-from eagle3.core.reaper import group_alive
+from eagle3.core.group_reaper import group_alive
 
 LISTENING = re.compile(r"DevTools listening on (ws://\S+)")
 

@@ -489,7 +489,7 @@ def train_into(cfg: Config, out: StageOutput, callbacks=()) -> StageOutput:
     if needs_whole_target(tcfg):
         target = load_target(cfg, device=target_device(tcfg, cfg.trainer, cfg.target.device))
     else:
-        target = load_target_parts(cfg)
+        target = load_target_parts(cfg.target, cfg.paths.artifacts)
     settings = TrainSettings(tcfg, cfg.trainer, cfg.drafter, cfg.cluster, cfg.tracking, cfg.seed)
     with contextlib.ExitStack() as stack:
         capture = None

@@ -43,7 +43,7 @@ def test_an_export_records_its_starting_drafters_chain_and_its_own_training(make
     start = drafter_folder(tmp_path / "start", "aaaaaaaaaaaa", {"lineage": earlier})
     cfg = make_cfg("target=tiny-llama", f"train.init_from={start}", "train.epochs=2")
     manifest = {"hash": "t1", "upstream": {"data": "d1"}, "counts": {"tau_hat": 2.5}}
-    links = lineage_for_export(cfg, manifest, "bbbbbbbbbbbb")
+    links = lineage_for_export(cfg.data, cfg.train, manifest, "bbbbbbbbbbbb")
     assert links[0] == earlier[0]
     assert links[1] == {
         "export": "bbbbbbbbbbbb",
@@ -54,7 +54,8 @@ def test_an_export_records_its_starting_drafters_chain_and_its_own_training(make
         "start": "aaaaaaaaaaaa",
         "val_tau_hat": 2.5,
     }
-    fresh = lineage_for_export(make_cfg("target=tiny-llama"), manifest, "cccccccccccc")
+    fresh_cfg = make_cfg("target=tiny-llama")
+    fresh = lineage_for_export(fresh_cfg.data, fresh_cfg.train, manifest, "cccccccccccc")
     assert [link["start"] for link in fresh] == ["random"]
 
 

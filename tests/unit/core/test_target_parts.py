@@ -25,7 +25,7 @@ from eagle3.train import app as train
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-llama"])  # sharded and untied; one file, tied
 def test_parts_equal_the_whole_models_tensors(make_cfg, name):
     cfg = make_cfg(f"target={name}")
-    parts = load_target_parts(cfg)
+    parts = load_target_parts(cfg.target, cfg.paths.artifacts)
     whole = load_target(cfg, device="cpu")
     assert torch.equal(parts.input_embedding(), whole.model.get_input_embeddings().weight)
     assert torch.equal(parts.output_embedding(), whole.model.get_output_embeddings().weight)

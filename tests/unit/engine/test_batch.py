@@ -1,4 +1,4 @@
-"""Continuous batching (engine/batch.py): every request's greedy output is the target's own greedy
+"""Continuous batching (engine/batch_decoder.py): every request's greedy output is the target's own greedy
 decode of its prompt alone, whatever else shares its steps (mixed prompt lengths, staggered arrivals,
 stop tokens at different steps, a request cancelled mid-stream), trees and acceptance equal the
 batch-1 decoder's, sampling keeps the target's distribution, and the server batches concurrent
@@ -14,7 +14,8 @@ from engine_helpers import FALSE_ALARM, PROMPTS, chi_square_p_value, reference_g
 
 from eagle3.core.common import Eagle3Error
 from eagle3.engine import DecodeRequest, SpecDecoder
-from eagle3.engine.batch import BatchDecoder
+from eagle3.engine.batch_decoder import BatchDecoder
+from eagle3.engine.options import DecoderOptions
 
 NEW_TOKENS = 40
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest
@@ -54,13 +55,12 @@ def test_batched_greedy_equals_each_prompt_alone(tiny_target, fitted, references
         tiny_target,
         fitted,
         spec(name),
-        max_batch_size=3,
-        graph_batch_sizes=(),
-        static_shapes=static,
+        3,
+        DecoderOptions(graph_batch_sizes=(), static_shapes=static),
     )
     requests = [decoder.add(DecodeRequest(prompt, NEW_TOKENS)) for prompt, _ in references]
     results = decoder.generate_all(requests)
-    single = SpecDecoder(tiny_target, fitted, spec(name), fused=False)
+    single = SpecDecoder(tiny_target, fitted, spec(name), DecoderOptions(fused=False))
     for (prompt, expected), result in zip(references, results):
         assert result.tokens == expected and result.finish_reason == "length"
         alone = single.generate(DecodeRequest(prompt, NEW_TOKENS))
@@ -75,7 +75,11 @@ def test_staggered_arrivals_stops_and_a_cancel(tiny_target, fitted, references, 
     after it has streamed 6 tokens; everyone else still gets exactly the greedy decode. static: at
     the padded shapes of CUDA graphs (batches of 1 and 3 padded to 2 and 4)."""
     decoder = BatchDecoder(
-        tiny_target, fitted, spec("d6"), 4, graph_batch_sizes=(2,), static_shapes=static
+        tiny_target,
+        fitted,
+        spec("d6"),
+        4,
+        DecoderOptions(graph_batch_sizes=(2,), static_shapes=static),
     )
     arrivals = {0: [0, 1], 2: [2], 3: [3], 5: [4]}  # step -> reference indices
     streamed: dict[int, list[int]] = {}
@@ -131,9 +135,7 @@ def test_context_end_and_budget(tiny_target, fitted, references):
         fitted,
         spec("d6"),
         2,
-        max_context=max_context,
-        static_shapes=True,
-        graph_batch_sizes=(1,),
+        DecoderOptions(max_context=max_context, static_shapes=True, graph_batch_sizes=(1,)),
     )
     short, long = decoder.add(DecodeRequest(prompt, 5)), decoder.add(DecodeRequest(prompt, 100))
     decoder.generate_all([short, long])
@@ -150,7 +152,7 @@ def test_batched_sampling_preserves_the_sequence_distribution(six_token_case, na
     case, draws = six_token_case, 1000
     target, drafter, prompt = case.target, case.drafter, case.prompt
     temperature, length, exact = case.temperature, case.length, case.exact
-    decoder = BatchDecoder(target, drafter, spec(name), max_batch_size=8, seed=1)
+    decoder = BatchDecoder(target, drafter, spec(name), 8, DecoderOptions(seed=1))
     requests = [
         decoder.add(DecodeRequest(prompt, length, temperature=temperature)) for _ in range(draws)
     ]

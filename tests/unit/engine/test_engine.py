@@ -17,6 +17,7 @@ from eagle3.engine import (
     measure_acceptance,
     summarize,
 )
+from eagle3.engine.options import DecoderOptions
 from eagle3.engine.sampling import sampled_path
 
 NEW_TOKENS = 40
@@ -75,7 +76,7 @@ def test_fused_steps_match_step_by_step(tiny_target, fitted, references, name):
     commits exactly what the step-by-step path commits, step for step."""
     fused, plain = (
         SpecDecoder(tiny_target, fitted, spec(name)),
-        SpecDecoder(tiny_target, fitted, spec(name), fused=False),
+        SpecDecoder(tiny_target, fitted, spec(name), DecoderOptions(fused=False)),
     )
     assert fused.fused is not None and plain.fused is None
     for prompt, expected in references:
@@ -109,7 +110,7 @@ def test_overlapped_steps_commit_the_same_and_waste_at_most_one(
         FusedGreedy, "launch", lambda self, *args: from_host.append(1) or launch(self, *args)
     )
     overlapped = SpecDecoder(tiny_target, fitted, spec(name))
-    serial = SpecDecoder(tiny_target, fitted, spec(name), overlap_steps=False)
+    serial = SpecDecoder(tiny_target, fitted, spec(name), DecoderOptions(overlap_steps=False))
     for prompt, expected in references:
         b = serial.generate(DecodeRequest(prompt, NEW_TOKENS))
         launched.clear(), from_host.clear()
@@ -126,7 +127,9 @@ def test_overlapped_steps_commit_the_same_and_waste_at_most_one(
         a = overlapped.generate(DecodeRequest(prompt, NEW_TOKENS, stop_ids=[stop]))
         assert a.tokens == expected[: expected.index(stop) + 1]
         assert a.stats.verify_steps <= len(launched) <= a.stats.verify_steps + 1
-    short = SpecDecoder(tiny_target, fitted, spec(name), max_context=len(references[0][0]) + 12)
+    short = SpecDecoder(
+        tiny_target, fitted, spec(name), DecoderOptions(max_context=len(references[0][0]) + 12)
+    )
     assert (
         short.generate(DecodeRequest(references[0][0], NEW_TOKENS)).tokens == references[0][1][:12]
     )
@@ -160,7 +163,7 @@ def test_every_chain_draft_is_the_unrolls_step(tiny_target, fitted, references, 
             return tree
 
         monkeypatch.setattr(SpecDecoder, "draft", recording_draft)
-    decoder = SpecDecoder(tiny_target, fitted, spec("d4"), fused=fused)
+    decoder = SpecDecoder(tiny_target, fitted, spec("d4"), DecoderOptions(fused=fused))
     checked, drafted_steps = [0] * decoder.spec.steps, 0
     for prompt, expected in references:
         chains.clear()
@@ -185,8 +188,10 @@ def test_every_chain_draft_is_the_unrolls_step(tiny_target, fitted, references, 
 def test_lean_forward_off_gives_the_same_tokens(tiny_target, fitted, references, fused):
     """The lean Llama forward is on by default; lean=False runs HF's forward and commits the
     same tokens, step for step (float32)."""
-    lean = SpecDecoder(tiny_target, fitted, spec("d8s4k3"), fused=fused)
-    plain = SpecDecoder(tiny_target, fitted, spec("d8s4k3"), fused=fused, lean=False)
+    lean = SpecDecoder(tiny_target, fitted, spec("d8s4k3"), DecoderOptions(fused=fused))
+    plain = SpecDecoder(
+        tiny_target, fitted, spec("d8s4k3"), DecoderOptions(fused=fused, lean=False)
+    )
     assert lean.target_run.lean is not None and plain.target_run.lean is None
     for prompt, expected in references:
         a, b = (
@@ -216,9 +221,7 @@ def test_prefill_attention_leaves_cudnn_out(
         tiny_target,
         fitted,
         spec("d6s3k2"),
-        lean=lean,
-        eager_cudnn=eager_cudnn,
-        draft_attention="sdpa",
+        DecoderOptions(lean=lean, eager_cudnn=eager_cudnn, draft_attention="sdpa"),
     )  # the drafter's layer through sdpa too (the default is explicit)
     prompt, expected = references[0]
     before = torch.backends.cuda.cudnn_sdp_enabled()
@@ -239,8 +242,8 @@ def test_padded_prefill_commits_the_same(tiny_target, fitted, references, fused)
     """Prefill graphs pad a prompt to a captured width; the padding's K/V land in cache slots past
     the prompt that nothing attends to before they are rewritten, so the tokens and acceptance equal
     an unpadded prefill's (the padded prefill runs eagerly here: a CPU has no graphs)."""
-    plain = SpecDecoder(tiny_target, fitted, spec("d6s3k2"), fused=fused)
-    padded = SpecDecoder(tiny_target, fitted, spec("d6s3k2"), fused=fused)
+    plain = SpecDecoder(tiny_target, fitted, spec("d6s3k2"), DecoderOptions(fused=fused))
+    padded = SpecDecoder(tiny_target, fitted, spec("d6s3k2"), DecoderOptions(fused=fused))
     padded.prefill_widths = [64]
     for prompt, expected in references:
         assert len(prompt) < 64
@@ -259,7 +262,7 @@ def test_fused_steps_across_cache_widths(tiny_target, fitted):
     for name in ["d6", "d10s5k4"]:
         fused, plain = (
             SpecDecoder(tiny_target, fitted, spec(name)),
-            SpecDecoder(tiny_target, fitted, spec(name), fused=False),
+            SpecDecoder(tiny_target, fitted, spec(name), DecoderOptions(fused=False)),
         )
         a, b = fused.generate(DecodeRequest(prompt, 30)), plain.generate(DecodeRequest(prompt, 30))
         assert a.tokens == b.tokens and a.stats.accepted_per_step == b.stats.accepted_per_step
@@ -364,7 +367,7 @@ def test_stop_ids_and_on_tokens(tiny_target, fitted, references):
 
 def test_request_generator_reproduces_and_leaves_the_running_one(tiny_target, fitted, references):
     prompt, _ = references[0]
-    decoder = SpecDecoder(tiny_target, fitted, spec("d8s4k3"), seed=0)
+    decoder = SpecDecoder(tiny_target, fitted, spec("d8s4k3"), DecoderOptions(seed=0))
     state = decoder.generator.get_state()
     draw = lambda seed: (
         decoder.generate(
@@ -379,7 +382,9 @@ def test_request_generator_reproduces_and_leaves_the_running_one(tiny_target, fi
 
 def test_context_limits(tiny_target, fitted, references):
     prompt, expected = references[0]
-    decoder = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), max_context=len(prompt) + 12)
+    decoder = SpecDecoder(
+        tiny_target, fitted, spec("d10s5k4"), DecoderOptions(max_context=len(prompt) + 12)
+    )
     # the tree no longer fits near the end: plain steps
     result = decoder.generate(DecodeRequest(prompt, NEW_TOKENS))
     assert result.tokens == expected[:12] and result.finish_reason == "length"
@@ -424,7 +429,12 @@ def test_tree_temperature_changes_the_trees_not_the_tokens(tiny_target, fitted, 
     trees = {}
     for temperature in (1.0, 0.25, 16.0):
         fused, plain = (
-            SpecDecoder(tiny_target, fitted, spec("d10s5k4"), fused=f, tree_temperature=temperature)
+            SpecDecoder(
+                tiny_target,
+                fitted,
+                spec("d10s5k4"),
+                DecoderOptions(fused=f, tree_temperature=temperature),
+            )
             for f in (True, False)
         )
         drafted = []
@@ -442,21 +452,23 @@ def test_tree_temperature_changes_the_trees_not_the_tokens(tiny_target, fitted, 
     assert changed[0.25] > 0 and changed[16.0] > 0, changed
     for bad in (0, -1.0):
         with pytest.raises(Eagle3Error, match=f"engine.tree_temperature={bad!r}: must be > 0"):
-            SpecDecoder(tiny_target, fitted, spec("d10s5k4"), tree_temperature=bad)
+            SpecDecoder(tiny_target, fitted, spec("d10s5k4"), DecoderOptions(tree_temperature=bad))
 
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_draft_attention_explicit_and_sdpa_commit_the_same(tiny_target, fitted, references, fused):
     """engine.draft_attention: the drafter's explicit attention (the default) and sdpa draft the same
     trees here: the same tokens and the same acceptance, step for step."""
-    explicit = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), fused=fused)
-    sdpa = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), fused=fused, draft_attention="sdpa")
+    explicit = SpecDecoder(tiny_target, fitted, spec("d10s5k4"), DecoderOptions(fused=fused))
+    sdpa = SpecDecoder(
+        tiny_target, fitted, spec("d10s5k4"), DecoderOptions(fused=fused, draft_attention="sdpa")
+    )
     assert (
         explicit.drafter_run.lean.explicit_attention
         and not sdpa.drafter_run.lean.explicit_attention
     )
     with pytest.raises(Eagle3Error, match="engine.draft_attention='flash'"):
-        SpecDecoder(tiny_target, fitted, spec("d10s5k4"), draft_attention="flash")
+        SpecDecoder(tiny_target, fitted, spec("d10s5k4"), DecoderOptions(draft_attention="flash"))
     for prompt, expected in references:
         a, b = (
             explicit.generate(DecodeRequest(prompt, NEW_TOKENS)),
@@ -545,7 +557,7 @@ def test_sampling_preserves_the_sequence_distribution(six_token_case, name):
     case, draws = six_token_case, 1000
     target, drafter, prompt = case.target, case.drafter, case.prompt
     temperature, length, exact = case.temperature, case.length, case.exact
-    decoder = SpecDecoder(target, drafter, spec(name), seed=1)
+    decoder = SpecDecoder(target, drafter, spec(name), DecoderOptions(seed=1))
     counts = torch.zeros(6**length, dtype=torch.float64)
     accepted = rejected = 0
     for _ in range(draws):
@@ -560,7 +572,7 @@ def test_sampling_preserves_the_sequence_distribution(six_token_case, name):
 
 def test_top_p_restricts_to_the_nucleus(tiny_target, fitted, references):
     prompt, _ = references[0]
-    decoder = SpecDecoder(tiny_target, fitted, spec("d6"), seed=0)
+    decoder = SpecDecoder(tiny_target, fitted, spec("d6"), DecoderOptions(seed=0))
     with torch.no_grad():
         logits = tiny_target.model(torch.tensor([prompt])).logits[0, -1]
     top = int(logits.argmax())

@@ -1,4 +1,4 @@
-"""`python -m eagle3.core.reaper PARENT PGID GRACE_S POLL_S`: a watchdog that outlives its parent.
+"""`python -m eagle3.core.group_reaper PARENT PGID GRACE_S POLL_S`: a watchdog that outlives its parent.
 
 Started (in its own session) by a process that launched a child process group: as soon as that
 parent is gone (SIGKILL included: the reaper is re-parented, so its parent pid changes) it sends

@@ -1,4 +1,4 @@
-"""`python run_reaper.py PARENT PARENT_START POLL_S HOST URI EXPERIMENT_ID`: marks the MLflow runs a
+"""`python mlflow_run_reaper.py PARENT PARENT_START POLL_S HOST URI EXPERIMENT_ID`: marks the MLflow runs a
 killed process left RUNNING as KILLED.
 
 Started (in its own session) by eagle3.core.tracking when a process opens its first run in a store: while

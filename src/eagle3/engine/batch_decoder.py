@@ -9,7 +9,7 @@ others by one prefill), and leave when they finish; the rows stay packed (the la
 into a freed one), so every forward reads a view of the caches. spec=off is the same loop with a
 root-only tree. The per-request arithmetic is SpecDecoder's (engine/decoder.py): the same tree,
 the same acceptance rules, the same positions; greedy output equals the target's own greedy decode.
-A batch of greedy requests steps through BatchGreedySteps (engine/batch_graphs.py: the same step at
+A batch of greedy requests steps through BatchGreedySteps (engine/batch_greedy.py: the same step at
 fixed shapes, kept on the device, replayed from CUDA graphs on a GPU); a batch with a sampled request
 steps through the methods below.
 
@@ -31,8 +31,7 @@ import torch
 from eagle3.core.common import Eagle3Error
 from eagle3.core.spec import Spec
 from eagle3.core.target import Target
-from eagle3.engine.batch_graphs import BatchGreedySteps
-from eagle3.engine.batched import (
+from eagle3.engine.batch_forwards import (
     BatchTrees,
     causal,
     copy_row,
@@ -45,9 +44,11 @@ from eagle3.engine.batched import (
     target_forward,
     tree_mask,
 )
+from eagle3.engine.batch_greedy import BatchGreedySteps
 from eagle3.engine.decoder import DecodeRequest, GenerationResult, RequestStats, check_prompt
 from eagle3.engine.kv import SlotKV
 from eagle3.engine.llama import LeanDrafter, LeanLlama
+from eagle3.engine.options import DecoderOptions
 from eagle3.engine.runners import eager_attention
 from eagle3.engine.sampling import Sampling, greedy_path, probabilities, sampled_path
 from eagle3.engine.schedule import Schedule
@@ -97,87 +98,35 @@ class BatchDecoder:
         drafter,
         spec: Spec,
         max_batch_size: int,
-        max_context: int | None = None,
-        seed: int = 0,
-        draft_attention: str = "explicit",
-        tree_temperature: float = 1.0,
-        cuda_graphs: bool = False,
-        graph_batch_sizes: tuple[int, ...] = (),
-        static_shapes: bool = False,
+        options: DecoderOptions | None = None,
         schedule: Schedule | None = None,
-        deterministic: bool = False,
     ):
-        """cuda_graphs (CUDA only): greedy steps replay a CUDA graph per (batch size, cache width),
-        the batch padded to the first of graph_batch_sizes that holds it (max_batch_size always
-        counts). static_shapes: greedy steps run at those padded shapes without graphs (what the
-        graphs compute, eagerly; for tests on CPU). schedule: the shape of each step chosen by the
-        rows in it (engine/schedule.py; None: `spec` at every step). deterministic: the target and
-        the drafter run on float64 copies of their weights (below)."""
+        """options: how it runs (engine/options.py; None: the defaults). schedule: the shape of
+        each step chosen by the rows in it (engine/schedule.py; None: `spec` at every step)."""
+        options = options or DecoderOptions()
         self.schedule = schedule or Schedule.fixed(spec)
-        shapes = self.schedule.shapes
-        wide = [s for s in shapes if s.enabled]
-        if wide and drafter is None:
-            raise Eagle3Error(
-                f"spec {wide[0].label} needs a drafter; use spec=off for plain decoding"
-            )
-        if max_batch_size < 1:
-            raise Eagle3Error(f"engine.max_batch_size={max_batch_size}: must be >= 1")
-        if not LeanLlama.supports(target.model):
-            raise Eagle3Error(
-                f"engine.max_batch_size={max_batch_size} batches a plain Llama target only "
-                f"({target.config.model_type} here); use engine.max_batch_size=1"
-            )
-        self.deterministic = deterministic
-        if deterministic:
+        wide = [s for s in self.schedule.shapes if s.enabled]
+        check_batchable(target, drafter, wide, max_batch_size)
+        self.options = options
+        self.deterministic = options.deterministic
+        if options.deterministic:
             target, drafter = float64_copies(target, drafter if wide else None)
         self.target, self.spec, self.max_batch_size = target, spec, max_batch_size
         self.drafter = drafter if wide else None
         limit = target.config.max_position_embeddings
-        self.max_context = min(max_context or limit, limit)
+        self.max_context = min(options.max_context or limit, limit)
         self.device = target.device
-        self.generator = torch.Generator().manual_seed(seed)
-        self.tree_temperature = float(tree_temperature)
-        dtype = target.model.model.embed_tokens.weight.dtype
-        q = max(s.depth for s in shapes)  # spec=off verifies its root alone: depth 1
-        # a row's verify writes up to depth slots past its root, also where the tree does not fit
-        self.target_lean = LeanLlama(target, self.max_context + q)
-        config = target.config
-        self.target_kv = SlotKV(
-            config.num_hidden_layers,
-            config.num_key_value_heads,
-            self.target_lean.head_dim,
-            self.max_context + q,
-            dtype,
-            self.device,
-            batch=max_batch_size,
-        )
+        self.generator = torch.Generator().manual_seed(options.seed)
+        self.tree_temperature = float(options.tree_temperature)
+        self._target_caches()
         self.drafter_lean = self.drafter_kv = self.hidden = None
         if self.drafter is not None:
-            if not LeanDrafter.supports(self.drafter):
-                raise Eagle3Error("engine.max_batch_size > 1: this drafter's layer is not batched")
-            room = self.max_context + max(s.depth + s.steps * s.topk for s in wide)
-            self.drafter_lean = LeanDrafter(self.drafter, room, draft_attention == "explicit")
-            dc = self.drafter.config
-            self.drafter_kv = SlotKV(
-                dc.num_hidden_layers,
-                dc.num_key_value_heads,
-                dc.head_dim,
-                room,
-                self.drafter.fc.weight.dtype,
-                self.device,
-                batch=max_batch_size,
-            )
-            # each row's drafter hidden state after its last committed token (rows move with the caches)
-            self.hidden = torch.zeros(
-                max_batch_size,
-                dc.hidden_size,
-                dtype=self.drafter.fc.weight.dtype,
-                device=self.device,
-            )
-        graphs = cuda_graphs and self.device.type == "cuda"
+            self._drafter_caches(wide)
+        graphs = options.cuda_graphs and self.device.type == "cuda"
+        static = graphs or options.static_shapes
         self.greedy = {
-            shape: BatchGreedySteps(self, shape, graph_batch_sizes, graphs or static_shapes, graphs)
-            for shape in shapes
+            shape: BatchGreedySteps(self, shape, options.graph_batch_sizes, static, graphs)
+            for shape in self.schedule.shapes
         }
         self.steps = 0  # speculative steps taken (each shared by every row in flight)
         self.row_steps = 0  # rows over those steps (row_steps / steps: the mean batch)
@@ -187,6 +136,43 @@ class BatchDecoder:
         self.rows: list[BatchRequest] = []  # in flight, row i of the caches
         self.waiting: list[BatchRequest] = []
         self.lock = threading.Lock()  # guards `waiting` (add() runs on other threads)
+
+    def _target_caches(self) -> None:
+        """The lean target and its row-per-request KV cache."""
+        target = self.target
+        q = max(s.depth for s in self.schedule.shapes)  # spec=off verifies its root alone: depth 1
+        # a row's verify writes up to depth slots past its root, also where the tree does not fit
+        self.target_lean = LeanLlama(target, self.max_context + q)
+        config = target.config
+        self.target_kv = SlotKV(
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            self.target_lean.head_dim,
+            self.max_context + q,
+            target.model.model.embed_tokens.weight.dtype,
+            self.device,
+            batch=self.max_batch_size,
+        )
+
+    def _drafter_caches(self, wide: list[Spec]) -> None:
+        """The lean drafter, its KV cache and each row's hidden state, room for the widest shape."""
+        room = self.max_context + max(s.depth + s.steps * s.topk for s in wide)
+        explicit = self.options.draft_attention == "explicit"
+        self.drafter_lean = LeanDrafter(self.drafter, room, explicit)
+        dc, dtype = self.drafter.config, self.drafter.fc.weight.dtype
+        self.drafter_kv = SlotKV(
+            dc.num_hidden_layers,
+            dc.num_key_value_heads,
+            dc.head_dim,
+            room,
+            dtype,
+            self.device,
+            batch=self.max_batch_size,
+        )
+        # each row's drafter hidden state after its last committed token (rows move with the caches)
+        self.hidden = torch.zeros(
+            self.max_batch_size, dc.hidden_size, dtype=dtype, device=self.device
+        )
 
     # ------------------------------------------------------------ requests
 
@@ -601,6 +587,22 @@ class BatchDecoder:
             1, drafter.to_target_ids(torch.arange(q_draft.shape[-1], device=self.device)), q_draft
         )
         q_rows[index].append(q_target)
+
+
+def check_batchable(target: Target, drafter, wide: list[Spec], max_batch_size: int) -> None:
+    """Refuse what the batched forwards cannot run: a drafting shape without a drafter, fewer than
+    one row, a target other than a plain Llama, a drafter whose layer is not batched."""
+    if wide and drafter is None:
+        raise Eagle3Error(f"spec {wide[0].label} needs a drafter; use spec=off for plain decoding")
+    if max_batch_size < 1:
+        raise Eagle3Error(f"engine.max_batch_size={max_batch_size}: must be >= 1")
+    if not LeanLlama.supports(target.model):
+        raise Eagle3Error(
+            f"engine.max_batch_size={max_batch_size} batches a plain Llama target only "
+            f"({target.config.model_type} here); use engine.max_batch_size=1"
+        )
+    if wide and not LeanDrafter.supports(drafter):
+        raise Eagle3Error("engine.max_batch_size > 1: this drafter's layer is not batched")
 
 
 def float64_copies(target: Target, drafter):

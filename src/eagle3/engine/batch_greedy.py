@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.engine.batched import (
+from eagle3.engine.batch_forwards import (
     causal,
     counted_ancestors,
     permute_slots,
