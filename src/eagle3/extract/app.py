@@ -16,7 +16,6 @@ import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +28,15 @@ from eagle3.core.artifacts import StageOutput
 from eagle3.core.common import Eagle3Error, app, log
 from eagle3.core.config import Config, ExtractConfig
 from eagle3.core.outputs import extract_output
-from eagle3.core.target import load_target, resolve_target_path
+from eagle3.core.target import load_target, resolve_target_path, tokenizer_hash
 from eagle3.core.tracking import stage_run
 from eagle3.data import app as data
 from eagle3.data.splits import load_splits
 from eagle3.data.tokens import load_tokenizer
-from eagle3.extract.shards import ShardDataset  # noqa: F401 (read as extract.app.ShardDataset too)
+from eagle3.extract.shards import STORAGE_DTYPES, ShardDataset, ShardPlan  # noqa: F401 (read through extract.app too)
 from eagle3.extract.vllm_capture import VllmCapture, target_shape
 
 FORMAT = "eagle3-hidden-shard-v1"
-STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 BACKENDS = ("hf", "vllm")
 
 
@@ -74,24 +72,6 @@ def right_padded(sequences: list[list[int]], pad_id: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- shards
-
-
-@dataclass
-class ShardPlan:
-    split: str
-    number: int
-    first_row: int
-    input_ids: list[list[int]]
-    loss_masks: list[list[int]]
-    ids: list[str]
-
-    @property
-    def file(self) -> str:
-        return f"{self.split}/shard-{self.number:05d}.safetensors"
-
-    @property
-    def tokens(self) -> int:
-        return sum(map(len, self.input_ids))
 
 
 def plan_shards(split: str, rows, shard_tokens: int) -> list[ShardPlan]:
@@ -354,7 +334,7 @@ def capture_source(cfg: Config, root: Path, plans: list[ShardPlan]) -> Iterator[
 
 def check_tokenizer(tokenizer, data_out: StageOutput) -> None:
     expected = data_out.manifest().get("counts", {}).get("tokenizer_hash")
-    if expected and expected != data.tokenizer_hash(tokenizer):
+    if expected and expected != tokenizer_hash(tokenizer):
         raise Eagle3Error(
             f"the target's tokenizer differs from the one that tokenized {data_out.path}"
         )

@@ -1,16 +1,39 @@
 """Reading the extract stage's shards: one split's samples, each read lazily from its shard (the
-offline input of training; the shard layout is in eagle3.extract.app's docstring)."""
+offline input of training; the shard layout is in eagle3.extract.app's docstring), the plan of one
+shard and the dtypes shards are stored in."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset
 
 from eagle3.core.common import Eagle3Error
+
+STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class ShardPlan:
+    split: str
+    number: int
+    first_row: int
+    input_ids: list[list[int]]
+    loss_masks: list[list[int]]
+    ids: list[str]
+
+    @property
+    def file(self) -> str:
+        return f"{self.split}/shard-{self.number:05d}.safetensors"
+
+    @property
+    def tokens(self) -> int:
+        return sum(map(len, self.input_ids))
 
 
 class ShardDataset(Dataset):

@@ -33,7 +33,7 @@ from eagle3.core.config import (
 from eagle3.core.drafter import Eagle3Drafter, drafter_config
 from eagle3.core.outputs import STAGE_OUTPUTS, data_output
 from eagle3.core.target import default_aux_layer_ids, folder_text_config, resolve_target_path
-from eagle3.extract.app import STORAGE_DTYPES
+from eagle3.extract.shards import STORAGE_DTYPES
 from eagle3.extract.vllm_capture import text_config
 from eagle3.pipeline.plan_shapes import active_params, checkpoint_bytes, kv_bytes_per_token
 
@@ -631,7 +631,7 @@ def train_plan(
     sizing: Sizing, training: DrafterTraining, whole_target: bool, tokens: int
 ) -> StagePlan:
     """The train stage over the planned `tokens` (planned_tokens) an epoch; `whole_target`: its
-    process loads the whole target (eagle3.train.app.needs_whole_target)."""
+    process loads the whole target (eagle3.train.datamodule.needs_whole_target)."""
     world = train_world(training.trainer)
     params = drafter_params(sizing.target, training.drafter)
     if whole_target:
@@ -721,7 +721,7 @@ def stage_plans(
     """Every stage's plan; none for a hub id given without target.plan.config (nothing to size).
     On a cluster (pipeline.launcher, or the Hydra `launcher` a stage was started with) each plan
     carries its job's shape and time limit from conf/cluster."""
-    from eagle3.train.app import needs_whole_target
+    from eagle3.train.datamodule import needs_whole_target
 
     artifacts = Path(cfg.paths.artifacts)
     target = planned_target(cfg.target, artifacts)

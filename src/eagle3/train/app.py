@@ -69,7 +69,7 @@ from eagle3.train.callbacks import (
     Throughput,
     checkpoint_callbacks,
 )
-from eagle3.train.datamodule import DrafterData, datasets_for
+from eagle3.train.datamodule import DrafterData, datasets_for, needs_whole_target
 from eagle3.train.distributed import (
     cluster_plugins,
     global_rank,
@@ -450,12 +450,6 @@ def target_device(tcfg: TrainConfig, trainer_cfg: TrainerConfig, device_name: st
         return "cpu"
     device = resolve_device(device_name)
     return f"cuda:{local_rank()}" if device.type == "cuda" else str(device)
-
-
-def needs_whole_target(tcfg: TrainConfig) -> bool:
-    """Online states and measured acceptance run the target; offline training reads only its
-    embedding and head (eagle3.core.target_parts)."""
-    return tcfg.hidden_states == "online" or bool(tcfg.eval_prompts)
 
 
 def run(cfg: Config, callbacks=()) -> StageOutput:

@@ -284,3 +284,9 @@ def with_lengths(shard_set, split):
                 "rerun `python -m eagle3.extract`"
             )
     return shard_set
+
+
+def needs_whole_target(tcfg: TrainConfig) -> bool:
+    """Online states and measured acceptance run the target; offline training reads only its
+    embedding and head (eagle3.core.target_parts)."""
+    return tcfg.hidden_states == "online" or bool(tcfg.eval_prompts)

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from eagle3.core.config import Config
 from eagle3.core.target import resolve_target_path
-from eagle3.extract.app import STORAGE_DTYPES, ShardPlan
+from eagle3.extract.shards import STORAGE_DTYPES, ShardPlan
 from eagle3.extract.vllm_capture import VllmCapture, target_shape
 
 
