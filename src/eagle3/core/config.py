@@ -5,8 +5,11 @@ the wrong type fails at composition with Hydra's own error. Groups whose options
 (target, serve) have a base class here and one subclass per kind; each option's yaml names its schema
 in its defaults list. What a field means is said beside it in its yaml under conf/.
 
-`typed(cfg)` turns a composed config into these dataclasses once, at each app's entry; functions below
-an entry take the typed sections they read. Fields declared with `ranged(...)` carry the values they may
+`typed(cfg)` turns a composed config into these dataclasses once, at each app's entry. The whole `Config`
+goes to the entries, the stage runs a pipeline chains, the stage-hash functions of eagle3.core.outputs
+(a stage's hash covers sections of several groups), the few places that log or mask all of it, and the
+helpers that start an engine or a regeneration from a whole config (serve.launch, data.regen, bench);
+other functions take the typed sections or the built objects they read. Fields declared with `ranged(...)` carry the values they may
 take; `typed` refuses one outside it with one line naming the key, its value and the range (OutOfRange).
 """
 
