@@ -77,27 +77,8 @@ def test_study_trains_nested_sizes_measures_and_logs(make_cfg, own_artifacts, tm
     gsm8k = tmp_path / "suite_gsm8k.jsonl"
     rows = load_suite(make_cfg("bench.suite=gsm8k", "bench.limit=2").bench)
     gsm8k.write_text("".join(json.dumps({"id": p.id, "messages": p.messages}) + "\n" for p in rows))
-    cfg = make_cfg(
-        "target=tiny-llama",
-        "data=file",
-        f"data.source={FIXTURES / 'conversations.jsonl'}",
-        "data.val_fraction=0.2",
-        "drafter.draft_vocab_size=256",
-        f"paths.artifacts={own_artifacts}",
-        "train.hidden_states=online",
-        "train.ttt_length=2",
-        "train.max_length=64",
-        "train.batch_size=2",
-        "train.epochs=1",
-        "train.lr=1e-2",
-        "trainer.accelerator=cpu",
-        "trainer.progress_bar=false",
-        "study.sizes=[0.25,0.5,1.0]",
-        f"study.suites=[vicuna,{gsm8k}]",
-        "study.prompts=2",
-        "study.max_new_tokens=6",
-        "spec.depth=3",
-    )
+    overrides = _study_overrides(FIXTURES / "conversations.jsonl", own_artifacts, gsm8k)
+    cfg = make_cfg(*overrides, "study.sizes=[0.25,0.5,1.0]")
     out = study.run(cfg)
     result = json.loads((out.path / "study.json").read_text())
     data_path = own_artifacts / "data" / result["data_hash"]
@@ -140,14 +121,14 @@ def test_study_trains_nested_sizes_measures_and_logs(make_cfg, own_artifacts, tm
 
     # a study of the same recipe over other sizes trains only the new one (the others are done)
     trained = sorted(own_artifacts.glob("train/*/manifest.json"))
-    again = study.run(make_cfg(*_with(cfg, gsm8k), "study.sizes=[0.25,0.75,1.0]"))
+    again = study.run(make_cfg(*overrides, "study.sizes=[0.25,0.75,1.0]"))
     assert again.hash != out.hash
     assert len(sorted(own_artifacts.glob("train/*/manifest.json"))) == len(trained) + 1
 
     # sizes in training tokens: the shortest prefixes holding them
     exact, past = points[0]["train_tokens"], points[1]["train_tokens"] + 1
     by_tokens = study.run(
-        make_cfg(*_with(cfg, gsm8k), "study.size_unit=tokens", f"study.sizes=[{exact},{past}]")
+        make_cfg(*overrides, "study.size_unit=tokens", f"study.sizes=[{exact},{past}]")
     )
     token_points = json.loads((by_tokens.path / "study.json").read_text())["points"]
     assert [p["rows"] for p in token_points] == [points[0]["rows"], points[1]["rows"] + 1]
@@ -155,15 +136,15 @@ def test_study_trains_nested_sizes_measures_and_logs(make_cfg, own_artifacts, tm
     assert token_points[1]["train_tokens"] >= past
 
 
-def _with(cfg, gsm8k: Path) -> list[str]:
-    """The overrides that made cfg (for a second composition in the same test)."""
+def _study_overrides(source: Path, artifacts: Path, gsm8k: Path) -> list[str]:
+    """A tiny online-trained study over `source`, `gsm8k` beside vicuna (composed more than once)."""
     return [
         "target=tiny-llama",
         "data=file",
-        f"data.source={cfg.data.source}",
+        f"data.source={source}",
         "data.val_fraction=0.2",
         "drafter.draft_vocab_size=256",
-        f"paths.artifacts={cfg.paths.artifacts}",
+        f"paths.artifacts={artifacts}",
         "train.hidden_states=online",
         "train.ttt_length=2",
         "train.max_length=64",
