@@ -108,6 +108,7 @@ def index(tmp_path) -> Path:
     write_wheel(folder, "orjson", "3.11.4", ["aiohttp>=4"])
     for name, version in [
         ("flashinfer-cubin", "0.6.12"),
+        ("jsonschema", "4.26.0"),  # a configured requirement SGLang does not declare
         ("xgrammar", "0.1.25"),
         ("transformers", "5.8.1"),
         ("transformers", "5.17.0"),
@@ -123,7 +124,8 @@ def index(tmp_path) -> Path:
 
 # the launch module: module-level imports of carried and machine packages; the left-out xgrammar
 # only behind a guard, under an `if` and inside a function (none of those run at import)
-LAUNCH = """import json
+LAUNCH = """import contextlib
+import json
 import orjson
 import sgl_kernel
 from transformers import AutoConfig
@@ -131,10 +133,20 @@ try:
     import xgrammar
 except ImportError:
     xgrammar = None
+with contextlib.suppress(ImportError):
+    import webcolors
 if False:
     import xgrammar.compiler
 def grammar():
     import xgrammar.kernels
+"""
+
+# suppress(KeyError) guards no import: fqdn is imported whatever the machine.
+GRAMMAR = """import contextlib
+import xgrammar
+with contextlib.suppress(KeyError):
+    import fqdn
+backend = 1
 """
 
 MACHINE = {"torch": "2.11.0", "transformers": "5.17.0", "aiohttp": "3.14.3", "numpy": "2.5.2"}
@@ -169,6 +181,7 @@ def test_an_engine_needs_what_the_machine_lacks_at_versions_that_fit_it(make_cfg
         "sglang-kernel": "0.4.4",
         "flashinfer-python": "0.6.12",
         "apache-tvm-ffi": "0.1.5",
+        "jsonschema": "4.26.0",
         "orjson": "3.9.0",
     }
     assert resolved.wheels["sglang-kernel"].name == "sglang_kernel-0.4.4-py3-none-any.whl"
@@ -214,8 +227,8 @@ def test_machine_package_lists_in_both_formats(tmp_path):
 
 
 def test_the_import_check_names_a_left_out_package_the_launch_imports(tmp_path):
-    """Module-level imports are followed through the carried wheels; guarded, conditional and
-    function-level imports are not; a package neither carried, on the machine nor in the standard
+    """Module-level imports are followed through the carried wheels; guarded (try/except ImportError,
+    `with suppress(ImportError)`), conditional and function-level imports are not; a package neither carried, on the machine nor in the standard
     library is named with the chain of imports that reaches it."""
     carried = [
         write_wheel(
@@ -239,14 +252,15 @@ def test_the_import_check_names_a_left_out_package_the_launch_imports(tmp_path):
                 "sglang/launch_server.py": server,
                 "sglang/srt/__init__.py": "",
                 "sglang/srt/server.py": "from .grammar import backend\n",
-                "sglang/srt/grammar.py": "import xgrammar\nbackend = 1\n",
+                "sglang/srt/grammar.py": GRAMMAR,
             },
         )
     )
     with pytest.raises(Eagle3Error) as caught:
         check_launch_imports(carried[1:], ["sglang.launch_server"], machine, "engine")
     assert str(caught.value).splitlines()[1:] == [
-        "  xgrammar: sglang.launch_server -> sglang.srt.server -> sglang.srt.grammar -> xgrammar"
+        "  fqdn: sglang.launch_server -> sglang.srt.server -> sglang.srt.grammar -> fqdn",
+        "  xgrammar: sglang.launch_server -> sglang.srt.server -> sglang.srt.grammar -> xgrammar",
     ]
     with pytest.raises(Eagle3Error, match=r"engine.entry_modules: sglang.serve not in the carried"):
         check_launch_imports(carried, ["sglang.serve"], machine, "engine")
@@ -316,6 +330,7 @@ def test_a_bundle_with_sglang_installs_the_trimmed_engine(make_cfg, index, tmp_p
     assert carried["wheels"] == [
         "apache_tvm_ffi-0.1.5-py3-none-any.whl",
         "flashinfer_python-0.6.12-py3-none-any.whl",
+        "jsonschema-4.26.0-py3-none-any.whl",
         "orjson-3.9.0-py3-none-any.whl",
         "sglang-0.5.14-py3-none-any.whl",
         "sglang_kernel-0.4.4-py3-none-any.whl",

@@ -3,6 +3,7 @@ temperature and git commit, and the drafter's export hash."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -47,7 +48,8 @@ def drafter_hash(path) -> str | None:
 
 
 def engine_version(serve: ServeConfig) -> str:
-    """The serving engine's package version (read from its own interpreter for vLLM / SGLang)."""
+    """The serving engine's package version (read from its own interpreter, in the environment the
+    engine starts with (serve.env), for vLLM / SGLang)."""
     if serve.engine == "local":
         return local_engine_version()
     if serve.engine == "hf":
@@ -59,8 +61,9 @@ def engine_version(serve: ServeConfig) -> str:
         "    except m.PackageNotFoundError: pass"
     )
     try:
+        env = {**os.environ, **{k: str(v) for k, v in serve.env.items()}}
         done = subprocess.run(
-            [engine_python(serve), "-c", code], capture_output=True, text=True, timeout=60
+            [engine_python(serve), "-c", code], capture_output=True, text=True, timeout=60, env=env
         )
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"

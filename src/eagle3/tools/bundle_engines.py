@@ -294,10 +294,21 @@ def guards_import_errors(node: ast.Try) -> bool:
     return False
 
 
+def suppresses_import_errors(node: ast.With) -> bool:
+    """`with contextlib.suppress(ImportError)` (or ModuleNotFoundError, Exception): a guarded import."""
+    caught = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+    for item in node.items:
+        call = item.context_expr
+        if isinstance(call, ast.Call) and ast.unparse(call.func).split(".")[-1] == "suppress":
+            if any(getattr(arg, "id", None) in caught for arg in call.args):
+                return True
+    return False
+
+
 def import_time_imports(body: list[ast.stmt], package: str) -> list[str]:
     """Modules a module body imports whatever the machine: module level, class and `with` bodies; not
     function bodies, imports under an `if` (a platform or feature switch, TYPE_CHECKING) or guarded
-    against ImportError. `package` resolves relative imports. `from a import b` yields a and a.b
+    against ImportError (a try, or `with suppress(ImportError)`). `package` resolves relative imports. `from a import b` yields a and a.b
     (b may be a submodule)."""
     found: list[str] = []
     for node in body:
@@ -313,7 +324,10 @@ def import_time_imports(body: list[ast.stmt], package: str) -> list[str]:
             if not guards_import_errors(node):
                 found += import_time_imports(node.body + node.orelse, package)
             found += import_time_imports(node.finalbody, package)
-        elif isinstance(node, (ast.With, ast.ClassDef)):
+        elif isinstance(node, ast.With):
+            if not suppresses_import_errors(node):
+                found += import_time_imports(node.body, package)
+        elif isinstance(node, ast.ClassDef):
             found += import_time_imports(node.body, package)
     return found
 
