@@ -108,8 +108,9 @@ def measure(
     repeats = max(int(bench.repeats), 1)
     passes = []
     try:
-        if bench.warmup:
-            engine.run(requests[: bench.warmup], bench, "warmup")
+        warmup = warmup_count(bench, len(requests))
+        if warmup:
+            engine.run(requests[:warmup], bench, "warmup")
         started = time.monotonic()
         for index in range(repeats):
             desc = f"{engine_name} {spec.label} {index + 1}/{repeats}"
@@ -128,6 +129,13 @@ def measure(
     if bench.check_outputs:  # the first pass's token ids, compared with spec=off's
         metrics["outputs"] = [r.get("output_ids", []) for r in records[0]]
     return metrics
+
+
+def warmup_count(bench: BenchConfig, prompts: int) -> int:
+    """Requests sent before measuring: bench.warmup, else one full batch of the suite's prompts."""
+    if bench.warmup is not None:
+        return bench.warmup
+    return min(bench.batch_size, prompts)
 
 
 def settled(passes: list[dict], against: Spread | None, min_repeats: int) -> bool:

@@ -433,7 +433,7 @@ class BenchConfig:
     top_p: float = MISSING
     ignore_eos: bool = MISSING
     batch_size: int = MISSING
-    warmup: int = MISSING
+    warmup: Optional[int] = MISSING
     stream: bool = MISSING
     repeats: int = MISSING
     min_repeats: int = MISSING

@@ -141,6 +141,8 @@ def check_bench_settings(bcfg: BenchConfig) -> None:
     """bench.* values that cannot be measured, refused before anything is launched."""
     for key, least in (("batch_size", 1), ("max_new_tokens", 1), ("warmup", 0), ("repeats", 1)):
         value = getattr(bcfg, key)
+        if key == "warmup" and value is None:
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise Eagle3Error(f"bench.{key}={value}: must be an integer >= {least}")
     limit = bcfg.limit
