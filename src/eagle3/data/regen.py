@@ -333,7 +333,7 @@ def generator_for(cfg: Config):
     if backend not in BACKENDS:
         raise Eagle3Error(f"data.regen.backend={backend}: use one of {', '.join(BACKENDS)}")
     if backend == "local":
-        return LocalGenerator(load_target(cfg), cfg.data)
+        return LocalGenerator(load_target(cfg.target, cfg.paths.artifacts), cfg.data)
     return OpenAIGenerator(cfg.data.regen) if backend == "openai" else EngineGenerator(cfg)
 
 
@@ -724,7 +724,12 @@ class EngineGenerator:
     def run(self, items: list[tuple], turn_log: TurnLog, desc: str) -> dict[str, str]:
         if self.engine is None:
             self.engine = start_engine(
-                self.cfg, OFF, None, target_path_for(self.cfg), self.folder, "regen"
+                self.cfg,
+                OFF,
+                None,
+                target_path_for(self.cfg.target, self.cfg.paths.artifacts),
+                self.folder,
+                "regen",
             )
             self.client.url = f"{self.engine.base_url}/v1"
             self.client.headers = self.engine.launch.headers

@@ -112,7 +112,7 @@ def test_answers_cut_by_the_length_limit_end_their_conversation_unless_kept(
 
 def test_the_local_backend_marks_answers_without_an_end_of_turn_as_cut(make_cfg, tiny_target):
     cfg = make_cfg("target=tiny-llama", "data.regenerate=true")
-    generator = regen.LocalGenerator(regen.load_target(cfg), cfg.data)
+    generator = regen.LocalGenerator(regen.load_target(cfg.target, cfg.paths.artifacts), cfg.data)
     words = generator.target.tokenizer("Hello there", add_special_tokens=False)["input_ids"]
     assert generator.decode([*words, generator.eot_id, *words]) == ("Hello there", "stop")
     assert generator.decode(words) == ("Hello there", "length")
