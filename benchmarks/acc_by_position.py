@@ -183,7 +183,7 @@ def main() -> None:
             f"paths.artifacts={args.artifacts}",
         ]
     )
-    target = load_target(cfg, device="cpu")
+    target = load_target(cfg.target, cfg.paths.artifacts, device="cpu")
     drafter = (
         attach_target_embedding(load_drafter(args.drafter, device="cpu"), target).float().eval()
     )

@@ -110,7 +110,7 @@ def main() -> None:
     drafter = shipped_drafter(compose([*args.overrides, "drafter.path=shipped"]))
     args.overrides.append(f"drafter.path={drafter}")
     cfg = compose(args.overrides)
-    target = load_target(cfg)
+    target = load_target(cfg.target, cfg.paths.artifacts)
     prompts = chat_prompts(target.tokenizer)
     for name in args.spec:
         print(check_spec(cfg, target, name, prompts, args), flush=True)

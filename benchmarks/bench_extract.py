@@ -59,9 +59,8 @@ def load_bench_target(name: str, device: str, dtype: str) -> Target:
             [2, layers // 2, layers - 3],
         )
 
-    return load_target(
-        compose([f"target={name}", f"target.dtype={dtype}", f"target.device={device}"])
-    )
+    cfg = compose([f"target={name}", f"target.dtype={dtype}", f"target.device={device}"])
+    return load_target(cfg.target, cfg.paths.artifacts)
 
 
 def synthetic_plans(rows: int, length: int, shards: int, vocab: int) -> list[extract.ShardPlan]:
@@ -177,7 +176,7 @@ def bench_backends(args) -> dict:
             f"extract.batch_tokens={rows * length}",
         ]
     )
-    target = load_target(cfg)
+    target = load_target(cfg.target, cfg.paths.artifacts)
     plans = synthetic_plans(rows, length, args.shards + 1, target.vocab_size)
     warm, plans = plans[:1], plans[1:]
     tokens = args.shards * rows * length

@@ -103,7 +103,8 @@ def one_thread():
 def tiny_target(test_root):
     from eagle3.core.target import load_target
 
-    return load_target(compose([f"paths.root={test_root}", "target=tiny-llama"]))
+    cfg = compose([f"paths.root={test_root}", "target=tiny-llama"])
+    return load_target(cfg.target, cfg.paths.artifacts)
 
 
 @pytest.fixture(scope="session")
@@ -133,9 +134,8 @@ def tiny_drafter(test_root):
 def smollm2(test_root):
     from eagle3.core.target import load_target
 
-    return load_target(
-        compose([f"paths.root={test_root}", "target=smollm2-135m", "target.dtype=float32"])
-    )
+    cfg = compose([f"paths.root={test_root}", "target=smollm2-135m", "target.dtype=float32"])
+    return load_target(cfg.target, cfg.paths.artifacts)
 
 
 @pytest.fixture(scope="session")

@@ -160,7 +160,7 @@ def _train_smollm2_drafter(test_root: Path, out: Path) -> None:
         "trainer.progress_bar=false",
         "tracking.enabled=false",
     )
-    target = load_target(cfg, device="cpu")
+    target = load_target(cfg.target, cfg.paths.artifacts, device="cpu")
     items = []
     for index, ids in enumerate(agree_prompts(target, cfg)):
         prompt = torch.tensor([ids])

@@ -69,7 +69,7 @@ def peaked_target(cfg):
     next-token distributions of a trained model."""
     from eagle3.core.target import load_target
 
-    target = load_target(cfg, device="cpu")
+    target = load_target(cfg.target, cfg.paths.artifacts, device="cpu")
     target.model.get_input_embeddings().weight.data.mul_(50.0)
     return target
 
@@ -230,7 +230,7 @@ def _export_untrained(cfg, out: Path) -> Path:
     from eagle3.core.target import load_target
     from eagle3.export.app import export_drafter
 
-    target = load_target(cfg, device="cpu")
+    target = load_target(cfg.target, cfg.paths.artifacts, device="cpu")
     torch.manual_seed(0)
     drafter = build_drafter(target, cfg.drafter)
     draft_vocab = cfg.drafter.draft_vocab_size

@@ -43,9 +43,11 @@ def test_engine_backend_is_in_the_answer_hash_and_the_plan(make_cfg):
     local_engine = make_cfg("data.regenerate=true", "data.regen.backend=engine")
     hashes = {openai.hash, outputs.data_output(vllm).hash, outputs.data_output(local_engine).hash}
     assert len(hashes) == 3  # another engine writes other answers
-    assert isinstance(regen.generator_for(vllm), regen.EngineGenerator)
+    assert isinstance(regen.generator_for(regen.regeneration(vllm)), regen.EngineGenerator)
     with pytest.raises(regen.Eagle3Error, match="data.regen.backend=sglang: use one of"):
-        regen.generator_for(make_cfg("data.regenerate=true", "data.regen.backend=sglang"))
+        regen.generator_for(
+            regen.regeneration(make_cfg("data.regenerate=true", "data.regen.backend=sglang"))
+        )
 
 
 def logged_records(path):
@@ -73,7 +75,7 @@ def test_vllm_regeneration_survives_kill_9_without_loss_or_duplicates(
     overrides = [f"paths.root={test_root}", f"paths.artifacts={own_artifacts}", *SHAREGPT_VLLM]
     overrides.append(f"tracking.uri=sqlite:///{tmp_path}/mlflow.db")
     cfg = compose(overrides)
-    log = regen.regen_log_path(cfg)
+    log = regen.regeneration(cfg).log_path
     proc = subprocess.Popen(
         [sys.executable, "-m", "eagle3.data", *overrides],
         stdout=subprocess.DEVNULL,

@@ -798,7 +798,7 @@ def test_passes_stop_once_apart_from_spec_off(make_cfg, tmp_path, min_repeats, p
         "bench.repeats=3",
         f"bench.min_repeats={min_repeats}",
     )
-    path = target_path_for(cfg)
+    path = target_path_for(cfg.target, cfg.paths.artifacts)
     requests = tokenize_prompts(AutoTokenizer.from_pretrained(path), load_suite(cfg.bench))
     try:
         opener = functools.partial(open_engine, cfg, path)

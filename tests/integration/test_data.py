@@ -383,7 +383,10 @@ def test_vocab_map_from_another_source(make_cfg, tiny_target, own_artifacts):
         f"data.vocab_map_from={export.parent}",
     )
     out = data.run(cfg)
-    assert out.hash != base.hash and regen.regen_log_path(cfg) == regen.regen_log_path(plain)
+    assert (
+        out.hash != base.hash
+        and regen.regeneration(cfg).log_path == regen.regeneration(plain).log_path
+    )
     got_d2t, got_t2d = load_vocab_map(out.path)
     assert torch.equal(got_d2t, d2t) and torch.equal(got_t2d, t2d)
     splits = data.load_splits(out.path)
@@ -604,7 +607,7 @@ def test_another_draft_vocab_reuses_the_regenerated_answers(make_cfg, own_artifa
         assert turn_records(out.path) == turn_records(first.path)
         assert load_vocab_map(out.path)[0].numel() == vocab
         shutil.rmtree(
-            regen.regen_log_path(cfg).parent
+            regen.regeneration(cfg).log_path.parent
         )  # the second round seeds from a data output's copy
 
 
@@ -633,7 +636,10 @@ def test_reuse_answers_takes_another_logs_answers_and_generates_the_rest(
         lambda self, prompts: generated.extend(prompts) or generate(self, prompts),
     )
     cfg = regen_cfg(make_cfg, own_artifacts, f"data.regen.reuse_answers=[{source},{more}]")
-    assert regen.regen_log_path(cfg) != regen.regen_log_path(regen_cfg(make_cfg, own_artifacts))
+    assert (
+        regen.regeneration(cfg).log_path
+        != regen.regeneration(regen_cfg(make_cfg, own_artifacts)).log_path
+    )
     out = data.run(cfg)
     counts = out.manifest()["counts"]
     assert counts["regen_turns_reused"] == len(first_turns) and len(generated) == len(
@@ -661,16 +667,18 @@ def test_regen_seed_draws_other_sampled_answers_and_stays_out_of_the_hash_when_n
             make_cfg, own_artifacts, "data.regen.temperature=1.0", f"data.regen.seed={seed}"
         )
         out = data.run(cfg)
-        return regen.regen_log_path(cfg), sorted(
+        return regen.regeneration(cfg).log_path, sorted(
             (r["id"], r["turn"], r["content"]) for r in turn_records(out.path)
         )
 
     default_path, default = sampled("null")
     data_seed = make_cfg().data.seed
     plain = regen_cfg(make_cfg, own_artifacts, "data.regen.temperature=1.0")
-    assert "seed" not in outputs.answer_sections(plain)["data"][
-        "regen"
-    ] and default_path == regen.regen_log_path(plain)
+    assert (
+        "seed"
+        not in outputs.answer_sections(plain.data, plain.target, plain.serve)["data"]["regen"]
+        and default_path == regen.regeneration(plain).log_path
+    )
     same_path, same = sampled(data_seed)
     other_path, other = sampled(data_seed + 1)
     assert (
@@ -704,7 +712,7 @@ def test_a_second_run_waits_for_the_one_regenerating(make_cfg, own_artifacts, ca
     import threading
 
     cfg = regen_cfg(make_cfg, own_artifacts)
-    shared, release = regen.regen_log_path(cfg), own_artifacts / "release"
+    shared, release = regen.regeneration(cfg).log_path, own_artifacts / "release"
     holder = subprocess.Popen(
         [sys.executable, "-c", LOCK_HOLDER, str(shared.parent), str(release)],
         stdout=subprocess.PIPE,
@@ -916,7 +924,7 @@ def test_kill_9_during_regeneration_resumes_without_loss_or_duplicates(
     )
     cfg = make_cfg(*overrides[1:])
     out = outputs.data_output(cfg)
-    turns_file = regen.regen_log_path(cfg)
+    turns_file = regen.regeneration(cfg).log_path
     proc = subprocess.Popen(
         app_command("data", overrides), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -1074,7 +1082,9 @@ def test_shipped_answers_are_the_ones_their_experiments_ask_for(answer_hash):
         cfg = compose(
             [f"experiment={experiment}", "paths.root=/tmp/e3", f"data.source=/tmp/e3/{prompt_file}"]
         )
-        assert regen.regen_log_path(cfg).relative_to(cfg.paths.artifacts).as_posix() == member
+        assert (
+            regen.regeneration(cfg).log_path.relative_to(cfg.paths.artifacts).as_posix() == member
+        )
     assert member.split("/")[1] == answer_hash and len(rows) == count
     ids = {
         c["id"]
@@ -1178,7 +1188,7 @@ def test_reuse_answers_of_another_target_is_refused_naming_both_targets(make_cfg
     targets, before anything is generated or taken."""
     first_cfg = regen_cfg(make_cfg, own_artifacts, "data.limit=3")
     first = data.run(first_cfg)
-    for source in (regen.regen_log_path(first_cfg), first.path / "regen" / "turns.jsonl"):
+    for source in (regen.regeneration(first_cfg).log_path, first.path / "regen" / "turns.jsonl"):
         cfg = regen_cfg(
             make_cfg,
             own_artifacts,
@@ -1193,5 +1203,5 @@ def test_reuse_answers_of_another_target_is_refused_naming_both_targets(make_cfg
             "(seed 0), this config's target is tiny-llama (seed 1); another target's answers are "
             "not this one's: leave that log out"
         )
-        log = regen.regen_log_path(cfg)  # nothing taken into this target's log
+        log = regen.regeneration(cfg).log_path  # nothing taken into this target's log
         assert not log.exists() or log.read_text() == ""

@@ -26,7 +26,7 @@ def test_first_divergence_and_its_margin(make_cfg, tiny_target):
     off = [reference_greedy(tiny_target.model, p, 12) for p in prompts]
     changed = list(off[1])
     changed[5] = (changed[5] + 7) % tiny_target.vocab_size
-    load = functools.partial(load_target, cfg)
+    load = functools.partial(load_target, cfg.target, cfg.paths.artifacts)
     check = compare_outputs(prompts, off, [off[0], changed, off[2][:8]], load)
     with torch.no_grad():
         logits = tiny_target.model(torch.tensor([prompts[1] + off[1][:5]])).logits[0, -1]

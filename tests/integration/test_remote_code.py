@@ -71,7 +71,7 @@ def target_cfg(make_cfg, folder: Path, trust: bool, *overrides: str):
 
 def test_hf_loads_run_the_folders_code_only_when_trusted(make_cfg, remote_code_target):
     trusted = target_cfg(make_cfg, remote_code_target, True)
-    target = load_target(trusted)
+    target = load_target(trusted.target, trusted.paths.artifacts)
     assert type(target.model).__name__ == "RemoteLlamaForCausalLM"
     assert type(target.tokenizer).__name__ == "RemoteTokenizer"
     tokenizer, vocab = load_tokenizer(trusted.target, trusted.paths.artifacts)  # the data stage's
@@ -80,9 +80,9 @@ def test_hf_loads_run_the_folders_code_only_when_trusted(make_cfg, remote_code_t
     assert type(target_tokenizer(remote_code_target, trusted.target)).__name__ == "RemoteTokenizer"
 
     untrusted = target_cfg(make_cfg, remote_code_target, False)
-    for load in (load_target, lambda c: load_tokenizer(c.target, c.paths.artifacts)):
+    for load in (load_target, load_tokenizer):
         with pytest.raises(Eagle3Error, match="set target.trust_remote_code=true"):
-            load(untrusted)
+            load(untrusted.target, untrusted.paths.artifacts)
     # without trust transformers falls back to its own tokenizer class
     assert (
         type(target_tokenizer(remote_code_target, untrusted.target)).__name__ != "RemoteTokenizer"

@@ -291,9 +291,8 @@ def test_deterministic_outputs_do_not_depend_on_batch_or_shape(
     from eagle3.core.target import load_target
 
     if dtype != "float32":
-        tiny_target = load_target(
-            compose([f"paths.root={test_root}", "target=tiny-llama", f"target.dtype={dtype}"])
-        )
+        cfg = compose([f"paths.root={test_root}", "target=tiny-llama", f"target.dtype={dtype}"])
+        tiny_target = load_target(cfg.target, cfg.paths.artifacts)
     target = near_tie_target(tiny_target, rel)
     drafter = copy.deepcopy(tiny_fitted_drafter).to(target.model.dtype)
     texts = [a + " " + b for a in PROMPTS for b in PROMPTS]

@@ -100,9 +100,9 @@ def test_ctrl_c_during_regeneration_is_one_line(own_artifacts, tmp_path):
         "data.regen.max_new_tokens=16",
         "data.regen.batch_size=1",  # one answer per generate call: five more to go after the first
     ]
-    from eagle3.data.regen import regen_log_path
+    from eagle3.data.regen import regeneration
 
-    log = regen_log_path(compose(overrides))
+    log = regeneration(compose(overrides)).log_path
     out = subprocess.run(
         [sys.executable, "-c", CTRL_C_AFTER_FIRST_ANSWER, "eagle3.data", *overrides],
         capture_output=True,

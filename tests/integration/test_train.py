@@ -548,7 +548,7 @@ def test_end_to_end_offline_with_mlflow_and_guard_rails(make_cfg, test_root, tmp
         )
         == 1
     )
-    target = load_target(cfg, device="cpu")
+    target = load_target(cfg.target, cfg.paths.artifacts, device="cpu")
     drafter = load_trained_drafter(out.path, target)
     best = load_file(str(out.path / "best.safetensors"))
     for name, tensor in drafter.trainable_state_dict().items():

@@ -96,7 +96,7 @@ def measure_job(cfg: Config, folder: Path, scope: str | None = None) -> dict:
     )
     outputs = metrics.pop("outputs", None)
     if bench.check_outputs:
-        load = functools.partial(load_target, cfg)
+        load = functools.partial(load_target, cfg.target, cfg.paths.artifacts)
         check = compare_outputs(requests, base.get("outputs") or [], outputs or [], load)
         (folder / "output_check.json").write_text(json.dumps(check, indent=1))
         metrics.update(check)

@@ -58,10 +58,11 @@ def source_fingerprint(source: str) -> dict | None:
 _FINGERPRINTS: dict[tuple, dict] = {}
 
 
-def answer_sections(cfg: Config) -> dict:
+def answer_sections(data: DataConfig, target: TargetConfig, serve: ServeConfig) -> dict:
     """What the conversations and their regenerated answers depend on (the key of their shared
-    log, eagle3.data.regen): the target and the data config (not the draft vocab's source)."""
-    return hashed("answers", answer_values(cfg.data, cfg.target, cfg.serve))
+    log, eagle3.data.regen): the target and the data config (not the draft vocab's source), with
+    the serving settings' engine and precision (answer_values)."""
+    return hashed("answers", answer_values(data, target, serve))
 
 
 def answer_values(data: DataConfig, target: TargetConfig, serve: ServeConfig) -> dict:

@@ -29,7 +29,7 @@ from transformers import (
 
 from eagle3.core.artifacts import config_hash, folder_lock, read_json
 from eagle3.core.common import Eagle3Error, installed_file, log, resolve_device, resolve_dtype
-from eagle3.core.config import Config, TargetConfig, plain
+from eagle3.core.config import TargetConfig, plain
 
 READY_MARKER = ".eagle3-ready"  # written last: a folder without it is half-written and redone
 
@@ -271,9 +271,9 @@ def target_folder(tcfg: TargetConfig, artifacts: Path) -> Path:
     return folder
 
 
-def target_path_for(cfg: Config) -> Path | str:
-    """The target this config serves and trains on, under cfg.paths.artifacts."""
-    return resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
+def target_path_for(tcfg: TargetConfig, artifacts: Path | str) -> Path | str:
+    """The HF folder (or hub id) of target `tcfg`, its built or converted folders under `artifacts`."""
+    return resolve_target_path(tcfg, Path(artifacts))
 
 
 def find_packaged_gguf(package: str, filename: str) -> Path:
@@ -453,10 +453,10 @@ def latent_attention(config: dict) -> bool:
 # ---------------------------------------------------------------- loading
 
 
-def load_target(cfg: Config, device: str | None = None) -> Target:
-    """Load the configured target (model in eval mode, frozen) and its tokenizer."""
-    tcfg = cfg.target
-    path = resolve_target_path(tcfg, Path(cfg.paths.artifacts))
+def load_target(tcfg: TargetConfig, artifacts: Path | str, device: str | None = None) -> Target:
+    """Load target `tcfg` (model in eval mode, frozen) and its tokenizer; its built or converted
+    folders live under `artifacts`."""
+    path = resolve_target_path(tcfg, Path(artifacts))
     dev = resolve_device(device or tcfg.device)
     dtype = resolve_dtype(tcfg.dtype, dev)
     try:
@@ -467,7 +467,7 @@ def load_target(cfg: Config, device: str | None = None) -> Target:
     except OSError as err:
         if isinstance(path, str):  # a hub id this machine cannot reach
             raise Eagle3Error(
-                f"cannot load target {path}: {download_hint(tcfg, cfg.paths.artifacts)}"
+                f"cannot load target {path}: {download_hint(tcfg, artifacts)}"
             ) from err
         raise Eagle3Error(f"cannot load target {path!s}: {err}") from err
     except ValueError as err:

@@ -29,7 +29,7 @@ from eagle3.core.target import tokenizer_hash
 from eagle3.core.tracking import stage_run
 from eagle3.data.added_prompts import more_prompts, self_prompt_data
 from eagle3.data.conversations import conversations_for
-from eagle3.data.regen import TurnLog, generator_for, regen_log_path, regenerate, sampling_params
+from eagle3.data.regen import TurnLog, generator_for, regenerate, regeneration, sampling_params
 from eagle3.data.sources import local_source
 from eagle3.data.splits import load_splits  # noqa: F401 (read as data.app.load_splits too)
 from eagle3.data.tokens import load_tokenizer, tokenize_conversations
@@ -94,19 +94,20 @@ def write_splits(cfg: Config, out: StageOutput, mlflow_run) -> None:
     out.start()
     started = time.time()
     counts: dict[str, Any] = {}
+    regen = regeneration(cfg)
     splits = conversations_for(cfg.data, counts)
     splits = more_prompts(
         cfg.data,
         cfg.bench.suites,
         splits,
         counts,
-        regen_log_path(cfg).parent,
-        lambda: generator_for(dataclasses.replace(cfg, data=self_prompt_data(cfg.data))),
+        regen.log_path.parent,
+        lambda: generator_for(dataclasses.replace(regen, data=self_prompt_data(cfg.data))),
         TurnLog,
     )
     tokenizer, target_vocab = load_tokenizer(cfg.target, cfg.paths.artifacts)
     if cfg.data.regenerate:
-        splits = regenerate(cfg, out.path, splits, tokenizer, counts)
+        splits = regenerate(regen, out.path, splits, tokenizer, counts)
     dropped: Counter = Counter()
     columns = {
         name: tokenize_conversations(tokenizer, convs, cfg.data, dropped)

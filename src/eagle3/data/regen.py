@@ -13,8 +13,9 @@ import os
 import re
 import shutil
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,24 +23,63 @@ from tqdm import tqdm
 
 from eagle3.core.artifacts import config_hash, read_json
 from eagle3.core.common import Eagle3Error, log
-from eagle3.core.config import Config, DataConfig, RegenConfig, TargetConfig
+from eagle3.core.config import Config, DataConfig, RegenConfig, ServeConfig, TargetConfig
 from eagle3.core.outputs import answer_sections
 from eagle3.core.redact import mask
 from eagle3.core.spec import OFF
 from eagle3.core.target import Target, load_target, target_key, target_path_for
 from eagle3.data.conversations import user_turns
 from eagle3.data.tokens import end_of_turn, render
-from eagle3.serve.launch import start_engine
+from eagle3.serve.launch import EngineProcess, start_engine
+
+# starts the engine backend's server from these data and serve settings, in that folder
+EngineOpener = Callable[[DataConfig, ServeConfig, Path], EngineProcess]
 
 
-def regen_log_path(cfg: Config) -> Path:
-    """<artifacts>/regen/<hash>/turns.jsonl, keyed by answer_sections: every data output with the same
-    answers shares it, so another drafter.draft_vocab_size re-tokenizes instead of regenerating (hours
-    on a large target). The data output keeps its own copy in regen/turns.jsonl."""
-    return Path(cfg.paths.artifacts) / "regen" / config_hash(answer_sections(cfg)) / "turns.jsonl"
+@dataclass(frozen=True)
+class Regeneration:
+    """What regenerating the answers reads, resolved once (regeneration): the data settings
+    (data.regen), the target, the serving settings (the engine backend's, and the answers' served_by),
+    where artifacts live, and how the engine backend's server starts."""
+
+    data: DataConfig
+    target: TargetConfig
+    serve: ServeConfig
+    artifacts: Path
+    open_engine: EngineOpener
+
+    @property
+    def sections(self) -> dict:
+        """answer_sections: what the answers depend on, the key of their shared log."""
+        return answer_sections(self.data, self.target, self.serve)
+
+    @property
+    def log_path(self) -> Path:
+        return regen_log_path(self.sections, self.artifacts)
 
 
-def seed_regen_log(sections: dict, artifacts: str, shared: Path) -> None:
+def regeneration(cfg: Config) -> Regeneration:
+    """The data stage's regeneration from the whole config: the one place it reads all of it, since
+    the engine backend's server is composed from a whole config (serve.launch; the local engine's
+    job file is that config), with the regeneration's data and serve sections in it."""
+    artifacts = Path(cfg.paths.artifacts)
+
+    def open_engine(data: DataConfig, serve: ServeConfig, folder: Path) -> EngineProcess:
+        engine_cfg = dataclasses.replace(cfg, data=data, serve=serve)
+        target_path = target_path_for(cfg.target, artifacts)
+        return start_engine(engine_cfg, OFF, None, target_path, folder, "regen")
+
+    return Regeneration(cfg.data, cfg.target, cfg.serve, artifacts, open_engine)
+
+
+def regen_log_path(sections: dict, artifacts: Path | str) -> Path:
+    """<artifacts>/regen/<hash>/turns.jsonl, keyed by answer_sections (`sections`): every data output
+    with the same answers shares it, so another drafter.draft_vocab_size re-tokenizes instead of
+    regenerating (hours on a large target). The data output keeps its own copy in regen/turns.jsonl."""
+    return Path(artifacts) / "regen" / config_hash(sections) / "turns.jsonl"
+
+
+def seed_regen_log(sections: dict, artifacts: Path | str, shared: Path) -> None:
     """A data output written before the shared log existed (this run's own, cut short, or one
     copied from another machine) keeps its answers in its regen/turns.jsonl: the first one under
     `artifacts` with the same answer_sections (`sections`) starts the shared log."""
@@ -191,16 +231,18 @@ def pending_turn(conversation: dict, answers: dict[int, str | None], turn: int) 
     )
 
 
-def regenerate(cfg: Config, out_dir: Path, splits: dict[str, list[dict]], tokenizer, counts: dict):
+def regenerate(
+    regen: Regeneration, out_dir: Path, splits: dict[str, list[dict]], tokenizer, counts: dict
+):
     """Let the target answer every user turn (into the shared log), then take the answers."""
-    shared, own = regen_log_path(cfg), out_dir / "regen" / "turns.jsonl"
+    shared, own, rcfg = regen.log_path, out_dir / "regen" / "turns.jsonl", regen.data.regen
     with regen_lock(shared.parent):
-        turn_log, failed = answer_turns(cfg, shared, splits, tokenizer, counts)
+        turn_log, failed = answer_turns(regen, shared, splits, tokenizer, counts)
     conversations = [c for convs in splits.values() for c in convs]
-    keep = cfg.data.regen.keep_truncated
+    keep = rcfg.keep_truncated
     write_own_log(own, turn_log, conversations, keep)
-    report_failures(out_dir, failed, cfg.data.regen, counts)
-    report_cut(conversations, turn_log, cfg.data.regen, counts)
+    report_failures(out_dir, failed, rcfg, counts)
+    report_cut(conversations, turn_log, rcfg, counts)
     answers = turn_log.usable(keep)
     splits = {
         name: [
@@ -208,7 +250,7 @@ def regenerate(cfg: Config, out_dir: Path, splits: dict[str, list[dict]], tokeni
         ]
         for name, convs in splits.items()
     }
-    report_loops(splits, cfg.data.regen.loop_ngram, counts)
+    report_loops(splits, rcfg.loop_ngram, counts)
     return splits
 
 
@@ -286,11 +328,13 @@ def regen_lock(folder: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def answer_turns(cfg: Config, shared: Path, splits: dict[str, list[dict]], tokenizer, counts: dict):
+def answer_turns(
+    regen: Regeneration, shared: Path, splits: dict[str, list[dict]], tokenizer, counts: dict
+):
     """Turn-major, so each batch mixes conversations: -> (the shared TurnLog, {conversation id: error})."""
-    rcfg, sections = cfg.data.regen, answer_sections(cfg)
+    rcfg, sections = regen.data.regen, regen.sections
     if not shared.exists():
-        seed_regen_log(sections, cfg.paths.artifacts, shared)
+        seed_regen_log(sections, regen.artifacts, shared)
     turn_log = TurnLog(shared)
     record_answer_sections(sections, shared.parent)
     conversations = [c for convs in splits.values() for c in convs]
@@ -298,14 +342,14 @@ def answer_turns(cfg: Config, shared: Path, splits: dict[str, list[dict]], token
         sources = rcfg.reuse_answers
         sources = [sources] if isinstance(sources, str) else list(sources)
         for source in sources:  # every log checked before any is taken
-            check_answer_target(cfg.target, Path(str(source)))
+            check_answer_target(regen.target, Path(str(source)))
         counts["regen_turns_reused"] = sum(
             reuse_answers(turn_log, Path(str(source)), conversations) for source in sources
         )
     counts["regen_turns_resumed"] = sum(
         len(conversation_answers(c, turn_log.answers)) for c in conversations
     )
-    generator = generator_for(cfg)
+    generator = generator_for(regen)
     failed: dict[str, str] = {}
     try:
         for turn in range(max(map(user_turns, conversations), default=0)):
@@ -314,7 +358,7 @@ def answer_turns(cfg: Config, shared: Path, splits: dict[str, list[dict]], token
                 answers = conversation_answers(c, usable)
                 if c["id"] not in failed and pending_turn(c, answers, turn):
                     items.append((c["id"], turn, turn_prompt(c, answers, turn)))
-            items = skip_long_prompts(items, tokenizer, cfg.data, turn_log)
+            items = skip_long_prompts(items, tokenizer, regen.data, turn_log)
             if items:
                 failed.update(generator.run(items, turn_log, desc=f"regenerate turn {turn + 1}"))
     finally:
@@ -326,15 +370,16 @@ def answer_turns(cfg: Config, shared: Path, splits: dict[str, list[dict]], token
 BACKENDS = ("local", "openai", "engine")
 
 
-def generator_for(cfg: Config):
+def generator_for(regen: Regeneration):
     """The configured answer generator (data.regen.backend)."""
-    check_reasoning(cfg.data.regen)
-    backend = cfg.data.regen.backend
+    rcfg = regen.data.regen
+    check_reasoning(rcfg)
+    backend = rcfg.backend
     if backend not in BACKENDS:
         raise Eagle3Error(f"data.regen.backend={backend}: use one of {', '.join(BACKENDS)}")
     if backend == "local":
-        return LocalGenerator(load_target(cfg), cfg.data)
-    return OpenAIGenerator(cfg.data.regen) if backend == "openai" else EngineGenerator(cfg)
+        return LocalGenerator(load_target(regen.target, regen.artifacts), regen.data)
+    return OpenAIGenerator(rcfg) if backend == "openai" else EngineGenerator(regen)
 
 
 ANSWERS_FILE = "answers.json"  # beside a shared answer log: what its answers depend on (masked)
@@ -689,23 +734,23 @@ class OpenAIGenerator:
         raise RequestFailed(error)
 
 
-def regen_engine_config(cfg: Config) -> Config:
-    """The config the regeneration engine is started with: the serving settings sized for
+def regen_engine_config(scfg: ServeConfig, rcfg: RegenConfig) -> ServeConfig:
+    """The serving settings the regeneration engine is started with: `scfg` sized for
     data.regen.concurrency requests at once. SGLang captures CUDA graphs up to serve.cuda_graph_max_bs
     and runs larger batches eagerly; vLLM schedules at most serve.max_num_seqs sequences (and captures
     graphs up to that many): both are raised to the concurrency when below it. With
     data.regen.reasoning_parser the engine gets --reasoning-parser (it returns the thinking apart)."""
-    scfg, wanted = cfg.serve, int(cfg.data.regen.concurrency)
+    wanted = int(rcfg.concurrency)
     if scfg.engine == "sglang" and scfg.cuda_graph_max_bs < wanted:
         scfg = dataclasses.replace(scfg, cuda_graph_max_bs=wanted)
     elif scfg.engine == "vllm" and scfg.max_num_seqs < wanted:
         scfg = dataclasses.replace(scfg, max_num_seqs=wanted)
-    parser = cfg.data.regen.reasoning_parser
+    parser = rcfg.reasoning_parser
     if parser and scfg.engine in ("sglang", "vllm"):  # both name the flag alike
         scfg = dataclasses.replace(
             scfg, extra_args=[*scfg.extra_args, "--reasoning-parser", str(parser)]
         )
-    return dataclasses.replace(cfg, serve=scfg)
+    return scfg
 
 
 class EngineGenerator:
@@ -715,24 +760,23 @@ class EngineGenerator:
     like the openai backend (same concurrency, retries and turn log), stopped by close() and on
     error, Ctrl-C or a kill of this process (the engine's own process group and watchdog)."""
 
-    def __init__(self, cfg: Config):
-        self.cfg = regen_engine_config(cfg)
-        self.folder = regen_log_path(cfg).parent / "engine"
+    def __init__(self, regen: Regeneration):
+        self.regen = regen
+        self.serve = regen_engine_config(regen.serve, regen.data.regen)
+        self.folder = regen.log_path.parent / "engine"
         self.engine = None
-        self.client = OpenAIGenerator(cfg.data.regen)
+        self.client = OpenAIGenerator(regen.data.regen)
 
     def run(self, items: list[tuple], turn_log: TurnLog, desc: str) -> dict[str, str]:
         if self.engine is None:
-            self.engine = start_engine(
-                self.cfg, OFF, None, target_path_for(self.cfg), self.folder, "regen"
-            )
+            self.engine = self.regen.open_engine(self.regen.data, self.serve, self.folder)
             self.client.url = f"{self.engine.base_url}/v1"
             self.client.headers = self.engine.launch.headers
         return self.client.run(items, turn_log, desc)
 
     def close(self) -> None:
         if self.engine is not None:
-            self.engine.stop(self.cfg.serve.stop_timeout_s)
+            self.engine.stop(self.serve.stop_timeout_s)
             self.engine = None
 
 

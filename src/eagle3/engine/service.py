@@ -317,7 +317,7 @@ def build_service(cfg: Config) -> EngineService:
     if ecfg.cpu_threads:
         torch.set_num_threads(int(ecfg.cpu_threads))
     spec = resolve_spec(cfg.spec)
-    target = load_target(cfg)
+    target = load_target(cfg.target, cfg.paths.artifacts)
     drafter, source = load_engine_drafter(cfg, target, spec)
     schedule = schedule_for(cfg, spec, source)
     wide = [shape for shape in schedule.shapes if shape.enabled] if schedule else []

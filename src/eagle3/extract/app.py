@@ -320,7 +320,7 @@ def capture_source(cfg: Config, root: Path, plans: list[ShardPlan]) -> Iterator[
     """The HF target loaded here, or (extract.backend=vllm) a started vLLM capture server, stopped
     on exit; both give hidden_size, aux_layer_ids, tokenizer and device."""
     if cfg.extract.backend == "hf":
-        yield load_target(cfg)
+        yield load_target(cfg.target, cfg.paths.artifacts)
         return
     path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
     capture = VllmCapture(cfg, target_shape(cfg.target, path), root / "engine")

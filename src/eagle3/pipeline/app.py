@@ -11,6 +11,7 @@ stage that does not fit is refused, in the dry run and before a run.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import sys
@@ -233,7 +234,11 @@ def print_plan(cfg: Config, sweep_dir: Path) -> None:
     target = cfg.target.path or cfg.target.name
     regen = cfg.data.regen
     if cfg.data.regenerate and regen.backend in ("openai", "engine"):
-        engine_cfg = regen_engine_config(cfg) if regen.backend == "engine" else cfg
+        engine_cfg = (
+            dataclasses.replace(cfg, serve=regen_engine_config(cfg.serve, regen))
+            if regen.backend == "engine"
+            else cfg
+        )
         spec_off = resolve_spec(compose([*user_overrides(), "spec=off"]).spec)
         launch = compose_launch(engine_cfg, spec_off, None, target, port=pipeline.plan_port)
         print(regen_line(regen, launch.argv))

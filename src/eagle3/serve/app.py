@@ -39,7 +39,9 @@ def main(cfg: Config) -> None:
     folder = Path(HydraConfig.get().runtime.output_dir)
     drafter = drafter_for(cfg, spec)
     plan = shapes(cfg, spec, drafter)
-    engine = start_engine(cfg, spec, drafter, target_path_for(cfg), folder)
+    engine = start_engine(
+        cfg, spec, drafter, target_path_for(cfg.target, cfg.paths.artifacts), folder
+    )
     try:  # from the moment the engine runs: a stop signal at any point ends in engine.stop()
         print(plan, flush=True)
         print(

@@ -184,7 +184,11 @@ def engine_for(cfg: Config, spec: Spec, drafter_path: Path | None):
         log.info("reusing the in-process %s engine of the previous job", cfg.serve.engine)
         return _KEPT["engine"]
     release()
-    engine = HFGenerate(load_target(cfg)) if cfg.serve.engine == "hf" else LocalEngine(config)
+    engine = (
+        HFGenerate(load_target(cfg.target, cfg.paths.artifacts))
+        if cfg.serve.engine == "hf"
+        else LocalEngine(config)
+    )
     _KEPT.update(key=key, engine=engine)
     return engine
 

@@ -382,7 +382,15 @@ def run(cfg: Config) -> StageOutput:
         )
 
     points = train_sizes(cfg.train, cfg.study, data.path, train_drafter)
-    measure(points, load_target(cfg), spec, cfg.study, cfg.bench, cfg.engine, cfg.train)
+    measure(
+        points,
+        load_target(cfg.target, cfg.paths.artifacts),
+        spec,
+        cfg.study,
+        cfg.bench,
+        cfg.engine,
+        cfg.train,
+    )
     result = {
         "hash": out.hash,
         "data_hash": data.hash,

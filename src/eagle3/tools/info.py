@@ -45,7 +45,7 @@ def drafter_lineage(drafter_path: str, shipped: ShippedConfig) -> list[dict]:
 def main(cfg: Config) -> None:
     summary = {name: plain(getattr(cfg, name)) for name in ("target", "drafter", "spec", "serve")}
     print("config:\n" + OmegaConf.to_yaml(summary))
-    target = load_target(cfg)
+    target = load_target(cfg.target, cfg.paths.artifacts)
     print(f"target {cfg.target.name}: {target.path}")
     print(
         f"  layers {target.num_layers}, hidden {target.hidden_size}, vocab {target.vocab_size}, "

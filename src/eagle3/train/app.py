@@ -481,7 +481,9 @@ def train_into(cfg: Config, out: StageOutput, callbacks=()) -> StageOutput:
         check_shards(shards, data.hash, cfg.target.name, cfg.verify)
     check_engine_states(tcfg, cfg.trainer)
     if needs_whole_target(tcfg):
-        target = load_target(cfg, device=target_device(tcfg, cfg.trainer, cfg.target.device))
+        target = load_target(
+            cfg.target, cfg.paths.artifacts, target_device(tcfg, cfg.trainer, cfg.target.device)
+        )
     else:
         target = load_target_parts(cfg.target, cfg.paths.artifacts)
     settings = TrainSettings(tcfg, cfg.trainer, cfg.drafter, cfg.cluster, cfg.tracking, cfg.seed)

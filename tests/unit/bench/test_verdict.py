@@ -176,7 +176,7 @@ def test_baseline_once_per_sweep_and_reused_only_when_asked(make_cfg, own_artifa
 
     quick = ("bench.limit=1", "bench.max_new_tokens=4", "bench.warmup=0", "bench.repeats=2")
     cfg = make_cfg("target=tiny-llama", f"paths.artifacts={own_artifacts}", *quick)
-    target, requests = target_path_for(cfg), [[1, 2, 3]]
+    target, requests = target_path_for(cfg.target, cfg.paths.artifacts), [[1, 2, 3]]
     first = off_baseline(cfg, target, requests, tmp_path / "job0", "sweep-a")
     again = off_baseline(cfg, target, requests, tmp_path / "job1", "sweep-a")
     assert first["repeats"] == 2 and len(first["tokens_per_s_runs"]) == 2

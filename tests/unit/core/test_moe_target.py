@@ -58,7 +58,8 @@ def test_tiny_moe_is_a_sharded_deepseek_v3_folder_with_smollm2_tokens(test_root)
 def test_moe_aux_capture_equals_hidden_states_at_engine_indices(test_root):
     """The hooks read the inputs of the decoder layers; HF's hidden_states[i] is the input of
     layer i: both must agree on MLA + MoE layers, padded batches included."""
-    target = load_target(tiny_moe_cfg(test_root), device="cpu")
+    cfg = tiny_moe_cfg(test_root)
+    target = load_target(cfg.target, cfg.paths.artifacts, device="cpu")
     torch.manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (2, 11))
     mask = torch.ones_like(ids)
@@ -91,7 +92,9 @@ def test_bench_refuses_the_embedded_engine_for_latent_attention(make_cfg, tmp_pa
         "the embedded engine does not implement); use serve=sglang or serve=vllm"
     )
     llama = make_cfg("target=tiny-llama", "serve=local")
-    checks.check_engine_supports(llama.serve.engine, llama.target, target_path_for(llama))
+    checks.check_engine_supports(
+        llama.serve.engine, llama.target, target_path_for(llama.target, llama.paths.artifacts)
+    )
 
 
 def test_rehearsal_targets_have_kimi_k25_head_sizes_and_routing():

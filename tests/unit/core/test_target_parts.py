@@ -26,7 +26,7 @@ from eagle3.train import app as train
 def test_parts_equal_the_whole_models_tensors(make_cfg, name):
     cfg = make_cfg(f"target={name}")
     parts = load_target_parts(cfg.target, cfg.paths.artifacts)
-    whole = load_target(cfg, device="cpu")
+    whole = load_target(cfg.target, cfg.paths.artifacts, device="cpu")
     assert torch.equal(parts.input_embedding(), whole.model.get_input_embeddings().weight)
     assert torch.equal(parts.output_embedding(), whole.model.get_output_embeddings().weight)
     assert torch.equal(parts.norm, whole.model.model.norm.weight)
@@ -83,7 +83,9 @@ def test_offline_training_and_export_never_read_the_decoder_shards(
     for shard in damaged:
         (folder / shard).write_bytes(b"unreadable")
     with pytest.raises(SafetensorError, match="deserializing header"):
-        load_target(cfg, device="cpu")  # the whole model no longer loads
+        load_target(
+            cfg.target, cfg.paths.artifacts, device="cpu"
+        )  # the whole model no longer loads
 
     out = train.run(cfg)
     after = load_file(str(out.path / "drafter.safetensors"))

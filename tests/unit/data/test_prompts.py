@@ -143,7 +143,7 @@ def test_data_stage_adds_copies_packaged_and_self_written_prompts(make_cfg, own_
     order = splits["train"]["id"]  # added prompts sit among the source's rows, not after them
     last_source_row = max(n for n, i in enumerate(order) if ":" not in i)
     assert sum(":" in i for i in order[:last_source_row]) >= len(packaged) // 2
-    log = data.regen_log_path(cfg).parent / "self_prompts.jsonl"
+    log = data.regeneration(cfg).log_path.parent / "self_prompts.jsonl"
     written = [json.loads(line) for line in log.read_text().splitlines()]
     assert sorted(r["id"] for r in written) == [f"self:{i}" for i in range(6)]
     kept = {r["id"] for r in written if r["content"].strip()}

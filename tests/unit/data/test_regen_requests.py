@@ -4,6 +4,7 @@ dropped unless data.regen.keep_truncated), and engine batch settings sized for t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -46,7 +47,7 @@ def test_answers_keep_drop_or_pass_the_thinking(make_cfg):
         "length",
     )
     with pytest.raises(regen.Eagle3Error, match="data.regen.reasoning=maybe: use null, keep"):
-        regen.generator_for(make_cfg("data.regen.reasoning=maybe"))
+        regen.generator_for(regen.regeneration(make_cfg("data.regen.reasoning=maybe")))
 
 
 def test_thinking_is_switched_off_through_the_chat_template(make_cfg):
@@ -81,7 +82,7 @@ def test_answers_cut_by_the_length_limit_end_their_conversation_unless_kept(
     }
     cut = {("a", 0), ("b", 1)}
     base = ["data.regenerate=true", "data.regen.backend=openai", f"paths.artifacts={own_artifacts}"]
-    log = regen.TurnLog(regen.regen_log_path(make_cfg(*base)))
+    log = regen.TurnLog(regen.regeneration(make_cfg(*base)).log_path)
     for c in (a, b):
         said: dict[int, str] = {}
         for turn in range(len(c["messages"]) // 2):
@@ -92,7 +93,7 @@ def test_answers_cut_by_the_length_limit_end_their_conversation_unless_kept(
     for keep in (False, True):
         cfg = make_cfg(*base, f"data.regen.keep_truncated={str(keep).lower()}")
         out, counts = own_artifacts / f"out-{keep}", {}
-        splits = regen.regenerate(cfg, out, {"train": [a, b]}, None, counts)
+        splits = regen.regenerate(regen.regeneration(cfg), out, {"train": [a, b]}, None, counts)
         results[keep] = {
             c["id"]: [m["content"] for m in c["messages"] if m["role"] == "assistant"]
             for c in splits["train"]
@@ -112,10 +113,15 @@ def test_answers_cut_by_the_length_limit_end_their_conversation_unless_kept(
 
 def test_the_local_backend_marks_answers_without_an_end_of_turn_as_cut(make_cfg, tiny_target):
     cfg = make_cfg("target=tiny-llama", "data.regenerate=true")
-    generator = regen.LocalGenerator(regen.load_target(cfg), cfg.data)
+    generator = regen.LocalGenerator(regen.load_target(cfg.target, cfg.paths.artifacts), cfg.data)
     words = generator.target.tokenizer("Hello there", add_special_tokens=False)["input_ids"]
     assert generator.decode([*words, generator.eot_id, *words]) == ("Hello there", "stop")
     assert generator.decode(words) == ("Hello there", "length")
+
+
+def regen_engine(cfg):
+    """The config the regeneration engine starts from: serve sized by regen_engine_config."""
+    return dataclasses.replace(cfg, serve=regen.regen_engine_config(cfg.serve, cfg.data.regen))
 
 
 def test_regeneration_engines_batch_the_requests_sent_and_parse_reasoning(make_cfg):
@@ -130,17 +136,17 @@ def test_regeneration_engines_batch_the_requests_sent_and_parse_reasoning(make_c
         "data.regen.concurrency=64",
         "data.regen.reasoning_parser=kimi_k2",
     )
-    argv = compose_launch(regen.regen_engine_config(sglang), OFF, None, "/m", 30000).argv
+    argv = compose_launch(regen_engine(sglang), OFF, None, "/m", 30000).argv
     flag = "--cuda-graph-max-bs-decode"  # SGLang >= 0.5.20 (.venv-sglang)
     assert argv[argv.index(flag) + 1] == "64"
     assert argv[argv.index("--reasoning-parser") + 1] == "kimi_k2"
     assert sglang.serve.cuda_graph_max_bs == 8  # serve's own setting, for the bench, unchanged
     bundle = make_cfg(*regen_args, "serve=sglang-bundle", "data.regen.concurrency=256")
-    argv = compose_launch(regen.regen_engine_config(bundle), OFF, None, "/m", 30000).argv
+    argv = compose_launch(regen_engine(bundle), OFF, None, "/m", 30000).argv
     assert argv[argv.index("--cuda-graph-max-bs") + 1] == "256"  # SGLang 0.5.14's name
     assert "--reasoning-parser" not in argv
     few = make_cfg(*regen_args, "serve=sglang-bundle", "data.regen.concurrency=4")
-    argv = compose_launch(regen.regen_engine_config(few), OFF, None, "/m", 30000).argv
+    argv = compose_launch(regen_engine(few), OFF, None, "/m", 30000).argv
     assert argv[argv.index("--cuda-graph-max-bs") + 1] == "8"  # never lowered
     vllm = make_cfg(
         *regen_args,
@@ -148,6 +154,6 @@ def test_regeneration_engines_batch_the_requests_sent_and_parse_reasoning(make_c
         "data.regen.concurrency=32",
         "data.regen.reasoning_parser=kimi_k2",
     )
-    argv = compose_launch(regen.regen_engine_config(vllm), OFF, None, "/m", 30000).argv
+    argv = compose_launch(regen_engine(vllm), OFF, None, "/m", 30000).argv
     assert argv[argv.index("--max-num-seqs") + 1] == "32"
     assert argv[argv.index("--reasoning-parser") + 1] == "kimi_k2"
