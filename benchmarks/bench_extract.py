@@ -222,7 +222,7 @@ def bench_backends(args) -> dict:
 
 def bench_data(args) -> dict:
     from eagle3.core.common import compose
-    from eagle3.data import app as data
+    from eagle3.data import stage as data
 
     with tempfile.TemporaryDirectory() as root:
         artifacts = Path(root) / "artifacts"

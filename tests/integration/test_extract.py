@@ -12,7 +12,8 @@ from support import FIXTURES
 
 from eagle3.core import outputs
 from eagle3.core.common import Eagle3Error
-from eagle3.data import app as data
+from eagle3.data import stage as data
+from eagle3.data.splits import load_splits
 from eagle3.extract import app as extract
 
 
@@ -76,7 +77,7 @@ def test_extracted_shards_equal_a_direct_forward(make_cfg, own_artifacts, tiny_t
     cfg = tiny_cfg(make_cfg, own_artifacts)
     out = extract.run(cfg)
     assert out.complete and out.upstream == {"data": outputs.data_output(cfg).hash}
-    splits = data.load_splits(outputs.data_output(cfg).path)
+    splits = load_splits(outputs.data_output(cfg).path)
     index = json.loads((out.path / "index.json").read_text())
     assert index["hidden_size"] == 64 and index["aux_layer_ids"] == [1, 2, 3]
     assert len(index["splits"]["train"]) > 2  # several shards, several padded batches each
@@ -153,7 +154,7 @@ def test_verification_catches_bad_states_and_wrong_tokens(
     tensors are altered by hand to show the checks fire."""
     cfg = tiny_cfg(make_cfg, own_artifacts)
     out = extract.run(cfg)
-    splits = data.load_splits(outputs.data_output(cfg).path)
+    splits = load_splits(outputs.data_output(cfg).path)
     plan = extract.plan_shards("train", splits["train"][:], cfg.extract.shard_tokens)[0]
     tensors = load_file(str(out.path / plan.file))
     extract.check_shard(out.path / plan.file, plan, 64, full=True)  # the real shard passes
@@ -211,7 +212,7 @@ def test_kill_9_during_extraction_resumes_with_verified_shards(
     out = extract.run(cfg)
     counts = out.manifest()["counts"]
     assert out.complete and at_kill <= counts["shards_resumed"] < counts["shards"]
-    splits = data.load_splits(outputs.data_output(cfg).path)
+    splits = load_splits(outputs.data_output(cfg).path)
     plans = [
         p
         for s in ("train", "val")
@@ -243,7 +244,7 @@ def test_smollm2_sharegpt_end_to_end(make_cfg, own_artifacts, smollm2):
         "extract.shard_tokens=512",
     )
     out = extract.run(cfg)
-    splits = data.load_splits(outputs.data_output(cfg).path)
+    splits = load_splits(outputs.data_output(cfg).path)
     counts = outputs.data_output(cfg).manifest()[
         "counts"
     ]  # a long first prompt can leave no answer at 256 tokens

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle3.core.outputs import data_output
 from eagle3.core.target import capture_hidden_states
-from eagle3.data import app as data
+from eagle3.data.splits import load_splits
 from eagle3.extract import app as extract
 
 # Cosine between the vLLM and HF capture of each token. Measured on SmolLM2 float32 on a 2-core CPU
@@ -46,7 +47,7 @@ def test_vllm_shards_equal_hf_shards_on_smollm2(make_cfg, own_artifacts, smollm2
     worst, max_diff, shifted_worst = 1.0, 0.0, 1.0
     for split in ("train", "val"):
         a, b = extract.ShardDataset(hf.path, split), extract.ShardDataset(engine.path, split)
-        assert len(a) == len(b) == len(data.load_splits(data.data_output(cfg).path)[split])
+        assert len(a) == len(b) == len(load_splits(data_output(cfg).path)[split])
         for i in range(len(a)):
             x, y = a[i], b[i]
             assert x["id"] == y["id"]

@@ -492,7 +492,7 @@ def test_end_to_end_offline_with_mlflow_and_guard_rails(make_cfg, test_root, tmp
     from safetensors.torch import load_file
 
     from eagle3.core.outputs import train_output
-    from eagle3.data import app as data
+    from eagle3.data import stage as data
     from eagle3.extract import app as extract
     from eagle3.train.app import run
 
@@ -690,7 +690,7 @@ def test_two_trainings_of_one_config_started_together_train_once(
     the folder's lock, finds the output finished and does nothing; one MLflow run, FINISHED."""
     from mlflow.tracking import MlflowClient
 
-    from eagle3.data import app as data
+    from eagle3.data import stage as data
 
     stage = ddp_stage(
         test_root, own_artifacts, "trainer.strategy=auto", "train.epochs=1", "train.batch_size=4"

@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from eagle3.core.outputs import extract_output, train_output
-from eagle3.data import app as data
+from eagle3.core.outputs import data_output, extract_output, train_output
+from eagle3.data.splits import load_splits
 from eagle3.extract import app as extract
 from eagle3.train import app as train
 from eagle3.train.datamodule import BucketBatchSampler, collate
@@ -34,7 +34,7 @@ def test_engine_batches_equal_the_offline_batches_and_train(make_cfg, own_artifa
     offline_cfg = make_cfg(*common)
     shards = extract.run(offline_cfg)
     cfg = make_cfg(*common, "train.hidden_states=engine", "train.epochs=1", "train.batch_size=2")
-    splits = data.load_splits(data.data_output(cfg).path)
+    splits = load_splits(data_output(cfg).path)
     with capture_server(cfg) as capture:
         for split in ("train", "val"):
             offline = extract.ShardDataset(shards.path, split)

@@ -30,7 +30,7 @@ from eagle3.core.config import Config, ExtractConfig
 from eagle3.core.outputs import extract_output
 from eagle3.core.target import load_target, resolve_target_path, tokenizer_hash
 from eagle3.core.tracking import stage_run
-from eagle3.data import app as data
+from eagle3.data import stage as data
 from eagle3.data.splits import load_splits
 from eagle3.data.tokens import load_tokenizer
 from eagle3.extract.shards import STORAGE_DTYPES, ShardDataset, ShardPlan  # noqa: F401 (read through extract.app too)

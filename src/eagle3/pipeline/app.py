@@ -36,7 +36,7 @@ from eagle3.core.lifecycle import run_child
 from eagle3.core.outputs import STAGE_OUTPUTS
 from eagle3.core.spec import resolve_spec
 from eagle3.core.target import download_hint, downloaded, resolve_target_path
-from eagle3.data import app as data
+from eagle3.data import stage as data
 from eagle3.data.regen import regen_engine_config
 from eagle3.export import app as export
 from eagle3.extract import app as extract
