@@ -14,7 +14,8 @@ from eagle3.core import outputs
 from eagle3.core.common import Eagle3Error
 from eagle3.data import stage as data
 from eagle3.data.splits import load_splits
-from eagle3.extract import app as extract
+from eagle3.extract import stage as extract
+from eagle3.extract.shards import ShardDataset
 
 
 def tiny_cfg(make_cfg, artifacts, *overrides):
@@ -87,7 +88,7 @@ def test_extracted_shards_equal_a_direct_forward(make_cfg, own_artifacts, tiny_t
     )
     assert counts["bytes_written"] == sum(s["bytes"] for v in index["splits"].values() for s in v)
     for split in ("train", "val"):
-        shards = extract.ShardDataset(out.path, split)
+        shards = ShardDataset(out.path, split)
         assert len(shards) == len(splits[split])
         for i in range(len(shards)):
             item, row = shards[i], splits[split][i]
@@ -220,7 +221,7 @@ def test_kill_9_during_extraction_resumes_with_verified_shards(
     ]
     for plan in plans:
         extract.check_shard(out.path / plan.file, plan, 64, full=True)
-    shards = extract.ShardDataset(out.path, "train")
+    shards = ShardDataset(out.path, "train")
     assert [shards[i]["id"] for i in range(len(shards))] == splits["train"][
         "id"
     ]  # none lost, none twice
@@ -253,7 +254,7 @@ def test_smollm2_sharegpt_end_to_end(make_cfg, own_artifacts, smollm2):
         == 5
     )
     assert len(splits["train"]) >= 2
-    shards = extract.ShardDataset(out.path, "train")
+    shards = ShardDataset(out.path, "train")
     item, row = shards[1], splits["train"][1]
     assert item["id"] == row["id"] and item["input_ids"].tolist() == row["input_ids"]
     assert item["aux_hidden"].shape == (len(row["input_ids"]), 3 * 576)

@@ -493,7 +493,7 @@ def test_end_to_end_offline_with_mlflow_and_guard_rails(make_cfg, test_root, tmp
 
     from eagle3.core.outputs import train_output
     from eagle3.data import stage as data
-    from eagle3.extract import app as extract
+    from eagle3.extract import stage as extract
     from eagle3.train.app import run
 
     artifacts = tmp_path / "artifacts"

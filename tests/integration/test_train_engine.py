@@ -12,7 +12,8 @@ import torch
 
 from eagle3.core.outputs import data_output, extract_output, train_output
 from eagle3.data.splits import load_splits
-from eagle3.extract import app as extract
+from eagle3.extract import stage as extract
+from eagle3.extract.shards import ShardDataset
 from eagle3.train import app as train
 from eagle3.train.datamodule import BucketBatchSampler, collate
 from eagle3.train.engine_states import EngineStates, capture_server
@@ -37,7 +38,7 @@ def test_engine_batches_equal_the_offline_batches_and_train(make_cfg, own_artifa
     splits = load_splits(data_output(cfg).path)
     with capture_server(cfg) as capture:
         for split in ("train", "val"):
-            offline = extract.ShardDataset(shards.path, split)
+            offline = ShardDataset(shards.path, split)
             engine = EngineStates(splits[split], split, capture, cfg.extract.dtype)
             assert len(engine) == len(offline) == len(splits[split]) > 0
             items = [engine[i] for i in range(len(engine))]
