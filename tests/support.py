@@ -76,14 +76,14 @@ def peaked_target(cfg):
 
 def train_settings(cfg):
     """The sections a training reads, as the train stage takes them from `cfg`."""
-    from eagle3.train.app import TrainSettings
+    from eagle3.train.stage import TrainSettings
 
     return TrainSettings(cfg.train, cfg.trainer, cfg.drafter, cfg.cluster, cfg.tracking, cfg.seed)
 
 
 def synthetic_fit(cfg, folder: Path, callbacks=(), target=None, n_train: int = 24):
-    from eagle3.train.app import fit
     from eagle3.train.datamodule import DrafterData
+    from eagle3.train.stage import fit
 
     target = target or peaked_target(cfg)
     train_set, val_set, d2t, t2d = synthetic_data(target, n_train=n_train)

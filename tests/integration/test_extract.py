@@ -276,7 +276,7 @@ def test_a_finished_shard_cut_short_or_changed_is_named_before_it_is_read(make_c
     at its full size passes the size check and is caught with verify=true."""
     from mlflow.tracking import MlflowClient
 
-    from eagle3.train import app as train
+    from eagle3.train import stage as train
 
     cfg = tiny_cfg(make_cfg, own_artifacts, "train.hidden_states=offline")
     out = extract.run(cfg)

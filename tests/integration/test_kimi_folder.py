@@ -32,7 +32,7 @@ from eagle3.data.splits import load_splits
 from eagle3.data.tokens import load_tokenizer
 from eagle3.export import app as export
 from eagle3.extract import stage as extract
-from eagle3.train import app as train
+from eagle3.train import stage as train
 
 VOCAB = 320  # base BPE tokens + reserved special slots, as the config's vocab_size (Kimi: 163,840)
 SPECIALS = [

@@ -14,7 +14,7 @@ from eagle3.core.outputs import data_output, extract_output, train_output
 from eagle3.data.splits import load_splits
 from eagle3.extract import stage as extract
 from eagle3.extract.shards import ShardDataset
-from eagle3.train import app as train
+from eagle3.train import stage as train
 from eagle3.train.datamodule import BucketBatchSampler, collate
 from eagle3.train.engine_states import EngineStates, capture_server
 

@@ -54,7 +54,7 @@ from eagle3.pipeline.plan import (
     target_hidden_size,
 )
 from eagle3.serve.launch import compose_launch
-from eagle3.train import app as train
+from eagle3.train import stage as train
 
 STAGE_RUNS = {"data": data.run, "extract": extract.run, "train": train.run, "export": export.run}
 

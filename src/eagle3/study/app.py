@@ -58,7 +58,7 @@ from eagle3.study.report import (
     reference_points,
     table,
 )
-from eagle3.train import app as train
+from eagle3.train import stage as train
 
 # ---------------------------------------------------------------- sizes and their configs
 

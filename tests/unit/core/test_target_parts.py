@@ -19,7 +19,7 @@ from eagle3.core.target_parts import INDEX, load_target_parts
 from eagle3.data import stage as data
 from eagle3.export import app as export
 from eagle3.extract import stage as extract
-from eagle3.train import app as train
+from eagle3.train import stage as train
 
 
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-llama"])  # sharded and untied; one file, tied
