@@ -228,7 +228,7 @@ def _export_untrained(cfg, out: Path) -> Path:
 
     from eagle3.core.drafter import build_drafter
     from eagle3.core.target import load_target
-    from eagle3.export.app import export_drafter
+    from eagle3.export.stage import export_drafter
 
     target = load_target(cfg, device="cpu")
     torch.manual_seed(0)

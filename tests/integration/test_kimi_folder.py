@@ -30,7 +30,7 @@ from eagle3.core.target_parts import INDEX, load_target_parts
 from eagle3.data import stage as data
 from eagle3.data.splits import load_splits
 from eagle3.data.tokens import load_tokenizer
-from eagle3.export import app as export
+from eagle3.export import stage as export
 from eagle3.extract import stage as extract
 from eagle3.train import stage as train
 

@@ -26,7 +26,7 @@ from eagle3.core.hash_schema import hashed
 from eagle3.core.outputs import train_output
 from eagle3.core.target import target_key
 from eagle3.core.target_parts import load_target_parts
-from eagle3.export.app import export_drafter
+from eagle3.export.stage import export_drafter
 
 STAGE = "checkpoint-export"
 

@@ -35,7 +35,7 @@ from eagle3.core.config import Config, ShippedConfig, TargetConfig
 from eagle3.core.drafter_io import MODELS_URI
 from eagle3.core.outputs import export_output
 from eagle3.core.target import target_key
-from eagle3.export.app import registry_name
+from eagle3.export.stage import registry_name
 
 SCALE = ".int8_scale"
 KEYWORD = "shipped"  # drafter.path=shipped picks the shipped drafter explicitly

@@ -38,7 +38,7 @@ from eagle3.core.spec import resolve_spec
 from eagle3.core.target import download_hint, downloaded, resolve_target_path
 from eagle3.data import stage as data
 from eagle3.data.regen import regen_engine_config
-from eagle3.export import app as export
+from eagle3.export import stage as export
 from eagle3.extract import stage as extract
 from eagle3.extract.vllm_capture import capture_launch, target_shape
 from eagle3.pipeline.plan import (

@@ -17,7 +17,7 @@ from support import FIXTURES
 from eagle3.core.target import load_target, resolve_target_path
 from eagle3.core.target_parts import INDEX, load_target_parts
 from eagle3.data import stage as data
-from eagle3.export import app as export
+from eagle3.export import stage as export
 from eagle3.extract import stage as extract
 from eagle3.train import stage as train
 
