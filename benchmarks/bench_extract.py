@@ -14,6 +14,7 @@ verification, rename) over the same batches, and prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -29,7 +30,7 @@ from eagle3.core.common import compose  # noqa: E402
 from eagle3.core.target import Target, load_target, resolve_target_path  # noqa: E402
 from eagle3.extract import stage as extract  # noqa: E402
 from eagle3.extract.shards import ShardPlan  # noqa: E402
-from eagle3.extract.vllm_capture import VllmCapture, target_shape  # noqa: E402
+from eagle3.extract.vllm_capture import VllmCapture, capture_launch, target_shape  # noqa: E402
 
 SMOLLM2_SHAPE = dict(
     vocab_size=49152,
@@ -192,7 +193,8 @@ def bench_backends(args) -> dict:
         del target
         shape = target_shape(cfg.target, resolve_target_path(cfg.target, Path(cfg.paths.artifacts)))
         started = time.perf_counter()
-        with VllmCapture(cfg, shape, Path(root) / "engine") as capture:
+        command = functools.partial(capture_launch, cfg, shape)
+        with VllmCapture(command, cfg.extract, shape, Path(root) / "engine") as capture:
             startup_s = time.perf_counter() - started
             capture.shard(warm[0], dtype)
             started = time.perf_counter()

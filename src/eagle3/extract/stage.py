@@ -12,13 +12,13 @@ eagle3.extract` (app.py) runs it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -35,7 +35,7 @@ from eagle3.data import stage as data
 from eagle3.data.splits import load_splits
 from eagle3.data.tokens import load_tokenizer
 from eagle3.extract.shards import STORAGE_DTYPES, ShardPlan
-from eagle3.extract.vllm_capture import VllmCapture, target_shape
+from eagle3.extract.vllm_capture import VllmCapture, capture_launch, target_shape
 
 FORMAT = "eagle3-hidden-shard-v1"
 BACKENDS = ("hf", "vllm")
@@ -96,6 +96,15 @@ def plan_shards(split: str, rows, shard_tokens: int) -> list[ShardPlan]:
         if length is not None:
             tokens += length
     return plans
+
+
+def split_plans(ecfg: ExtractConfig, splits) -> list[ShardPlan]:
+    """The shards of every split extract.splits names, in order."""
+    return [
+        plan
+        for name in ecfg.splits
+        for plan in plan_shards(name, splits[name][:], ecfg.shard_tokens)
+    ]
 
 
 def extract_shard(
@@ -282,7 +291,8 @@ def check_disk(
 
 def run(cfg: Config) -> StageOutput:
     """Extract every configured split (a no-op when complete; resumes at shard granularity)."""
-    check_backend(cfg.extract)
+    ecfg = cfg.extract
+    check_backend(ecfg)
     data_out = data.run(cfg)
     out = extract_output(cfg)
     with out.lock():  # runs started at once (a parallel launcher): one builds, the others reuse
@@ -290,16 +300,23 @@ def run(cfg: Config) -> StageOutput:
             return out
         with stage_run(cfg, "extract", artifact_hash=out.hash) as mlflow_run:
             out.start()
-            splits = load_splits(data_out.path)
-            plans = [
-                p
-                for name in cfg.extract.splits
-                for p in plan_shards(name, splits[name][:], cfg.extract.shard_tokens)
-            ]
-            with capture_source(cfg, out.path, plans) as target:
+            plans = split_plans(ecfg, load_splits(data_out.path))
+            # the states' source, the HF target here or a vLLM capture server: both give
+            # hidden_size, aux_layer_ids, tokenizer and device
+            if ecfg.backend == "hf":
+                source = contextlib.nullcontext(load_target(cfg))
+            else:
+                shape = target_shape(
+                    cfg.target, resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
+                )
+                command = functools.partial(capture_launch, cfg, shape)
+                capture = VllmCapture(command, ecfg, shape, out.path / "engine")
+                capture.tokenizer = load_tokenizer(cfg.target, cfg.paths.artifacts)[0]
+                source = served_when_needed(capture, out.path, plans)
+            with source as target:
                 check_tokenizer(target.tokenizer, data_out)
-                stats = extract_all(cfg.extract, target, plans, out.path)
-            write_index(out.path, cfg.extract, target, plans)
+                stats = extract_all(ecfg, target, plans, out.path)
+            write_index(out.path, ecfg, target, plans)
             if mlflow_run is not None:
                 import mlflow
 
@@ -317,16 +334,12 @@ def check_backend(ecfg: ExtractConfig) -> None:
 
 
 @contextlib.contextmanager
-def capture_source(cfg: Config, root: Path, plans: list[ShardPlan]) -> Iterator[Any]:
-    """The HF target loaded here, or (extract.backend=vllm) a started vLLM capture server, stopped
-    on exit; both give hidden_size, aux_layer_ids, tokenizer and device."""
-    if cfg.extract.backend == "hf":
-        yield load_target(cfg)
-        return
-    path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
-    capture = VllmCapture(cfg, target_shape(cfg.target, path), root / "engine")
-    capture.tokenizer = load_tokenizer(cfg.target, cfg.paths.artifacts)[0]
-    if all(shard_in_place(root, p, capture.hidden_size) for p in plans):  # no server needed
+def served_when_needed(
+    capture: VllmCapture, root: Path, plans: list[ShardPlan]
+) -> Iterator[VllmCapture]:
+    """`capture` with its server started, stopped on exit; not started when every shard of `plans`
+    is already in place under `root`."""
+    if all(shard_in_place(root, p, capture.hidden_size) for p in plans):
         yield capture
         return
     with capture:

@@ -58,7 +58,7 @@ from eagle3.core.drafter_io import (
 from eagle3.core.lifecycle import Stopped
 from eagle3.core.outputs import data_output, shards_output, train_output
 from eagle3.core.spec import resolve_spec
-from eagle3.core.target import Target, load_target, tokenizer_hash
+from eagle3.core.target import Target, load_target, resolve_target_path, tokenizer_hash
 from eagle3.core.target_parts import load_target_parts
 from eagle3.core.tracking import stage_run
 from eagle3.data.vocab import load_vocab_map
@@ -488,9 +488,13 @@ def train_into(cfg: Config, out: StageOutput, callbacks=()) -> StageOutput:
     with contextlib.ExitStack() as stack:
         capture = None
         if tcfg.hidden_states == "engine":  # a vLLM server captures every item's states
+            from eagle3.extract.vllm_capture import capture_launch, target_shape
             from eagle3.train.engine_states import capture_server
 
-            capture = stack.enter_context(capture_server(cfg))
+            path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
+            shape = target_shape(cfg.target, path)
+            command = functools.partial(capture_launch, cfg, shape)
+            capture = stack.enter_context(capture_server(command, cfg.extract, shape))
         datasets = datasets_for(tcfg, cfg.extract.dtype, data.path, shards, capture)
         evaluate = functools.partial(evaluation_for, tcfg, cfg.spec, cfg.engine.tree_temperature)
         record = functools.partial(stage_run, cfg, "train", artifact_hash=out.hash)
