@@ -81,6 +81,14 @@ def train_settings(cfg):
     return TrainSettings(cfg.train, cfg.trainer, cfg.drafter, cfg.cluster, cfg.tracking, cfg.seed)
 
 
+def built_bundle(cfg) -> Path:
+    """The bundle `python -m eagle3.tools.bundle` builds for `cfg`: its manifest.json."""
+    from eagle3.tools.bundle import build
+
+    named = [cfg.data.source, cfg.drafter.path, cfg.train.init_from, cfg.target.path]
+    return build(cfg.bundle, cfg.target, named)
+
+
 def synthetic_fit(cfg, folder: Path, callbacks=(), target=None, n_train: int = 24):
     from eagle3.train.datamodule import DrafterData
     from eagle3.train.stage import fit
