@@ -107,7 +107,10 @@ def main() -> None:
         f"paths.root={args.root}",
         "tracking.enabled=false",
     ]
-    drafter = shipped_drafter(compose([*args.overrides, "drafter.path=shipped"]))
+    base = compose([*args.overrides, "drafter.path=shipped"])
+    drafter = shipped_drafter(
+        base.shipped, base.target, base.paths.artifacts, base.tracking, base.export
+    )
     args.overrides.append(f"drafter.path={drafter}")
     cfg = compose(args.overrides)
     target = load_target(cfg.target, cfg.paths.artifacts)

@@ -7,13 +7,14 @@
     python benchmarks/bench_extract.py backends --batch 8x256 --shards 4  # extract.backend hf vs vllm
 
 `extract` times (a) `model.model(ids)` over every batch (the bare forward, no lm_head) and (b) the
-real extraction path (`eagle3.extract.app.extract_shards`: capture, gather, host copy, safetensors write,
+real extraction path (`eagle3.extract.stage.extract_shards`: capture, gather, host copy, safetensors write,
 verification, rename) over the same batches, and prints one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -25,10 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eagle3 import extract  # noqa: E402
 from eagle3.core.common import compose  # noqa: E402
 from eagle3.core.target import Target, load_target, resolve_target_path  # noqa: E402
-from eagle3.extract.vllm_capture import VllmCapture, target_shape  # noqa: E402
+from eagle3.extract import stage as extract  # noqa: E402
+from eagle3.extract.shards import ShardPlan  # noqa: E402
+from eagle3.extract.vllm_capture import VllmCapture, capture_launch, target_shape  # noqa: E402
 
 SMOLLM2_SHAPE = dict(
     vocab_size=49152,
@@ -63,7 +65,7 @@ def load_bench_target(name: str, device: str, dtype: str) -> Target:
     return load_target(cfg.target, cfg.paths.artifacts)
 
 
-def synthetic_plans(rows: int, length: int, shards: int, vocab: int) -> list[extract.ShardPlan]:
+def synthetic_plans(rows: int, length: int, shards: int, vocab: int) -> list[ShardPlan]:
     """`shards` shards of `rows` sequences of `length` random tokens: one batch per shard at batch
     tokens = rows * length."""
     generator = torch.Generator().manual_seed(0)
@@ -71,7 +73,7 @@ def synthetic_plans(rows: int, length: int, shards: int, vocab: int) -> list[ext
     for number in range(shards):
         ids = torch.randint(3, vocab, (rows, length), generator=generator).tolist()
         plans.append(
-            extract.ShardPlan(
+            ShardPlan(
                 "train",
                 number,
                 number * rows,
@@ -190,7 +192,8 @@ def bench_backends(args) -> dict:
         del target
         shape = target_shape(cfg.target, resolve_target_path(cfg.target, Path(cfg.paths.artifacts)))
         started = time.perf_counter()
-        with VllmCapture(cfg, shape, Path(root) / "engine") as capture:
+        command = functools.partial(capture_launch, cfg, shape)
+        with VllmCapture(command, cfg.extract, shape, Path(root) / "engine") as capture:
             startup_s = time.perf_counter() - started
             capture.shard(warm[0], dtype)
             started = time.perf_counter()
@@ -221,7 +224,7 @@ def bench_backends(args) -> dict:
 
 def bench_data(args) -> dict:
     from eagle3.core.common import compose
-    from eagle3.data import app as data
+    from eagle3.data import stage as data
 
     with tempfile.TemporaryDirectory() as root:
         artifacts = Path(root) / "artifacts"

@@ -140,9 +140,9 @@ def _train_smollm2_drafter(test_root: Path, out: Path) -> None:
 
     from eagle3.core.drafter_io import load_trained_drafter
     from eagle3.core.target import load_target
-    from eagle3.export.app import export_drafter
-    from eagle3.train.app import fit
+    from eagle3.export.stage import export_drafter
     from eagle3.train.datamodule import DrafterData
+    from eagle3.train.stage import fit
 
     train_dir = test_root / "drafters" / "smollm2-bench-train"
     cfg = agree_cfg(

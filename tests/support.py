@@ -76,14 +76,22 @@ def peaked_target(cfg):
 
 def train_settings(cfg):
     """The sections a training reads, as the train stage takes them from `cfg`."""
-    from eagle3.train.app import TrainSettings
+    from eagle3.train.stage import TrainSettings
 
     return TrainSettings(cfg.train, cfg.trainer, cfg.drafter, cfg.cluster, cfg.tracking, cfg.seed)
 
 
+def built_bundle(cfg) -> Path:
+    """The bundle `python -m eagle3.tools.bundle` builds for `cfg`: its manifest.json."""
+    from eagle3.tools.bundle import build
+
+    named = [cfg.data.source, cfg.drafter.path, cfg.train.init_from, cfg.target.path]
+    return build(cfg.bundle, cfg.target, named)
+
+
 def synthetic_fit(cfg, folder: Path, callbacks=(), target=None, n_train: int = 24):
-    from eagle3.train.app import fit
     from eagle3.train.datamodule import DrafterData
+    from eagle3.train.stage import fit
 
     target = target or peaked_target(cfg)
     train_set, val_set, d2t, t2d = synthetic_data(target, n_train=n_train)
@@ -228,7 +236,7 @@ def _export_untrained(cfg, out: Path) -> Path:
 
     from eagle3.core.drafter import build_drafter
     from eagle3.core.target import load_target
-    from eagle3.export.app import export_drafter
+    from eagle3.export.stage import export_drafter
 
     target = load_target(cfg.target, cfg.paths.artifacts, device="cpu")
     torch.manual_seed(0)

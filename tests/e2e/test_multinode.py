@@ -19,7 +19,7 @@ from support import ddp_stage, finish
 
 from eagle3.core.common import compose
 from eagle3.core.outputs import train_output
-from eagle3.data import app as data
+from eagle3.data import stage as data
 from eagle3.serve.launch import free_port
 
 OVERRIDES = [

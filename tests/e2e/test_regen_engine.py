@@ -13,8 +13,8 @@ import pytest
 
 from eagle3.core import outputs
 from eagle3.core.common import compose
-from eagle3.data import app as data
 from eagle3.data import regen
+from eagle3.data import stage as data
 from eagle3.data.conversations import conversations_for, user_turns
 
 SHAREGPT_VLLM = [

@@ -11,10 +11,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from support import built_bundle
 
 from eagle3.core.common import Eagle3Error
 from eagle3.tools import bundle_run
-from eagle3.tools.bundle import build
 
 
 def tiny_wheel(folder):
@@ -51,7 +51,7 @@ def make_bundle(make_cfg, tmp_path, *overrides):
         "bundle.part_mib=0.004",
         *overrides,
     )
-    return cfg, build(cfg), prompts
+    return cfg, built_bundle(cfg), prompts
 
 
 def all_parts(manifest: dict) -> list[dict]:
@@ -152,7 +152,7 @@ def test_a_code_change_rebuilds_only_the_source_pack(make_cfg, tmp_path):
     assert sorted(packs) == ["assets", "base", "files", "source"]
     assets = json.loads(first.read_text())["packs"][[*packs].index("assets")]["members"]
     assert assets and all(m.startswith("source/assets/") for m in assets)
-    again = build(make_cfg(*cfg_overrides(cfg, tmp_path / "again"), "bundle.source=false"))
+    again = built_bundle(make_cfg(*cfg_overrides(cfg, tmp_path / "again"), "bundle.source=false"))
     assert {p["name"]: p["sha256"] for p in json.loads(again.read_text())["packs"]} == {
         n: packs[n] for n in ("base", "files")
     }

@@ -21,11 +21,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from support import REPO
+from support import REPO, built_bundle
 
 from eagle3.core.common import Eagle3Error
 from eagle3.tools import bundle_run
-from eagle3.tools.bundle import build
 from eagle3.tools.bundle_engines import (
     check_launch_imports,
     read_machine_packages,
@@ -324,7 +323,7 @@ def test_a_bundle_with_sglang_installs_the_trimmed_engine(make_cfg, index, tmp_p
         f"bundle.engine_index_args=[--no-index,--find-links,{index}]",
         "bundle.engine_sets.sglang.entry_modules=[sglang.launch_server]",
     )
-    manifest_path = build(cfg)
+    manifest_path = built_bundle(cfg)
     manifest = json.loads(manifest_path.read_text())
     carried = manifest["engines"]["sglang"]
     assert carried["wheels"] == [
@@ -362,4 +361,4 @@ def test_an_unknown_engine_is_named(make_cfg, tmp_path):
         "bundle.engines=[tgi]",
     )
     with pytest.raises(Eagle3Error, match="bundle.engines: 'tgi' has no bundle.engine_sets entry"):
-        build(cfg)
+        built_bundle(cfg)

@@ -15,9 +15,17 @@ from eagle3.core.common import Eagle3Error
 from eagle3.core.drafter_io import CHECKPOINTS, FINAL_WEIGHTS, drafter_weights, load_drafter
 from eagle3.core.lifecycle import Stopped
 from eagle3.core.outputs import train_output
-from eagle3.export.checkpoint import export_checkpoint
+from eagle3.export.checkpoint import chosen_checkpoint, export_checkpoint, newest_checkpoint
 
 CUT_AT_STEP = 8
+
+
+def exported(cfg):
+    """What `python -m eagle3.export.checkpoint` exports for `cfg`."""
+    checkpoint = newest_checkpoint(chosen_checkpoint(cfg.export) or train_output(cfg).path)
+    return export_checkpoint(
+        checkpoint, cfg.export, cfg.target, cfg.drafter, cfg.train, cfg.paths.artifacts
+    )
 
 
 class SigtermAt(L.Callback):
@@ -50,19 +58,19 @@ def test_stopped_training_exports_its_newest_checkpoint(make_cfg, own_artifacts)
     last = folder / CHECKPOINTS / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == CUT_AT_STEP
 
-    out = export_checkpoint(cfg)
+    out = exported(cfg)
     assert sorted(out.manifest()["counts"]["folders"]) == ["sglang", "vllm"]
     assert out.manifest()["recipe"]["checkpoint"] == str(last)
     assert_exported(out.path, last)
     written = out.manifest_path.stat().st_mtime_ns
-    assert export_checkpoint(cfg).path == out.path  # the same checkpoint again: a no-op
+    assert exported(cfg).path == out.path  # the same checkpoint again: a no-op
     assert out.manifest_path.stat().st_mtime_ns == written
 
     # an older checkpoint made the newest: another folder, holding that checkpoint's weights
     epoch = next((folder / CHECKPOINTS).glob("epoch*.ckpt"))
     assert not torch.equal(drafter_weights(epoch)["fc.weight"], drafter_weights(last)["fc.weight"])
     os.utime(epoch)
-    again = export_checkpoint(cfg)
+    again = exported(cfg)
     assert again.path != out.path
     assert_exported(again.path, epoch)
 
@@ -77,7 +85,7 @@ def test_a_checkpoint_of_another_drafter_shape_is_refused(make_cfg, own_artifact
         f"export.checkpoint={tmp_path / 'run'}",
     )
     with pytest.raises(Eagle3Error, match=r"does not fit the drafter .*missing \['layers.1"):
-        export_checkpoint(other)
+        exported(other)
     empty = make_cfg(*BASE, f"paths.artifacts={own_artifacts}")
     with pytest.raises(Eagle3Error, match=r"holds no checkpoint \(\*\.ckpt\)"):
-        export_checkpoint(empty)
+        exported(empty)

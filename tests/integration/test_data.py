@@ -18,10 +18,11 @@ from eagle3.core import outputs, target
 from eagle3.core.common import Eagle3Error
 from eagle3.core.drafter import build_drafter
 from eagle3.core.drafter_io import export_sglang
-from eagle3.data import app as data
 from eagle3.data import regen, sources, tokens
+from eagle3.data import stage as data
 from eagle3.data.conversations import conversations_for, normalise, user_turns
 from eagle3.data.prompt_files import write_prompts, write_suites
+from eagle3.data.splits import load_splits
 from eagle3.data.vocab import build_vocab_map, load_vocab_map
 
 JSONL = FIXTURES / "conversations.jsonl"
@@ -318,7 +319,7 @@ def test_data_stage_output_manifest_mlflow_and_idempotence(make_cfg, tiny_target
     cfg = file_cfg(make_cfg, f"paths.artifacts={own_artifacts}")
     out = data.run(cfg)
     assert out.complete and out.path == outputs.data_output(cfg).path
-    splits = data.load_splits(out.path)
+    splits = load_splits(out.path)
     assert set(splits) == {"train", "val"} and splits["train"].column_names == [
         "id",
         "input_ids",
@@ -389,7 +390,7 @@ def test_vocab_map_from_another_source(make_cfg, tiny_target, own_artifacts):
     )
     got_d2t, got_t2d = load_vocab_map(out.path)
     assert torch.equal(got_d2t, d2t) and torch.equal(got_t2d, t2d)
-    splits = data.load_splits(out.path)
+    splits = load_splits(out.path)
     masked = torch.cat(
         [torch.tensor(r["input_ids"])[torch.tensor(r["loss_mask"]).bool()] for r in splits["train"]]
     )
@@ -487,7 +488,7 @@ def check_regenerated(out, target, source_convs, max_new_tokens=6):
     keys = [(r["id"], r["turn"]) for r in records]
     assert len(keys) == len(set(keys))  # nothing duplicated
     answers = {(r["id"], r["turn"]): r["content"] for r in records}
-    splits = data.load_splits(out.path)
+    splits = load_splits(out.path)
     rows = {r["id"]: r for s in splits.values() for r in s}
     assert set(rows) == {c["id"] for c in source_convs}
     for conv in source_convs:

@@ -18,7 +18,7 @@ from eagle3.core import drafter_io, outputs
 from eagle3.core.common import Eagle3Error
 from eagle3.core.drafter import build_drafter
 from eagle3.core.target import default_aux_layer_ids
-from eagle3.export import app as export
+from eagle3.export import stage as export
 
 RECIPE = {
     "ttt_length": 7,

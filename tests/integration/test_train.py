@@ -33,9 +33,9 @@ from eagle3.core.common import Eagle3Error, compose
 from eagle3.core.drafter_io import CHECKPOINTS, load_trained_drafter
 from eagle3.core.outputs import train_output
 from eagle3.core.target import CompiledCapture, load_target
-from eagle3.train.app import choose_strategy, evaluation_for, fit
 from eagle3.train.datamodule import BucketBatchSampler, DrafterData, collate
 from eagle3.train.drafter_module import DrafterModule, compile_setting, warmup_cosine
+from eagle3.train.stage import choose_strategy, evaluation_for, fit
 from eagle3.train.ttt import tau_hat
 
 
@@ -492,9 +492,9 @@ def test_end_to_end_offline_with_mlflow_and_guard_rails(make_cfg, test_root, tmp
     from safetensors.torch import load_file
 
     from eagle3.core.outputs import train_output
-    from eagle3.data import app as data
-    from eagle3.extract import app as extract
-    from eagle3.train.app import run
+    from eagle3.data import stage as data
+    from eagle3.extract import stage as extract
+    from eagle3.train.stage import run
 
     artifacts = tmp_path / "artifacts"
     artifacts.mkdir()
@@ -623,7 +623,7 @@ def test_a_damaged_last_checkpoint_is_set_aside_and_the_run_resumes_before_it(
 
 def test_without_a_good_checkpoint_training_starts_over_and_says_so(tmp_path, caplog):
     """Every checkpoint damaged: each is set aside (rank 0 only) and the run starts over."""
-    from eagle3.train.app import resume_checkpoint
+    from eagle3.train.stage import resume_checkpoint
 
     folder = tmp_path / "run"
     (folder / CHECKPOINTS).mkdir(parents=True)
@@ -690,7 +690,7 @@ def test_two_trainings_of_one_config_started_together_train_once(
     the folder's lock, finds the output finished and does nothing; one MLflow run, FINISHED."""
     from mlflow.tracking import MlflowClient
 
-    from eagle3.data import app as data
+    from eagle3.data import stage as data
 
     stage = ddp_stage(
         test_root, own_artifacts, "trainer.strategy=auto", "train.epochs=1", "train.batch_size=4"

@@ -5,15 +5,20 @@ batches are equal too; and the train stage trains from it with no shards written
 
 from __future__ import annotations
 
+import functools
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from eagle3.core.outputs import extract_output, train_output
-from eagle3.data import app as data
-from eagle3.extract import app as extract
-from eagle3.train import app as train
+from eagle3.core.outputs import data_output, extract_output, train_output
+from eagle3.core.target import resolve_target_path
+from eagle3.data.splits import load_splits
+from eagle3.extract import stage as extract
+from eagle3.extract.shards import ShardDataset
+from eagle3.extract.vllm_capture import capture_launch, target_shape
+from eagle3.train import stage as train
 from eagle3.train.datamodule import BucketBatchSampler, collate
 from eagle3.train.engine_states import EngineStates, capture_server
 
@@ -34,10 +39,12 @@ def test_engine_batches_equal_the_offline_batches_and_train(make_cfg, own_artifa
     offline_cfg = make_cfg(*common)
     shards = extract.run(offline_cfg)
     cfg = make_cfg(*common, "train.hidden_states=engine", "train.epochs=1", "train.batch_size=2")
-    splits = data.load_splits(data.data_output(cfg).path)
-    with capture_server(cfg) as capture:
+    splits = load_splits(data_output(cfg).path)
+    shape = target_shape(cfg.target, resolve_target_path(cfg.target, Path(cfg.paths.artifacts)))
+    command = functools.partial(capture_launch, cfg, shape)
+    with capture_server(command, cfg.extract, shape) as capture:
         for split in ("train", "val"):
-            offline = extract.ShardDataset(shards.path, split)
+            offline = ShardDataset(shards.path, split)
             engine = EngineStates(splits[split], split, capture, cfg.extract.dtype)
             assert len(engine) == len(offline) == len(splits[split]) > 0
             items = [engine[i] for i in range(len(engine))]

@@ -20,7 +20,7 @@ from eagle3.core.common import Eagle3Error
 from eagle3.core.drafter import build_drafter
 from eagle3.data.sources import read_rows
 from eagle3.data.suites import check_bench_settings
-from eagle3.export.app import export_drafter
+from eagle3.export.stage import export_drafter
 
 
 def rows_file(path, count: int) -> list[dict]:

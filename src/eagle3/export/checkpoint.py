@@ -19,14 +19,21 @@ from pathlib import Path
 
 from eagle3.core.artifacts import StageOutput, file_sha256, stage_output
 from eagle3.core.common import Eagle3Error, app, log
-from eagle3.core.config import Config, DrafterConfig, ExportConfig, TargetConfig, plain
+from eagle3.core.config import (
+    Config,
+    DrafterConfig,
+    ExportConfig,
+    TargetConfig,
+    TrainConfig,
+    plain,
+)
 from eagle3.core.drafter import Eagle3Drafter, build_drafter
 from eagle3.core.drafter_io import check_drafter_for_target, drafter_weights
 from eagle3.core.hash_schema import hashed
 from eagle3.core.outputs import train_output
 from eagle3.core.target import target_key
 from eagle3.core.target_parts import load_target_parts
-from eagle3.export.app import export_drafter
+from eagle3.export.stage import export_drafter
 
 STAGE = "checkpoint-export"
 
@@ -78,34 +85,44 @@ def checkpoint_drafter(drafter_cfg: DrafterConfig, checkpoint: Path, target) -> 
     return drafter
 
 
-def export_checkpoint(cfg: Config) -> StageOutput:
-    """Export the newest checkpoint (no-op when that checkpoint was exported with these settings)."""
-    checkpoint = newest_checkpoint(chosen_checkpoint(cfg.export) or train_output(cfg).path)
+def export_checkpoint(
+    checkpoint: Path,
+    ecfg: ExportConfig,
+    target_cfg: TargetConfig,
+    drafter_cfg: DrafterConfig,
+    tcfg: TrainConfig,
+    artifacts: str,
+) -> StageOutput:
+    """Export `checkpoint` (a no-op when it was exported with these settings): a drafter shaped by
+    the target and drafter sections, its recipe the TTT settings of the train section."""
     checksum = file_sha256(checkpoint)
-    out = checkpoint_output(cfg.export, cfg.target, cfg.paths.artifacts, checksum)
+    out = checkpoint_output(ecfg, target_cfg, artifacts, checksum)
     with out.lock():
         if out.complete:
             log.info("%s already exported: %s", checkpoint, out.path)
             return out
-        target = load_target_parts(cfg.target, cfg.paths.artifacts)
-        drafter = checkpoint_drafter(cfg.drafter, checkpoint, target)
+        target = load_target_parts(target_cfg, artifacts)
+        drafter = checkpoint_drafter(drafter_cfg, checkpoint, target)
         recipe = {
             "checkpoint": str(checkpoint),
             "checkpoint_sha256": checksum,
-            "ttt_length": cfg.train.ttt_length,
-            "step_decay": cfg.train.step_decay,
-            "target": target_key(cfg.target),
+            "ttt_length": tcfg.ttt_length,
+            "step_decay": tcfg.step_decay,
+            "target": target_key(target_cfg),
         }
         drafter.config.recipe = recipe
         out.start()
-        folders = export_drafter(cfg.export, cfg.target, drafter, recipe, out.path)
+        folders = export_drafter(ecfg, target_cfg, drafter, recipe, out.path)
         out.finish({"folders": sorted(folders)}, recipe=recipe)
     return out
 
 
 @app
 def main(cfg: Config) -> None:
-    out = export_checkpoint(cfg)
+    checkpoint = newest_checkpoint(chosen_checkpoint(cfg.export) or train_output(cfg).path)
+    out = export_checkpoint(
+        checkpoint, cfg.export, cfg.target, cfg.drafter, cfg.train, cfg.paths.artifacts
+    )
     print(f"exported {out.manifest()['recipe']['checkpoint']}: {out.path}")
     for name in out.manifest().get("counts", {}).get("folders", []):
         print(f"  {name}: {out.path / name}")

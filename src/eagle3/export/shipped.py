@@ -23,6 +23,7 @@ import hashlib
 import io
 import json
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,11 +32,10 @@ from safetensors.torch import load, save
 from eagle3.core import tracking
 from eagle3.core.artifacts import StageOutput
 from eagle3.core.common import CONF_DIR, Eagle3Error, log
-from eagle3.core.config import Config, ShippedConfig, TargetConfig
+from eagle3.core.config import ExportConfig, ShippedConfig, TargetConfig, TrackingConfig
 from eagle3.core.drafter_io import MODELS_URI
-from eagle3.core.outputs import export_output
 from eagle3.core.target import target_key
-from eagle3.export.app import registry_name
+from eagle3.export.stage import registry_name
 
 SCALE = ".int8_scale"
 KEYWORD = "shipped"  # drafter.path=shipped picks the shipped drafter explicitly
@@ -142,17 +142,19 @@ def fits_target(tcfg: TargetConfig, manifest: dict) -> bool:
     return manifest.get("recipe", {}).get("target") == target_key(tcfg)
 
 
-def uses_shipped_drafter(cfg: Config) -> bool:
-    """Whether this config's drafter is the shipped one: asked for by name, or (shipped.use=auto)
-    nothing else named or trained and the target is the shipped drafter's."""
-    path = cfg.drafter.path
-    if path == KEYWORD:
+def uses_shipped_drafter(
+    drafter_path, shipped: ShippedConfig, tcfg: TargetConfig, exported: Callable[[], bool]
+) -> bool:
+    """Whether the drafter is the shipped one: asked for by name (drafter.path=shipped), or
+    (shipped.use=auto) nothing else named, nothing trained (`exported()`: the composed config's
+    export is complete) and the target is the shipped drafter's."""
+    if drafter_path == KEYWORD:
         return True
-    if path or cfg.shipped.use != "auto":
+    if drafter_path or shipped.use != "auto":
         return False
-    if export_output(cfg).complete:
+    if exported():
         return False
-    return fits_target(cfg.target, asset_manifest(asset_path(cfg.shipped)))
+    return fits_target(tcfg, asset_manifest(asset_path(shipped)))
 
 
 def shipped_output(artifacts: str, manifest: dict, asset: Path) -> StageOutput:
@@ -194,19 +196,20 @@ def unpacked(shipped: ShippedConfig, tcfg: TargetConfig, artifacts: str) -> Stag
     return out
 
 
-def registered(cfg: Config, out: StageOutput) -> str | None:
+def registered(
+    tracking_cfg: TrackingConfig, name: str, target_name: str, out: StageOutput
+) -> str | None:
     """models:/<name>/<version> of the shipped drafter in the configured store (registered once)."""
-    if not cfg.tracking.enabled:
+    if not tracking_cfg.enabled:
         return None
-    client = tracking.client(cfg.tracking)
-    name = registry_name(cfg.export, cfg.target)
+    client = tracking.client(tracking_cfg)
     if not client.search_registered_models(filter_string=f"name='{name}'"):
-        client.create_registered_model(name, description=f"EAGLE-3 drafters for {cfg.target.name}")
+        client.create_registered_model(name, description=f"EAGLE-3 drafters for {target_name}")
     for version in client.search_model_versions(f"name='{name}'"):
         if version.tags.get(TAG) == out.hash:
             return f"{MODELS_URI}{name}/{version.version}"
     run = client.create_run(
-        tracking.setup(cfg.tracking),
+        tracking.setup(tracking_cfg),
         run_name=f"shipped drafter {out.hash}",
         tags={"stage": STAGE, "artifact_hash": out.hash},
     )
@@ -223,10 +226,17 @@ def registered(cfg: Config, out: StageOutput) -> str | None:
     return f"{MODELS_URI}{name}/{version.version}"
 
 
-def shipped_drafter(cfg: Config) -> Path:
-    """The shipped drafter's export folder (unpacked, registered), announced once per process."""
-    out = unpacked(cfg.shipped, cfg.target, cfg.paths.artifacts)
-    uri = registered(cfg, out)
+def shipped_drafter(
+    shipped: ShippedConfig,
+    tcfg: TargetConfig,
+    artifacts: str,
+    tracking_cfg: TrackingConfig,
+    ecfg: ExportConfig,
+) -> Path:
+    """The shipped drafter's export folder (unpacked under `artifacts`, registered under the
+    export's registry name), announced once per process."""
+    out = unpacked(shipped, tcfg, artifacts)
+    uri = registered(tracking_cfg, registry_name(ecfg, tcfg), tcfg.name, out)
     if out.hash not in announced:
         announced.add(out.hash)
         where = f" (registered as {uri})" if uri else ""

@@ -1,5 +1,5 @@
 """Reading the extract stage's shards: one split's samples, each read lazily from its shard (the
-offline input of training; the shard layout is in eagle3.extract.app's docstring), the plan of one
+offline input of training; the shard layout is in eagle3.extract.stage's docstring), the plan of one
 shard and the dtypes shards are stored in."""
 
 from __future__ import annotations

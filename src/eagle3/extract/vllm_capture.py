@@ -22,6 +22,7 @@ import dataclasses
 import fcntl
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,14 +32,18 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle3.core.common import Eagle3Error
-from eagle3.core.config import Config, TargetConfig
+from eagle3.core.config import Config, ExtractConfig, TargetConfig
 from eagle3.core.spec import OFF
 from eagle3.core.target import default_aux_layer_ids
-from eagle3.serve.launch import EngineProcess, compose_launch
+from eagle3.serve.launch import EngineProcess, Launch, compose_launch
 
 CONNECTOR = "HiddenStatesConnector"
 CONNECTOR_MODULE = "eagle3.extract.vllm_connector"
 SRC_DIR = str(Path(__file__).resolve().parents[2])  # puts eagle3 on vLLM's path
+
+# a capture server's command for the folder it writes the states into (capture_launch with the
+# config and the target's shape bound)
+CaptureCommand = Callable[[Path], Launch]
 
 
 # ---------------------------------------------------------------- the target, without loading it
@@ -172,16 +177,23 @@ def capture_launch(cfg: Config, shape: TargetShape, states_dir: Path, port: int 
 
 
 class VllmCapture:
-    """A started capture server: `with VllmCapture(cfg, shape, folder) as capture:` then
-    `capture.shard(plan, dtype, progress)` gives a shard's tensors, like extract.extract_shard."""
+    """A capture server, started on entering: `with VllmCapture(command, ecfg, shape, folder) as
+    capture:` then `capture.shard(plan, dtype, progress)` gives a shard's tensors, like
+    extract.extract_shard; `ecfg` is the extract section."""
 
     device = torch.device("cpu")
 
-    def __init__(self, cfg: Config, shape: TargetShape, folder: Path):
-        self.cfg, self.shape = cfg, shape
+    def __init__(
+        self,
+        command: CaptureCommand,
+        ecfg: ExtractConfig,
+        shape: TargetShape,
+        folder: Path,
+    ):
+        self.ecfg, self.shape = ecfg, shape
         self.folder = Path(folder)
         self.states_dir = self.folder / "states"
-        self.launch = capture_launch(cfg, shape, self.states_dir)
+        self.launch = command(self.states_dir)
         self.engine = None
         self.norm = final_norm_weight(shape.path)
 
@@ -199,15 +211,15 @@ class VllmCapture:
             stale.unlink()
         self.engine = EngineProcess(self.launch, self.folder, "vllm").start()
         try:
-            self.engine.wait_healthy(self.cfg.extract.engine.start_timeout_s)
+            self.engine.wait_healthy(self.ecfg.engine.start_timeout_s)
         except BaseException:
-            self.engine.stop(self.cfg.extract.engine.stop_timeout_s)
+            self.engine.stop(self.ecfg.engine.stop_timeout_s)
             raise
         return self
 
     def __exit__(self, *exc) -> None:
         if self.engine is not None:
-            self.engine.stop(self.cfg.extract.engine.stop_timeout_s)
+            self.engine.stop(self.ecfg.engine.stop_timeout_s)
 
     def shard(self, plan, dtype: torch.dtype, progress=None) -> dict[str, torch.Tensor]:
         """The same tensors extract.extract_shard writes, from the server."""
@@ -229,8 +241,8 @@ class VllmCapture:
         }
 
     async def _capture_rows(self, plan, progress) -> list[torch.Tensor]:
-        gate = asyncio.Semaphore(int(self.cfg.extract.concurrency))
-        timeout = httpx.Timeout(float(self.cfg.extract.engine.request_timeout_s))
+        gate = asyncio.Semaphore(int(self.ecfg.concurrency))
+        timeout = httpx.Timeout(float(self.ecfg.engine.request_timeout_s))
         async with httpx.AsyncClient(
             base_url=self.engine.base_url, timeout=timeout, headers=self.launch.headers
         ) as client:

@@ -12,10 +12,12 @@ stage that does not fit is refused, in the dry run and before a run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -26,6 +28,8 @@ from eagle3.core.cluster import submission
 from eagle3.core.common import Eagle3Error, app, compose, unique_suffix
 from eagle3.core.config import (
     Config,
+    DataConfig,
+    ExtractConfig,
     PipelineConfig,
     RegenConfig,
     ServeConfig,
@@ -37,10 +41,10 @@ from eagle3.core.lifecycle import run_child
 from eagle3.core.outputs import STAGE_OUTPUTS
 from eagle3.core.spec import resolve_spec
 from eagle3.core.target import download_hint, downloaded, resolve_target_path
-from eagle3.data import app as data
+from eagle3.data import stage as data
 from eagle3.data.regen import regen_engine_config
-from eagle3.export import app as export
-from eagle3.extract import app as extract
+from eagle3.export import stage as export
+from eagle3.extract import stage as extract
 from eagle3.extract.vllm_capture import capture_launch, target_shape
 from eagle3.pipeline.plan import (
     StagePlan,
@@ -54,8 +58,8 @@ from eagle3.pipeline.plan import (
     stage_plans,
     target_hidden_size,
 )
-from eagle3.serve.launch import compose_launch
-from eagle3.train import app as train
+from eagle3.serve.launch import Launch, compose_launch
+from eagle3.train import stage as train
 
 STAGE_RUNS = {"data": data.run, "extract": extract.run, "train": train.run, "export": export.run}
 
@@ -230,7 +234,13 @@ def print_plan(cfg: Config, sweep_dir: Path) -> None:
         outputs[stage] = STAGE_OUTPUTS[stage](cfg)
         print_stage(index, outputs[stage], plans, limits, pipeline.launcher, sweep_dir)
         if stage == "extract":
-            print_extract_engine(cfg, outputs[stage].path)
+            capture = None
+            if cfg.extract.backend == "vllm":  # as the stage starts it, at the plan's port
+                shape = target_shape(cfg.target, resolve_target_path(cfg.target, artifacts))
+                states = outputs[stage].path / "engine" / "states"
+                capture = capture_launch(cfg, shape, states, pipeline.plan_port)
+            hidden = target_hidden_size(cfg.target, artifacts)
+            print_extract_engine(cfg.extract, cfg.data, STAGE_OUTPUTS["data"](cfg), hidden, capture)
     target = cfg.target.path or cfg.target.name
     regen = cfg.data.regen
     if cfg.data.regenerate and regen.backend in ("openai", "engine"):
@@ -249,25 +259,28 @@ def print_plan(cfg: Config, sweep_dir: Path) -> None:
     if plans:
         writes = disk_writes(plans, lambda stage: outputs[stage].complete)
         print(disk_line(writes, cfg.cluster, cfg.paths.artifacts))
-    check_plans(cfg, plans)
+    check_plans(
+        plans, pipeline, cfg.cluster, cfg.paths.artifacts, lambda stage: outputs[stage].complete
+    )
     missing = missing_download(cfg.target, artifacts, stages)
     if missing:
         print(f"    {missing}")
     print(verdict_line(pipeline.launcher, missing))
 
 
-def print_extract_engine(cfg: Config, extract_dir: Path) -> None:
-    """The shards the extract stage writes, and with extract.backend=vllm the capture server's
-    command as the stage will start it (the plan's port)."""
-    artifacts = Path(cfg.paths.artifacts)
-    hidden = target_hidden_size(cfg.target, artifacts)
-    tokens, exact = planned_tokens(STAGE_OUTPUTS["data"](cfg), cfg.extract.splits, cfg.data)
-    print("\n".join(disk_lines(cfg.extract.dtype, hidden, tokens, exact)))
-    if cfg.extract.backend == "vllm":
-        shape = target_shape(cfg.target, resolve_target_path(cfg.target, artifacts))
-        states = extract_dir / "engine" / "states"
-        launch = capture_launch(cfg, shape, states, cfg.pipeline.plan_port)
-        command = [f"{k}={v}" for k, v in launch.env.items()] + launch.argv
+def print_extract_engine(
+    ecfg: ExtractConfig,
+    data: DataConfig,
+    data_out: StageOutput,
+    hidden: int,
+    capture: Launch | None,
+) -> None:
+    """The shards the extract stage writes (`hidden`: the target's hidden size), and with
+    extract.backend=vllm the capture server's command as the stage will start it (`capture`)."""
+    tokens, exact = planned_tokens(data_out, ecfg.splits, data)
+    print("\n".join(disk_lines(ecfg.dtype, hidden, tokens, exact)))
+    if capture is not None:
+        command = [f"{k}={v}" for k, v in capture.env.items()] + capture.argv
         print(f"    extract starts: {' '.join(command)}")
 
 
@@ -281,17 +294,21 @@ def missing_download(target: TargetConfig, artifacts: Path, stages: list[str]) -
     return download_hint(target, artifacts)
 
 
-def run_stage(cfg: Config, stage: str, sweep_dir: Path) -> str:
-    """The stage in this process (its app's `run(cfg)`), or submitted through pipeline.launcher;
-    skipped when its output is complete."""
-    out = STAGE_OUTPUTS[stage](cfg)
+def run_stage(
+    out: StageOutput,
+    run: Callable[[], StageOutput],
+    pipeline: PipelineConfig,
+    serve: ServeConfig,
+    sweep_dir: Path,
+) -> str:
+    """The stage of output `out` in this process (`run`: its stage's `run` with the config), or
+    submitted through pipeline.launcher; skipped when its output is complete."""
     if out.complete:
         return f"skipped (done) -> {out.path}"
-    launcher = cfg.pipeline.launcher
-    if submitted(launcher, stage):
-        command = stage_command(launcher, stage, sweep_dir)
-        return run_command(command, stage, sweep_dir / stage, cfg.pipeline, cfg.serve)
-    STAGE_RUNS[stage](cfg)
+    if submitted(pipeline.launcher, out.stage):
+        command = stage_command(pipeline.launcher, out.stage, sweep_dir)
+        return run_command(command, out.stage, sweep_dir / out.stage, pipeline, serve)
+    run()
     return f"done -> {out.path}"
 
 
@@ -348,14 +365,22 @@ def main(cfg: Config) -> None:
     loads = in_process_loads(cfg.pipeline.stages, cfg.data, cfg.train, cfg.extract)
     check_process_fit(cfg.target, Path(cfg.paths.artifacts), cfg.pipeline.process_memory_gb, loads)
     stages = planned_stages(cfg.pipeline, cfg.train)
-    check_plans(cfg, stage_plans(cfg, stages))
+    plans = stage_plans(cfg, stages)
+    check_plans(
+        plans,
+        cfg.pipeline,
+        cfg.cluster,
+        cfg.paths.artifacts,
+        lambda stage: STAGE_OUTPUTS[stage](cfg).complete,
+    )
     for index, stage in enumerate(stages, 1):
         started = time.monotonic()
         print(f"[{index}/{len(stages)}] {stage} ...", flush=True)
         if stage == "bench":
             result = run_bench(cfg.pipeline, cfg.serve, sweep_dir)
         else:
-            result = run_stage(cfg, stage, sweep_dir)
+            run = functools.partial(STAGE_RUNS[stage], cfg)
+            result = run_stage(STAGE_OUTPUTS[stage](cfg), run, cfg.pipeline, cfg.serve, sweep_dir)
         print(
             f"[{index}/{len(stages)}] {stage} {result} ({time.monotonic() - started:.0f}s)",
             flush=True,

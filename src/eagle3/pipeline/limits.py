@@ -18,11 +18,19 @@ CHECKED = ("data", "extract", "train")
 
 def check_stage(cfg, stage: str, launcher: str | None = None) -> None:
     """Refuse `stage` as the pipeline's plan would (eagle3.pipeline.plan), for it alone."""
+    from eagle3.core.outputs import STAGE_OUTPUTS
     from eagle3.pipeline.plan import check_plans, check_process_fit, in_process_loads, stage_plans
 
     loads = in_process_loads([stage], cfg.data, cfg.train, cfg.extract)
     check_process_fit(cfg.target, Path(cfg.paths.artifacts), cfg.pipeline.process_memory_gb, loads)
-    check_plans(cfg, stage_plans(cfg, [stage], launcher))
+    plans = stage_plans(cfg, [stage], launcher)
+    check_plans(
+        plans,
+        cfg.pipeline,
+        cfg.cluster,
+        cfg.paths.artifacts,
+        lambda name: STAGE_OUTPUTS[name](cfg).complete,
+    )
 
 
 class StageLimits(Callback):

@@ -23,6 +23,7 @@ from eagle3.core.config import (
     DrafterConfig,
     ExportConfig,
     ExtractConfig,
+    PipelineConfig,
     PlanConfig,
     ServeConfig,
     TargetConfig,
@@ -31,7 +32,7 @@ from eagle3.core.config import (
     plain,
 )
 from eagle3.core.drafter import Eagle3Drafter, drafter_config
-from eagle3.core.outputs import STAGE_OUTPUTS, data_output
+from eagle3.core.outputs import data_output
 from eagle3.core.target import default_aux_layer_ids, folder_text_config, resolve_target_path
 from eagle3.extract.shards import STORAGE_DTYPES
 from eagle3.extract.vllm_capture import text_config
@@ -751,16 +752,22 @@ def stage_plans(
     return plans
 
 
-def check_plans(cfg: Config, plans: dict[str, StagePlan]) -> None:
+def check_plans(
+    plans: dict[str, StagePlan],
+    pipeline: PipelineConfig,
+    cluster: ClusterConfig,
+    artifacts: str,
+    complete: Callable[[str], bool],
+) -> None:
     """Refuse the first stage that does not fit its GPUs, one host process or its cluster job (GPUs
-    per node, host memory per node, time limit), then a plan whose outputs do not fit the disk;
-    each with its numbers."""
-    gpu, host = float(cfg.pipeline.plan.gpu_memory_gb), float(cfg.pipeline.process_memory_gb)
+    per node, host memory per node, time limit), then a plan whose outputs do not fit the disk
+    under `artifacts` (a stage whose output is `complete` writes nothing); each with its numbers."""
+    gpu, host = float(pipeline.plan.gpu_memory_gb), float(pipeline.process_memory_gb)
     for plan in plans.values():
-        refusal = plan.cluster_refusal(cfg.cluster) or plan.refusal(gpu, host)
+        refusal = plan.cluster_refusal(cluster) or plan.refusal(gpu, host)
         if refusal:
             raise Eagle3Error(refusal)
-    writes = disk_writes(plans, lambda stage: STAGE_OUTPUTS[stage](cfg).complete)
-    refusal = disk_refusal(writes, cfg.cluster, cfg.paths.artifacts)
+    writes = disk_writes(plans, complete)
+    refusal = disk_refusal(writes, cluster, artifacts)
     if refusal:
         raise Eagle3Error(refusal)

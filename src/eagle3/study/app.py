@@ -42,7 +42,7 @@ from eagle3.core.config import (
 from eagle3.core.drafter_io import load_trained_drafter
 from eagle3.core.spec import Spec, resolve_spec
 from eagle3.core.target import load_target
-from eagle3.data import app as data_stage
+from eagle3.data import stage as data_stage
 from eagle3.data.splits import load_splits
 from eagle3.data.suites import load_suite
 from eagle3.engine.decoder import DecodeRequest, SpecDecoder
@@ -58,7 +58,7 @@ from eagle3.study.report import (
     reference_points,
     table,
 )
-from eagle3.train import app as train
+from eagle3.train import stage as train
 
 # ---------------------------------------------------------------- sizes and their configs
 

@@ -158,22 +158,21 @@ def split_parts(packed: Path, part_bytes: int) -> list[dict]:
     return parts
 
 
-def build(cfg: Config) -> Path:
-    """Write the bundle into bundle.out; returns its manifest.json."""
-    bcfg = cfg.bundle
+def build(bcfg: BundleConfig, tcfg: TargetConfig, named: list) -> Path:
+    """Write the bundle of target `tcfg` into bundle.out, with the files at the paths the config
+    names (`named`: see configured_files); returns its manifest.json."""
     out = Path(str(bcfg.out))
     if out.exists():
         shutil.rmtree(out)
     wheels = out / "wheels"
     wheels.mkdir(parents=True)
-    download_wheels(bcfg, wanted_packages(bcfg, cfg.target), wheels)
+    download_wheels(bcfg, wanted_packages(bcfg, tcfg), wheels)
     base_wheels = list(wheels.glob("*.whl"))
     engines = bundle_engines.add_engines(bcfg, wheels) if bcfg.engines else {}
     part_bytes = max(1, int(float(bcfg.part_mib) * 2**20))
     manifest = {"packs": [], "engines": engines, "source": bool(bcfg.source)}
-    named = [cfg.data.source, cfg.drafter.path, cfg.train.init_from, cfg.target.path]
     files = configured_files(named, list(bcfg.files))
-    chosen_packs = packs(bcfg, target_package(cfg.target), files, wheels, base_wheels, engines)
+    chosen_packs = packs(bcfg, target_package(tcfg), files, wheels, base_wheels, engines)
     for name, chosen in chosen_packs.items():
         packed = out / f"{name}.tar"
         pack(chosen, packed)
@@ -195,7 +194,8 @@ def build(cfg: Config) -> Path:
 
 @app
 def main(cfg: Config) -> None:
-    manifest_path = build(cfg)
+    named = [cfg.data.source, cfg.drafter.path, cfg.train.init_from, cfg.target.path]
+    manifest_path = build(cfg.bundle, cfg.target, named)
     manifest = json.loads(manifest_path.read_text())
     parts = [part for p in manifest["packs"] for part in p["parts"]]
     size = sum(part["bytes"] for part in parts) / 2**20

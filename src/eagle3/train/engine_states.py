@@ -15,10 +15,9 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
-from eagle3.core.config import Config
-from eagle3.core.target import resolve_target_path
+from eagle3.core.config import ExtractConfig
 from eagle3.extract.shards import STORAGE_DTYPES, ShardPlan
-from eagle3.extract.vllm_capture import VllmCapture, target_shape
+from eagle3.extract.vllm_capture import CaptureCommand, TargetShape, VllmCapture
 
 
 class EngineStates(Dataset):
@@ -54,10 +53,11 @@ class EngineStates(Dataset):
 
 
 @contextlib.contextmanager
-def capture_server(cfg: Config) -> Iterator[VllmCapture]:
-    """The vLLM capture server of extract.backend=vllm for this target, started, stopped on exit;
-    its log and per-request files in a temporary folder of this node, removed after."""
-    path = resolve_target_path(cfg.target, Path(cfg.paths.artifacts))
+def capture_server(
+    command: CaptureCommand, ecfg: ExtractConfig, shape: TargetShape
+) -> Iterator[VllmCapture]:
+    """The vLLM capture server of extract.backend=vllm for the target of `shape`, started, stopped
+    on exit; its log and per-request files in a temporary folder of this node, removed after."""
     with tempfile.TemporaryDirectory(prefix="eagle3-engine-states-") as folder:
-        with VllmCapture(cfg, target_shape(cfg.target, path), Path(folder)) as capture:
+        with VllmCapture(command, ecfg, shape, Path(folder)) as capture:
             yield capture

