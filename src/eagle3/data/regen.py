@@ -29,7 +29,7 @@ from eagle3.core.spec import OFF
 from eagle3.core.target import Target, load_target, target_key, target_path_for
 from eagle3.data.conversations import user_turns
 from eagle3.data.tokens import end_of_turn, render
-from eagle3.serve.launch import start_engine
+from eagle3.serve.launch import engine_setup, start_engine
 
 
 def regen_log_path(cfg: Config) -> Path:
@@ -724,7 +724,7 @@ class EngineGenerator:
     def run(self, items: list[tuple], turn_log: TurnLog, desc: str) -> dict[str, str]:
         if self.engine is None:
             self.engine = start_engine(
-                self.cfg, OFF, None, target_path_for(self.cfg), self.folder, "regen"
+                engine_setup(self.cfg), OFF, None, target_path_for(self.cfg), self.folder, "regen"
             )
             self.client.url = f"{self.engine.base_url}/v1"
             self.client.headers = self.engine.launch.headers
