@@ -92,10 +92,10 @@ class EngineSetup:
     config: dict = field(repr=False)
 
     def local_config(self, spec: Spec, drafter_path, port: int | None = None) -> dict:
-        """The config the embedded engine is built from (local_job_config), this setup's engine
-        section in it."""
-        job = copy.deepcopy(self.config)
-        job["engine"] = mask({"engine": plain(self.engine)})["engine"]
+        """The config the embedded engine is built from (local_job_config): `config` with this
+        setup's sections in it (a job replaces the engine section: bench.engines.job_engine)."""
+        sections = {"serve": self.serve, "target": self.target, "engine": self.engine}
+        job = {**copy.deepcopy(self.config), **mask({k: plain(v) for k, v in sections.items()})}
         return local_job_config(job, self.batch_size, spec, drafter_path, port)
 
 
