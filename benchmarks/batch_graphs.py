@@ -13,17 +13,19 @@ the graphs captured.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
 
 from eagle3.core.common import compose
+from eagle3.core.outputs import resolve_drafter_path
 from eagle3.core.spec import resolve_spec
 from eagle3.core.target import load_target
 from eagle3.engine import SpecDecoder
 from eagle3.engine.batch_decoder import BatchDecoder
 from eagle3.engine.options import DecoderOptions
-from eagle3.engine.service import load_engine_drafter
+from eagle3.engine.service import DrafterSource, load_engine_drafter
 from eagle3.export.shipped import shipped_drafter
 
 TEXTS = [
@@ -60,7 +62,10 @@ def timed_pass(decoder: BatchDecoder, prompts: list[list[int]], new_tokens: int)
 
 def check_spec(cfg, target, name: str, prompts, args) -> str:
     spec = resolve_spec(compose([*args.overrides, f"spec={name}"]).spec)
-    drafter, _ = load_engine_drafter(cfg, target, spec)
+    source = DrafterSource(
+        functools.partial(resolve_drafter_path, cfg, engine="local"), None, cfg.seed
+    )
+    drafter, _ = load_engine_drafter(source, target, spec)
     tokens, seconds, captured = {}, {}, 0
     for graphs in (False, True):
         decoder = BatchDecoder(

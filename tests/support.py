@@ -269,6 +269,41 @@ def server_cfg(test_root, *overrides):
     )
 
 
+def bench_job(cfg):
+    """The job eagle3.bench.app.run_job measures for this config (it binds it alike)."""
+    import functools
+
+    from eagle3.bench.app import BenchJob
+    from eagle3.core.target import load_target
+    from eagle3.serve.drafter import drafter_for
+    from eagle3.serve.launch import engine_setup
+
+    return BenchJob(
+        cfg.bench,
+        cfg.spec,
+        cfg.paths.artifacts,
+        engine_setup(cfg),
+        functools.partial(drafter_for, cfg),
+        functools.partial(load_target, cfg.target, cfg.paths.artifacts),
+    )
+
+
+def drafter_source(cfg):
+    """How the embedded engine finds this config's drafter (eagle3.engine.service.service_for
+    binds it alike)."""
+    import functools
+
+    from eagle3.core.outputs import resolve_drafter_path
+    from eagle3.engine.service import DrafterSource
+
+    untrained = not cfg.drafter.path and cfg.serve.drafter_fallback == "untrained"
+    return DrafterSource(
+        functools.partial(resolve_drafter_path, cfg, engine="local"),
+        cfg.drafter if untrained else None,
+        cfg.seed,
+    )
+
+
 def http_server_launch(port: int, prefix: str = ""):
     """A real HTTP server standing in for an engine (health = GET / answers 200)."""
     from eagle3.serve.launch import Launch

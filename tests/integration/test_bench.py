@@ -785,8 +785,9 @@ def test_passes_stop_once_apart_from_spec_off(make_cfg, tmp_path, min_repeats, p
     from eagle3.bench.measurement import measure
     from eagle3.bench.verdict import Spread
     from eagle3.core.spec import OFF
-    from eagle3.core.target import target_path_for
+    from eagle3.core.target import load_target, target_path_for
     from eagle3.serve import inprocess
+    from eagle3.serve.launch import engine_setup
 
     cfg = make_cfg(
         "target=tiny-llama",
@@ -801,7 +802,9 @@ def test_passes_stop_once_apart_from_spec_off(make_cfg, tmp_path, min_repeats, p
     path = target_path_for(cfg.target, cfg.paths.artifacts)
     requests = tokenize_prompts(AutoTokenizer.from_pretrained(path), load_suite(cfg.bench))
     try:
-        opener = functools.partial(open_engine, cfg, path)
+        opener = functools.partial(
+            open_engine, engine_setup(cfg), functools.partial(load_target, cfg), path
+        )
         against = Spread(1e9, 1e9, 1e9)
         result = measure(
             opener, cfg.bench, cfg.serve.engine, requests, OFF, None, tmp_path, against

@@ -13,6 +13,7 @@ from engine_helpers import (
     reference_greedy,
     spec,
 )
+from support import drafter_source
 
 from eagle3.core.common import compose
 from eagle3.core.drafter import build_drafter
@@ -70,7 +71,7 @@ def test_smollm2_greedy_is_lossless_trained_drafter(
     """The drafter eagle3.train made (engine_helpers.trained_smollm2_drafter), loaded as the server
     loads it: drafts are accepted (measured tau > 1.2) and the output is still the target's greedy decode."""
     cfg = agree_cfg(test_root, f"drafter.path={smollm2_trained_drafter}")
-    drafter, _ = load_engine_drafter(cfg, smollm2, spec(name))
+    drafter, _ = load_engine_drafter(drafter_source(cfg), smollm2, spec(name))
     decoder = SpecDecoder(smollm2, drafter, spec(name))
     stats = []
     for prompt in agree_prompts(smollm2, cfg)[:3]:

@@ -18,6 +18,7 @@ from eagle3.data.suites import load_suite, suite_name
 from eagle3.export.stage import export_drafter
 from eagle3.serve import inprocess
 from eagle3.serve.counters import counter_delta
+from eagle3.serve.launch import engine_setup
 
 TINY = ("target=tiny-llama", "tracking.enabled=false", "bench.repeats=1", "bench.warmup=1")
 
@@ -100,7 +101,7 @@ def test_counters_before_a_pass_stay_as_they_were(make_cfg, drafter, tiny_target
     the prompts it was fitted to accepts drafts at the first position)."""
     cfg = make_cfg(*TINY, "spec.depth=4", f"drafter.path={drafter}", "serve.inprocess=true")
     spec = resolve_spec(cfg.spec)
-    engine = inprocess.engine_for(cfg, spec, drafter)
+    engine = inprocess.engine_for(engine_setup(cfg), spec, drafter, None)
     prompts = [tiny_target.tokenizer(text)["input_ids"] for text in PROMPTS]
     before = engine.counters()
     copied = json.loads(json.dumps(before))
@@ -113,10 +114,12 @@ def test_counters_before_a_pass_stay_as_they_were(make_cfg, drafter, tiny_target
 def test_an_engine_is_kept_for_the_next_job_with_its_config(make_cfg, drafter):
     cfg = make_cfg(*TINY, "spec.depth=4", "serve.inprocess=true", f"drafter.path={drafter}")
     spec = resolve_spec(cfg.spec)
-    first = inprocess.engine_for(cfg, spec, drafter / "sglang")
-    assert inprocess.engine_for(cfg, spec, drafter / "sglang") is first
+    first = inprocess.engine_for(engine_setup(cfg), spec, drafter / "sglang", None)
+    assert inprocess.engine_for(engine_setup(cfg), spec, drafter / "sglang", None) is first
     deeper = make_cfg(*TINY, "spec.depth=5", "serve.inprocess=true", f"drafter.path={drafter}")
-    other = inprocess.engine_for(deeper, resolve_spec(deeper.spec), drafter / "sglang")
+    other = inprocess.engine_for(
+        engine_setup(deeper), resolve_spec(deeper.spec), drafter / "sglang", None
+    )
     assert other is not first and inprocess._KEPT["engine"] is other
     inprocess.release()
     assert not inprocess._KEPT

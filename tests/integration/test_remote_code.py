@@ -17,7 +17,7 @@ from eagle3.core.spec import OFF
 from eagle3.core.target import load_target, target_tokenizer
 from eagle3.data.tokens import load_tokenizer
 from eagle3.extract.vllm_capture import capture_launch, target_shape
-from eagle3.serve.launch import compose_launch, sglang_argv, sglang_parse_many
+from eagle3.serve.launch import compose_launch, engine_setup, sglang_argv, sglang_parse_many
 
 MODEL_CODE = """
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -96,7 +96,9 @@ def test_every_engine_command_carries_the_setting(make_cfg, remote_code_target, 
         capture = target_cfg(make_cfg, remote_code_target, trust, "extract.backend=vllm")
         shape = target_shape(capture.target, remote_code_target)
         commands[trust] = [
-            compose_launch(vllm, OFF, None, remote_code_target).argv,  # serve and data.regen
+            compose_launch(
+                engine_setup(vllm), OFF, None, remote_code_target
+            ).argv,  # serve and data.regen
             capture_launch(capture, shape, tmp_path / "states", port=30123).argv,
         ]
     assert all(argv.count("--trust-remote-code") == 1 for argv in commands[True])

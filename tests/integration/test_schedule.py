@@ -30,7 +30,7 @@ from eagle3.engine import DecodeRequest
 from eagle3.engine.batch_decoder import BatchDecoder
 from eagle3.engine.options import DecoderOptions
 from eagle3.engine.schedule import Schedule, read_schedule, resolve_schedule_path
-from eagle3.engine.service import Generation, build_service
+from eagle3.engine.service import Generation, service_for
 from eagle3.serve.app import shapes
 
 NEW_TOKENS = 32
@@ -107,16 +107,21 @@ def test_a_schedule_runs_only_when_named_and_where_it_was_measured(
     measured on other hardware is refused in one line naming both machines."""
     export = off_schedule_beside(tiny_drafter, tmp_path, hardware())
     drafter = f"drafter.path={export / 'sglang'}"
-    given = one_reply(build_service(server_cfg(test_root, drafter, "spec.depth=8")))
+    given = one_reply(service_for(server_cfg(test_root, drafter, "spec.depth=8")))
     assert given["spec"] == "d8" and given["schedule"] is None
     assert given["num_draft_tokens"] == 7 * given["num_drafts"] > 0
-    auto = one_reply(build_service(server_cfg(test_root, drafter, "spec=auto")))
+    auto = one_reply(service_for(server_cfg(test_root, drafter, "spec=auto")))
     assert auto["schedule"] == "1+: off" and auto["num_draft_tokens"] == 0
     named = f"engine.schedule={export / 'schedule.json'}"
-    assert one_reply(build_service(server_cfg(test_root, drafter, named)))["schedule"] == "1+: off"
+    assert one_reply(service_for(server_cfg(test_root, drafter, named)))["schedule"] == "1+: off"
     # what the serve app says at start, before it starts the engine
+    auto_cfg = server_cfg(test_root, drafter, "spec=auto")
     said = shapes(
-        server_cfg(test_root, drafter, "spec=auto"), Spec(True, 8, 7, 1), export / "sglang"
+        auto_cfg.serve,
+        auto_cfg.engine,
+        auto_cfg.spec.schedule,
+        Spec(True, 8, 7, 1),
+        export / "sglang",
     )
     assert said == f"shape per batch size (schedule {export / 'schedule.json'}): 1+: off"
     elsewhere = off_schedule_beside(tiny_drafter, tmp_path / "h200", "8x NVIDIA H200")
@@ -125,12 +130,19 @@ def test_a_schedule_runs_only_when_named_and_where_it_was_measured(
     refused += "here or serve one shape (spec.*)"
     auto_elsewhere = server_cfg(test_root, f"drafter.path={elsewhere / 'sglang'}", "spec=auto")
     with pytest.raises(Eagle3Error) as by_engine:
-        build_service(auto_elsewhere)
+        service_for(auto_elsewhere)
     with pytest.raises(Eagle3Error) as by_serve:
-        shapes(auto_elsewhere, Spec(True, 8, 7, 1), elsewhere / "sglang")
+        shapes(
+            auto_elsewhere.serve,
+            auto_elsewhere.engine,
+            auto_elsewhere.spec.schedule,
+            Spec(True, 8, 7, 1),
+            elsewhere / "sglang",
+        )
     assert str(by_engine.value) == str(by_serve.value) == refused
     with pytest.raises(Eagle3Error, match="spec=auto runs a load sweep's schedule on serve=local"):
-        shapes(make_cfg("serve=vllm", "spec=auto"), Spec(True, 8, 7, 1), None)
+        vllm = make_cfg("serve=vllm", "spec=auto")
+        shapes(vllm.serve, vllm.engine, vllm.spec.schedule, Spec(True, 8, 7, 1), None)
 
 
 @pytest.mark.slow
@@ -227,7 +239,7 @@ def test_serve_batches_four_requests_by_default(test_root, tiny_target):
     when three more arrive it joins them and the four share steps; all four get their greedy
     decodes, and the counters count each request's verified drafts."""
     cfg = server_cfg(test_root)
-    service = build_service(cfg)
+    service = service_for(cfg)
     scheduler = service.decoder
     assert scheduler.decoder.max_batch_size == cfg.engine.auto_batch_size["cpu"]
     prompts = [service.encode_text(text) for text in PROMPTS]

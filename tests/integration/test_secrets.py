@@ -203,15 +203,17 @@ def test_the_bench_sends_the_api_key_the_server_requires(
 
 def test_vllm_and_sglang_get_the_key_without_logging_it(make_cfg, monkeypatch):
     from eagle3.core.spec import OFF
-    from eagle3.serve.launch import compose_launch
+    from eagle3.serve.launch import compose_launch, engine_setup
 
     monkeypatch.setenv("EAGLE3_API_KEY", "k-123")
-    vllm = compose_launch(make_cfg("serve=vllm", "spec=off"), OFF, None, "/models/target")
+    vllm = compose_launch(
+        engine_setup(make_cfg("serve=vllm", "spec=off")), OFF, None, "/models/target"
+    )
     assert vllm.env["VLLM_API_KEY"] == "k-123" and "k-123" not in " ".join(vllm.argv)
     assert vllm.headers == {"Authorization": "Bearer k-123"} and "k-123" not in repr(vllm)
     assert mask(vllm.env, in_env=True)["VLLM_API_KEY"] == MASK
     sglang = compose_launch(
-        make_cfg("serve=sglang", "serve.version=0.5.20", "serve.validate_args=false"),
+        engine_setup(make_cfg("serve=sglang", "serve.version=0.5.20", "serve.validate_args=false")),
         OFF,
         None,
         "/models/target",

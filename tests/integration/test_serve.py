@@ -23,6 +23,7 @@ from eagle3.serve.launch import (
     Launch,
     check_spec_for_engine,
     compose_launch,
+    engine_setup,
     free_port,
     sglang_argv,
     sglang_cuda_graph_flag,
@@ -39,14 +40,16 @@ DRAFTER = "/models/drafter"
 def test_vllm_refuses_trees_before_launch(make_cfg):
     cfg = make_cfg("serve=vllm", "spec=d10s5")
     with pytest.raises(Eagle3Error, match="vLLM drafts chains only"):
-        compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET)
+        compose_launch(engine_setup(cfg), resolve_spec(cfg.spec), Path(DRAFTER), TARGET)
     check_spec_for_engine("sglang", resolve_spec(cfg.spec))  # trees are fine elsewhere
     check_spec_for_engine("local", resolve_spec(cfg.spec))
 
 
 def test_vllm_command(make_cfg):
     cfg = make_cfg("serve=vllm", "spec=d16")
-    launch = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321)
+    launch = compose_launch(
+        engine_setup(cfg), resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321
+    )
     argv = launch.argv
     assert argv[:3] == [str(REPO / ".venv-vllm/bin/vllm"), "serve", TARGET]  # vLLM's own CLI
     assert "--model" not in argv and argv[argv.index("--port") + 1] == "4321"
@@ -57,14 +60,14 @@ def test_vllm_command(make_cfg):
         "num_speculative_tokens": 15,
     }
     assert launch.env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
-    off = compose_launch(cfg, OFF, None, TARGET, port=4321)
+    off = compose_launch(engine_setup(cfg), OFF, None, TARGET, port=4321)
     assert "--speculative-config" not in off.argv
 
 
 def test_spec_needs_a_drafter(make_cfg):
     cfg = make_cfg("serve=vllm")
     with pytest.raises(Eagle3Error, match="needs a drafter"):
-        compose_launch(cfg, resolve_spec(cfg.spec), None, TARGET)
+        compose_launch(engine_setup(cfg), resolve_spec(cfg.spec), None, TARGET)
 
 
 VLLM_METRICS = """\
@@ -227,7 +230,9 @@ def test_sglang_launch_tolerates_the_config_names_transformers_already_has(make_
     plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     assert "ValueError: 'qwen3_asr' is already used by a Transformers config" in plain.stderr
     cfg = make_cfg("serve=sglang-bundle", "spec=d8")
-    launch = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321)
+    launch = compose_launch(
+        engine_setup(cfg), resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321
+    )
     assert launch.env["EAGLE3_TOLERATED_CONFIG_NAMES"] == "qwen3_asr"
     assert launch.env["PYTHONPATH"].split(os.pathsep)[0] == str(
         REPO / "src" / "eagle3" / "serve" / "config_clash"
@@ -249,7 +254,9 @@ def test_the_config_clash_shim_still_runs_the_sitecustomize_it_shadows(make_cfg,
     own.mkdir()
     (own / "sitecustomize.py").write_text("import builtins\nbuiltins.MACHINE_SITE = 'ran'\n")
     cfg = make_cfg("serve=sglang-bundle", "spec=d8")
-    env = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321).env
+    env = compose_launch(
+        engine_setup(cfg), resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321
+    ).env
     env = {**os.environ, **env, "PYTHONPATH": env["PYTHONPATH"] + os.pathsep + str(own)}
     check = "import builtins, sitecustomize; print(builtins.MACHINE_SITE, sitecustomize.NAMES)"
     done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
@@ -264,12 +271,16 @@ def test_bundle_presets_launch_the_machines_python(make_cfg):
 
     python3 = shutil.which("python3")
     cfg = make_cfg("serve=sglang-bundle", "spec=d8")
-    argv = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321).argv
+    argv = compose_launch(
+        engine_setup(cfg), resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321
+    ).argv
     assert argv[:3] == [python3, "-m", "sglang.launch_server"]
     assert argv[-4:] == ["--attention-backend", "triton", "--grammar-backend", "none"]
     assert argv[argv.index("--dtype") + 1] == "bfloat16" and "--cuda-graph-max-bs" in argv
     cfg = make_cfg("serve=vllm-bundle", "spec.depth=4")
-    launch = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321)
+    launch = compose_launch(
+        engine_setup(cfg), resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=4321
+    )
     assert launch.argv[:5] == [python3, "-m", "vllm.entrypoints.cli.main", "serve", TARGET]
     assert launch.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and "--enforce-eager" not in launch.argv
 
@@ -278,7 +289,9 @@ def test_local_launch_passes_the_exact_config(make_cfg, tmp_path):
     """The local server gets the job's resolved config (spec, port, drafter) as its primary config;
     an eagle3 Hydra app composes it back unchanged."""
     cfg = make_cfg("target=tiny-llama", "spec=d10s5")
-    launch = compose_launch(cfg, resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=5555)
+    launch = compose_launch(
+        engine_setup(cfg), resolve_spec(cfg.spec), Path(DRAFTER), TARGET, port=5555
+    )
     (tmp_path / "engine_config.yaml").write_text(launch.files["engine_config.yaml"])
     job = yaml.safe_load(launch.files["engine_config.yaml"])
     assert job["spec"] == {"enabled": True, "depth": 10, "steps": 5, "topk": 4}

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from support import server_cfg
 
 from eagle3.core.common import Eagle3Error
-from eagle3.engine.service import build_service, streamable
+from eagle3.engine.service import service_for, streamable
 from eagle3.serve.launch import free_port
 from eagle3.serve.server import create_app
 
@@ -27,7 +27,7 @@ from eagle3.serve.server import create_app
 @pytest.fixture(scope="module")
 def server(test_root):
     before = torch.get_num_threads()
-    service = build_service(server_cfg(test_root))
+    service = service_for(server_cfg(test_root))
     with TestClient(create_app(service)) as client:
         yield client, service
     torch.set_num_threads(before)
@@ -64,10 +64,10 @@ def test_engine_settings_reach_the_decoder(test_root):
     """engine.tree_temperature from the command line to the served decoder; a bad value names the key."""
     before = torch.get_num_threads()
     try:
-        service = build_service(server_cfg(test_root, "spec=d6s3k2", "engine.tree_temperature=0.5"))
+        service = service_for(server_cfg(test_root, "spec=d6s3k2", "engine.tree_temperature=0.5"))
         assert service.decoder.tree_temperature == 0.5 and service.decoder.spec.topk == 2
         with pytest.raises(Eagle3Error, match="engine.tree_temperature=0.0: must be > 0"):
-            build_service(server_cfg(test_root, "engine.tree_temperature=0"))
+            service_for(server_cfg(test_root, "engine.tree_temperature=0"))
     finally:
         torch.set_num_threads(before)
 
@@ -310,7 +310,7 @@ def test_seed_makes_sampling_reproducible(server, route, body, text):
 def test_seed_reproduces_across_restarts(server, test_root):
     client, _ = server
     expected = [sampled(client, *case, seed=11) for case in SEEDED]
-    with TestClient(create_app(build_service(server_cfg(test_root)))) as restarted:
+    with TestClient(create_app(service_for(server_cfg(test_root)))) as restarted:
         assert [sampled(restarted, *case, seed=11) for case in SEEDED] == expected
 
 
@@ -471,7 +471,7 @@ def test_missing_drafter_is_refused(test_root):
         [f"paths.root={test_root}", "target=tiny-llama", "drafter.path=/nonexistent/drafter"]
     )
     with pytest.raises(Eagle3Error, match="does not exist"):
-        build_service(cfg)
+        service_for(cfg)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -33,11 +35,12 @@ from eagle3.bench.verdict import speedup_fields
 from eagle3.core.common import Eagle3Error, app, log
 from eagle3.core.config import BenchConfig, Config, ServeConfig, SpecConfig, TargetConfig
 from eagle3.core.redact import mask_text
-from eagle3.core.spec import OFF, resolve_spec
-from eagle3.core.target import load_target
+from eagle3.core.spec import OFF, Spec, resolve_spec
+from eagle3.core.target import Target, load_target
 from eagle3.core.tracking import stage_run
 from eagle3.data.suites import suite_name
 from eagle3.serve.drafter import drafter_for
+from eagle3.serve.launch import EngineSetup, engine_setup
 
 RESULT_FILE = "bench_result.json"
 
@@ -68,21 +71,36 @@ def job_identity(
     return ident
 
 
-def measure_job(cfg: Config, folder: Path, scope: str | None = None) -> dict:
+@dataclass(frozen=True)
+class BenchJob:
+    """One job as measuring it reads it: the bench settings, the spec asked for (job_spec checks
+    it), the artifacts root the target is prepared under, how its engines start, and the config's
+    lookups bound once: the drafter for a spec (drafter_for: drafter.path, the shipped drafter or
+    the config's export, found by a hash over several sections) and the target loaded (the output
+    check, serve=hf in process)."""
+
+    bench: BenchConfig
+    spec: SpecConfig
+    artifacts: str
+    engines: EngineSetup
+    drafter_for: Callable[[Spec], Path | None]
+    load_target: Callable[[], Target]
+
+
+def measure_job(job: BenchJob, folder: Path, scope: str | None = None) -> dict:
     """Validate, find drafter and prompts, measure (baseline first), compute speedup. The
     baseline is shared by the jobs of one `scope` (a sweep folder; a lone job's own folder)."""
-    bench, engine_name = cfg.bench, cfg.serve.engine
+    bench, setup = job.bench, job.engines
+    serve, target, engine_name = setup.serve, setup.target, setup.serve.engine
     check_output_settings(bench, engine_name)
-    spec = job_spec(cfg.spec, cfg.serve)
-    target_path, requests = bench_requests(
-        bench, cfg.serve, cfg.engine, cfg.target, cfg.paths.artifacts
-    )
-    check_engine_supports(engine_name, cfg.target, target_path)
-    drafter_path = drafter_for(cfg, spec)
-    check_drafter_fits(cfg.target, engine_name, drafter_path, target_path)
-    opener = functools.partial(open_engine, cfg, target_path)
+    spec = job_spec(job.spec, serve)
+    target_path, requests = bench_requests(bench, serve, setup.engine, target, job.artifacts)
+    check_engine_supports(engine_name, target, target_path)
+    drafter_path = job.drafter_for(spec)
+    check_drafter_fits(target, engine_name, drafter_path, target_path)
+    opener = functools.partial(open_engine, setup, job.load_target, target_path)
     measure_with = functools.partial(measure, opener, bench, engine_name, requests)
-    identity = BaselineIdentity(cfg.serve, bench, cfg.target, cfg.paths.artifacts)
+    identity = BaselineIdentity(serve, bench, target, job.artifacts)
     measure_off = functools.partial(measure_with, OFF, None)
     base = baseline(identity, measure_off, folder, str(scope or folder))
     metrics = (
@@ -96,8 +114,7 @@ def measure_job(cfg: Config, folder: Path, scope: str | None = None) -> dict:
     )
     outputs = metrics.pop("outputs", None)
     if bench.check_outputs:
-        load = functools.partial(load_target, cfg.target, cfg.paths.artifacts)
-        check = compare_outputs(requests, base.get("outputs") or [], outputs or [], load)
+        check = compare_outputs(requests, base.get("outputs") or [], outputs or [], job.load_target)
         (folder / "output_check.json").write_text(json.dumps(check, indent=1))
         metrics.update(check)
         log.info("%s", output_check_line(spec.label, check))
@@ -115,7 +132,8 @@ def against_baseline(metrics: dict, base: dict) -> dict:
 def run_job(
     cfg: Config, folder: Path, parent_run_id: str | None = None, sweep_dir: Path | None = None
 ) -> dict:
-    """One job, never raising for an engine or spec failure: the result says ok or failed."""
+    """One job, never raising for an engine or spec failure: the result says ok or failed. The
+    bench's per-job composition root: it binds the config's lookups into the job it measures."""
     folder.mkdir(parents=True, exist_ok=True)
     result = {**job_identity(cfg.bench, cfg.serve, cfg.target, cfg.spec), "folder": str(folder)}
     name = f"{result['engine']}-{result['spec']}-bs{result['batch_size']}"
@@ -127,7 +145,15 @@ def run_job(
         tags={"engine": result["engine"], "spec": result["spec"]},
     ) as run:
         try:
-            result.update(measure_job(cfg, folder, sweep_dir), status="ok")
+            job = BenchJob(
+                cfg.bench,
+                cfg.spec,
+                cfg.paths.artifacts,
+                engine_setup(cfg),
+                functools.partial(drafter_for, cfg),
+                functools.partial(load_target, cfg.target, cfg.paths.artifacts),
+            )
+            result.update(measure_job(job, folder, sweep_dir), status="ok")
             result.update(provenance(cfg.serve, cfg.target, cfg.bench))
         except (Eagle3Error, OSError, httpx.HTTPError) as err:
             result.update(

@@ -4,16 +4,17 @@ one in this process (eagle3.serve.inprocess answers the same calls)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
 from eagle3.bench.client import run_requests
-from eagle3.core.config import BenchConfig, Config, EngineConfig, ServeConfig
+from eagle3.core.config import BenchConfig, EngineConfig, ServeConfig
 from eagle3.core.spec import Spec
 from eagle3.serve import inprocess
 from eagle3.serve.counters import read_counters
-from eagle3.serve.launch import EngineFailed, EngineProcess, start_engine
+from eagle3.serve.launch import EngineFailed, EngineProcess, EngineSetup, start_engine
 
 
 class Served:
@@ -45,17 +46,20 @@ class Served:
         self.process.stop(self.scfg.stop_timeout_s)
 
 
-def open_engine(cfg: Config, target_path, spec: Spec, drafter_path, folder: Path):
+def open_engine(
+    setup: EngineSetup, load_target: Callable, target_path, spec: Spec, drafter_path, folder: Path
+):
     """The engine a job measures with `spec`: a started server, or with serve.inprocess one in this
-    process; its config has the job's engine section (job_engine). A job binds cfg and target_path
-    (functools.partial) and hands the rest of the bench the opener."""
-    engine = job_engine(cfg.engine, spec)
-    if engine is not cfg.engine:
-        cfg = dataclasses.replace(cfg, engine=engine)
-    if cfg.serve.inprocess:
-        return inprocess.engine_for(cfg, spec, drafter_path)
-    process = start_engine(cfg, spec, drafter_path, target_path, folder)
-    return Served(process, cfg.serve, str(target_path))
+    process (serve=hf runs the target `load_target()` gives); its setup has the job's engine
+    section (job_engine). A job binds setup, load_target and target_path (functools.partial) and
+    hands the rest of the bench the opener."""
+    engine = job_engine(setup.engine, spec)
+    if engine is not setup.engine:
+        setup = dataclasses.replace(setup, engine=engine)
+    if setup.serve.inprocess:
+        return inprocess.engine_for(setup, spec, drafter_path, load_target)
+    process = start_engine(setup, spec, drafter_path, target_path, folder)
+    return Served(process, setup.serve, str(target_path))
 
 
 def job_engine(engine: EngineConfig, spec: Spec) -> EngineConfig:

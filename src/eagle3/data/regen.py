@@ -30,7 +30,7 @@ from eagle3.core.spec import OFF
 from eagle3.core.target import Target, load_target, target_key, target_path_for
 from eagle3.data.conversations import user_turns
 from eagle3.data.tokens import end_of_turn, render
-from eagle3.serve.launch import EngineProcess, start_engine
+from eagle3.serve.launch import EngineProcess, engine_setup, start_engine
 
 # starts the engine backend's server from these data and serve settings, in that folder
 EngineOpener = Callable[[DataConfig, ServeConfig, Path], EngineProcess]
@@ -67,7 +67,7 @@ def regeneration(cfg: Config) -> Regeneration:
     def open_engine(data: DataConfig, serve: ServeConfig, folder: Path) -> EngineProcess:
         engine_cfg = dataclasses.replace(cfg, data=data, serve=serve)
         target_path = target_path_for(cfg.target, artifacts)
-        return start_engine(engine_cfg, OFF, None, target_path, folder, "regen")
+        return start_engine(engine_setup(engine_cfg), OFF, None, target_path, folder, "regen")
 
     return Regeneration(cfg.data, cfg.target, cfg.serve, artifacts, open_engine)
 

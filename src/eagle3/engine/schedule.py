@@ -81,15 +81,14 @@ def resolve_schedule_path(setting, drafter_source: str | None, auto: bool = Fals
     return path
 
 
-def schedule_for(cfg, spec: Spec, drafter_source: str | None) -> Schedule | None:
-    """The schedule the embedded engine runs for this config (None: `spec` at every step),
-    checked against this machine's hardware and engine version. spec=off drafts nothing and
-    runs none."""
-    auto = bool(getattr(cfg.spec, "schedule", False))
+def schedule_for(setting, auto: bool, spec: Spec, drafter_source: str | None) -> Schedule | None:
+    """The schedule the embedded engine runs for engine.schedule=`setting` (`auto`: spec=auto
+    asked for the drafter's), None: `spec` at every step; checked against this machine's
+    hardware and engine version. spec=off drafts nothing and runs none."""
     source = drafter_source if spec.enabled else None
-    if not spec.enabled and str(cfg.engine.schedule) == "auto":
+    if not spec.enabled and str(setting) == "auto":
         return None
-    path = resolve_schedule_path(cfg.engine.schedule, source, auto)
+    path = resolve_schedule_path(setting, source, auto)
     if path is None:
         return None
     return read_schedule(path, hardware(), local_engine_version())

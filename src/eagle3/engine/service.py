@@ -5,21 +5,23 @@ BatchScheduler over a BatchDecoder), its tokenizer and cumulative acceptance cou
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from eagle3.core.common import Eagle3Error, log
-from eagle3.core.config import Config, EngineConfig, ServeConfig
+from eagle3.core.config import Config, DrafterConfig, EngineConfig, ServeConfig
 from eagle3.core.drafter import build_drafter
 from eagle3.core.drafter_io import attach_target_embedding, check_drafter_for_target, load_drafter
 from eagle3.core.outputs import resolve_drafter_path
-from eagle3.core.spec import resolve_spec
-from eagle3.core.target import load_target
+from eagle3.core.spec import Spec, resolve_spec
+from eagle3.core.target import Target, load_target
 from eagle3.engine.batch_decoder import BatchDecoder
 from eagle3.engine.decoder import DecodeRequest, GenerationResult, RequestStats, SpecDecoder
 from eagle3.engine.options import DecoderOptions
@@ -280,15 +282,27 @@ def streamable(text: str, stops: list[str]) -> tuple[str, bool]:
     return settled[: len(settled) - held], False
 
 
-def load_engine_drafter(cfg: Config, target, spec):
+@dataclass(frozen=True)
+class DrafterSource:
+    """Where the embedded engine's drafter comes from: `find()` gives the exported folder
+    (drafter.path, else the config's export; Eagle3Error when there is none), asked only when a
+    shape drafts; without one, `untrained` (drafter.*, given when serve.drafter_fallback=untrained
+    and drafter.path is empty) builds a fresh drafter, seeded with `seed`."""
+
+    find: Callable[[], Path]
+    untrained: DrafterConfig | None
+    seed: int
+
+
+def load_engine_drafter(source: DrafterSource, target, spec):
     """(drafter or None, where it came from). An exported drafter when one is configured or was
     trained for this config; without one, serve.drafter_fallback=untrained builds a fresh one."""
     if not spec.enabled:
         return None, "none (spec=off)"
     try:
-        path = resolve_drafter_path(cfg, engine="local")
+        path = source.find()
     except Eagle3Error:
-        if cfg.drafter.path or cfg.serve.drafter_fallback != "untrained":
+        if source.untrained is None:
             raise
         log.warning(
             "no exported drafter for this config: serving an UNTRAINED drafter (acceptance ~1; "
@@ -298,8 +312,8 @@ def load_engine_drafter(cfg: Config, target, spec):
         with torch.random.fork_rng(
             devices=[]
         ):  # the same weights at every start: seeded requests reproduce
-            torch.manual_seed(cfg.seed)
-            drafter = build_drafter(target, cfg.drafter)
+            torch.manual_seed(source.seed)
+            drafter = build_drafter(target, source.untrained)
         return drafter.to(dtype).eval(), "untrained"
     drafter = load_drafter(path, device=target.device)
     if getattr(drafter.config, "has_embedding", False):
@@ -310,21 +324,54 @@ def load_engine_drafter(cfg: Config, target, spec):
     return drafter.to(device=target.device, dtype=dtype).eval(), str(path)
 
 
-def build_service(cfg: Config) -> EngineService:
-    """The engine this config serves: the batch-1 decoder, or the batched one where batches,
-    a schedule or engine.deterministic ask for it."""
-    ecfg = cfg.engine
-    if ecfg.cpu_threads:
-        torch.set_num_threads(int(ecfg.cpu_threads))
+def service_for(cfg: Config) -> EngineService:
+    """The embedded engine a config serves: the composition root shared by the local server's
+    main and the bench's in-process engine (both hold the job's whole config). It resolves the
+    spec, loads the target and binds the drafter's lookup (by drafter.path or the config's export
+    hash, which covers several sections)."""
+    if cfg.engine.cpu_threads:
+        torch.set_num_threads(int(cfg.engine.cpu_threads))
     spec = resolve_spec(cfg.spec)
     target = load_target(cfg.target, cfg.paths.artifacts)
-    drafter, source = load_engine_drafter(cfg, target, spec)
-    schedule = schedule_for(cfg, spec, source)
+    untrained = not cfg.drafter.path and getattr(cfg.serve, "drafter_fallback", None) == "untrained"
+    drafters = DrafterSource(
+        functools.partial(resolve_drafter_path, cfg, engine="local"),
+        cfg.drafter if untrained else None,
+        cfg.seed,
+    )
+    return build_service(
+        cfg.engine,
+        cfg.serve,
+        spec,
+        target,
+        drafters,
+        target_name=cfg.target.name,
+        auto_schedule=bool(cfg.spec.schedule),
+        concurrency=cfg.bench.batch_size,
+    )
+
+
+def build_service(
+    ecfg: EngineConfig,
+    scfg: ServeConfig,
+    spec: Spec,
+    target: Target,
+    drafters: DrafterSource,
+    *,
+    target_name: str,
+    auto_schedule: bool,
+    concurrency: int | None,
+) -> EngineService:
+    """The engine serving `target` with `spec`: the batch-1 decoder, or the batched one where
+    batches (engine.max_batch_size, at least `concurrency` with auto), a schedule
+    (engine.schedule, or spec=auto: `auto_schedule`) or engine.deterministic ask for it."""
+    drafter, source = load_engine_drafter(drafters, target, spec)
+    schedule = schedule_for(ecfg.schedule, auto_schedule, spec, source)
     wide = [shape for shape in schedule.shapes if shape.enabled] if schedule else []
     if wide and drafter is None:  # spec=off with a schedule file that drafts
-        drafter, source = load_engine_drafter(cfg, target, wide[0])
+        drafter, source = load_engine_drafter(drafters, target, wide[0])
     options = decoder_options(ecfg, target.device)
-    max_batch = max_batch_size(ecfg, cfg.bench.batch_size, target, drafter)
+    max_batch = max_batch_size(ecfg, concurrency, target, drafter)
     forward = how = ""
     if max_batch > 1 or schedule is not None or options.deterministic:
         decoder = batched_decoder(target, drafter, spec, max_batch, options, schedule)
@@ -334,14 +381,14 @@ def build_service(cfg: Config) -> EngineService:
         forward = f" ({'lean' if decoder.target_run.lean else 'HF'} forward)"
     log.info(
         "engine ready: target %s%s, spec %s, drafter %s, context %d%s",
-        cfg.target.name,
+        target_name,
         forward,
         spec.label,
         source,
         decoder.max_context,
         how,
     )
-    return EngineService(decoder, target.tokenizer, cfg.serve, source, cfg.target.name)
+    return EngineService(decoder, target.tokenizer, scfg, source, target_name)
 
 
 def decoder_options(ecfg: EngineConfig, device: torch.device) -> DecoderOptions:

@@ -35,7 +35,7 @@ from eagle3.core.common import Eagle3Error
 from eagle3.core.config import Config, ExtractConfig, TargetConfig
 from eagle3.core.spec import OFF
 from eagle3.core.target import default_aux_layer_ids
-from eagle3.serve.launch import EngineProcess, Launch, compose_launch
+from eagle3.serve.launch import EngineProcess, Launch, compose_launch, engine_setup
 
 CONNECTOR = "HiddenStatesConnector"
 CONNECTOR_MODULE = "eagle3.extract.vllm_connector"
@@ -134,7 +134,9 @@ def capture_launch(cfg: Config, shape: TargetShape, states_dir: Path, port: int 
     and the one token sampled in its context) composes the base command."""
     ecfg = cfg.extract
     serve = dataclasses.replace(ecfg.engine, max_model_len=int(cfg.data.max_length) + 1)
-    launch = compose_launch(dataclasses.replace(cfg, serve=serve), OFF, None, shape.path, port)
+    launch = compose_launch(
+        engine_setup(dataclasses.replace(cfg, serve=serve)), OFF, None, shape.path, port
+    )
     speculative = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,

@@ -58,7 +58,7 @@ from eagle3.pipeline.plan import (
     stage_plans,
     target_hidden_size,
 )
-from eagle3.serve.launch import Launch, compose_launch
+from eagle3.serve.launch import Launch, compose_launch, engine_setup
 from eagle3.train import stage as train
 
 STAGE_RUNS = {"data": data.run, "extract": extract.run, "train": train.run, "export": export.run}
@@ -197,7 +197,11 @@ def print_bench_jobs(pipeline: PipelineConfig, drafter: Path, target: str) -> No
         job_cfg = compose([*user_overrides(), *job])
         spec = resolve_spec(job_cfg.spec)
         launch = compose_launch(
-            job_cfg, spec, drafter if spec.enabled else None, target, port=pipeline.plan_port
+            engine_setup(job_cfg),
+            spec,
+            drafter if spec.enabled else None,
+            target,
+            port=pipeline.plan_port,
         )
         print(
             f"    bench job {' '.join(job)} ({spec.label}, {job_cfg.serve.engine}): {' '.join(launch.argv)}"
@@ -250,7 +254,9 @@ def print_plan(cfg: Config, sweep_dir: Path) -> None:
             else cfg
         )
         spec_off = resolve_spec(compose([*user_overrides(), "spec=off"]).spec)
-        launch = compose_launch(engine_cfg, spec_off, None, target, port=pipeline.plan_port)
+        launch = compose_launch(
+            engine_setup(engine_cfg), spec_off, None, target, port=pipeline.plan_port
+        )
         print(regen_line(regen, launch.argv))
     export_dir = STAGE_OUTPUTS["export"](cfg).path
     print_bench_jobs(

@@ -7,27 +7,29 @@ import time
 from pathlib import Path
 
 from eagle3.core.common import Eagle3Error, app
-from eagle3.core.config import Config
+from eagle3.core.config import Config, EngineConfig, ServeConfig
 from eagle3.core.spec import Spec, resolve_spec
 from eagle3.core.target import target_path_for
 from eagle3.engine.schedule import schedule_for, shapes_line
 from eagle3.serve.drafter import drafter_for
-from eagle3.serve.launch import check_spec_for_engine, start_engine
+from eagle3.serve.launch import check_spec_for_engine, engine_setup, start_engine
 
 
-def shapes(cfg: Config, spec: Spec, drafter: Path | None) -> str:
+def shapes(
+    serve: ServeConfig, engine: EngineConfig, auto: bool, spec: Spec, drafter: Path | None
+) -> str:
     """Which shape the engine runs at which batch size, checked before it starts: a schedule only
-    where one is named (engine.schedule=<file>, spec=auto), on the hardware and engine it was
-    measured on; the other engines run one shape."""
-    if cfg.serve.engine != "local":
-        if cfg.spec.schedule:
+    where one is named (engine.schedule=<file>, spec=auto: `auto`), on the hardware and engine it
+    was measured on; the other engines run one shape."""
+    if serve.engine != "local":
+        if auto:
             raise Eagle3Error(
-                f"spec=auto runs a load sweep's schedule on serve=local; serve={cfg.serve.engine} "
+                f"spec=auto runs a load sweep's schedule on serve=local; serve={serve.engine} "
                 "runs one shape: give spec=... (the schedule.json lists its flags per batch size)"
             )
         return shapes_line(None, spec)
     source = str(drafter) if drafter else ("untrained" if spec.enabled else None)
-    return shapes_line(schedule_for(cfg, spec, source), spec)
+    return shapes_line(schedule_for(engine.schedule, auto, spec, source), spec)
 
 
 @app
@@ -38,9 +40,9 @@ def main(cfg: Config) -> None:
     check_spec_for_engine(cfg.serve.engine, spec, cfg.serve.max_depth)
     folder = Path(HydraConfig.get().runtime.output_dir)
     drafter = drafter_for(cfg, spec)
-    plan = shapes(cfg, spec, drafter)
+    plan = shapes(cfg.serve, cfg.engine, cfg.spec.schedule, spec, drafter)
     engine = start_engine(
-        cfg, spec, drafter, target_path_for(cfg.target, cfg.paths.artifacts), folder
+        engine_setup(cfg), spec, drafter, target_path_for(cfg.target, cfg.paths.artifacts), folder
     )
     try:  # from the moment the engine runs: a stop signal at any point ends in engine.stop()
         print(plan, flush=True)

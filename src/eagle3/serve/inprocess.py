@@ -2,7 +2,7 @@
 no HTTP in between, so GPU timings hold the engine's own cost alone:
 
 - serve=local: the embedded engine's EngineService, built from the same config the local server
-  gets (launch.local_job_config): the fused batch-1 decoder, or continuous batching above batch 1.
+  gets (EngineSetup.local_config): the fused batch-1 decoder, or continuous batching above batch 1.
 - serve=hf: HF transformers' `generate` on the target, in static batches of bench.batch_size
   left-padded prompts, without speculation: the reference a user would otherwise pick.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,12 +25,11 @@ import torch
 from tqdm import tqdm
 
 from eagle3.core.common import log
-from eagle3.core.config import BenchConfig, Config, from_plain, plain
-from eagle3.core.redact import masked_config
+from eagle3.core.config import BenchConfig, from_plain, plain
 from eagle3.core.spec import Spec
-from eagle3.core.target import Target, load_target
-from eagle3.engine.service import Generation, build_service
-from eagle3.serve.launch import local_job_config
+from eagle3.core.target import Target
+from eagle3.engine.service import Generation, service_for
+from eagle3.serve.launch import EngineSetup
 
 ENGINES = ("local", "hf")  # serve.engine values this module runs
 _KEPT: dict = {}  # {"key": config key, "engine": the engine built for it}
@@ -50,7 +50,7 @@ class LocalEngine(InProcess):
     """The embedded engine's service, called directly."""
 
     def __init__(self, job: dict):
-        self.service = build_service(from_plain(job))
+        self.service = service_for(from_plain(job))
 
     def counters(self) -> dict:
         return self.service.stats()
@@ -172,23 +172,21 @@ def completion_length(row: list[int], eos: int | None) -> int:
     return row.index(eos) + 1 if eos is not None and eos in row else len(row)
 
 
-def engine_for(cfg: Config, spec: Spec, drafter_path: Path | None):
+def engine_for(setup: EngineSetup, spec: Spec, drafter_path: Path | None, load_target: Callable):
     """The in-process engine for this job: the one kept from the previous job when its config is
-    the same, else a fresh one (the kept one is freed first: one engine in memory at a time)."""
-    if cfg.serve.engine == "hf":
-        config = {"target": plain(cfg.target), "hf": True}
+    the same, else a fresh one (the kept one is freed first: one engine in memory at a time).
+    serve=hf runs the target `load_target()` gives."""
+    hf = setup.serve.engine == "hf"
+    if hf:
+        config = {"target": plain(setup.target), "hf": True}
     else:
-        config = local_job_config(masked_config(cfg), cfg.bench.batch_size, spec, drafter_path)
+        config = setup.local_config(spec, drafter_path)
     key = json.dumps(config, sort_keys=True, default=str)
     if _KEPT.get("key") == key:
-        log.info("reusing the in-process %s engine of the previous job", cfg.serve.engine)
+        log.info("reusing the in-process %s engine of the previous job", setup.serve.engine)
         return _KEPT["engine"]
     release()
-    engine = (
-        HFGenerate(load_target(cfg.target, cfg.paths.artifacts))
-        if cfg.serve.engine == "hf"
-        else LocalEngine(config)
-    )
+    engine = HFGenerate(load_target()) if hf else LocalEngine(config)
     _KEPT.update(key=key, engine=engine)
     return engine
 

@@ -11,6 +11,7 @@ hidden-state capture, the serve app, the bench) starts it through this module.
 from __future__ import annotations
 
 import atexit
+import copy
 import json
 import os
 import re
@@ -28,7 +29,7 @@ import httpx
 from omegaconf import OmegaConf
 
 from eagle3.core.common import CONF_DIR, Eagle3Error, api_key, log
-from eagle3.core.config import Config, ServeConfig
+from eagle3.core.config import Config, EngineConfig, ServeConfig, TargetConfig, plain
 from eagle3.core.lifecycle import LAUNCH_TOKEN_ENV, spawn
 from eagle3.core.redact import mask, mask_argv, mask_text, masked_config
 from eagle3.core.spec import Spec
@@ -72,6 +73,44 @@ def check_spec_for_engine(engine: str, spec: Spec, max_depth: int | None = None)
 
 
 # ---------------------------------------------------------------- composing commands
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What starting an engine for one config reads, whatever spec and drafter it then runs: the
+    serve, target and engine sections, the seed, drafter.path (serve=local serves an untrained
+    drafter only without one), bench.batch_size (serve=local batches as many when
+    engine.max_batch_size is null) and the config itself, secrets masked: serve=local's server is a
+    Hydra app built from the job's whole config."""
+
+    serve: ServeConfig
+    target: TargetConfig
+    engine: EngineConfig
+    seed: int
+    drafter_setting: str | None
+    batch_size: int
+    config: dict = field(repr=False)
+
+    def local_config(self, spec: Spec, drafter_path, port: int | None = None) -> dict:
+        """The config the embedded engine is built from (local_job_config): `config` with this
+        setup's sections in it (a job replaces the engine section: bench.engines.job_engine)."""
+        sections = {"serve": self.serve, "target": self.target, "engine": self.engine}
+        job = {**copy.deepcopy(self.config), **mask({k: plain(v) for k, v in sections.items()})}
+        return local_job_config(job, self.batch_size, spec, drafter_path, port)
+
+
+def engine_setup(cfg: Config) -> EngineSetup:
+    """The engine setup of a config: where a whole config becomes what an engine start reads
+    (the serve app, the bench's jobs, data regeneration, the pipeline's plan and vLLM capture)."""
+    return EngineSetup(
+        cfg.serve,
+        cfg.target,
+        cfg.engine,
+        cfg.seed,
+        cfg.drafter.path,
+        cfg.bench.batch_size,
+        masked_config(cfg),
+    )
 
 
 @dataclass
@@ -147,16 +186,20 @@ def untrained_fallback(scfg: ServeConfig, drafter_path: str | None) -> bool:
 
 
 def compose_launch(
-    cfg: Config,
+    setup: EngineSetup,
     spec: Spec,
     drafter_path: Path | None,
     target_path: Path | str,
     port: int | None = None,
 ) -> Launch:
-    """The command that serves `cfg.target` (+ the drafter when spec is enabled) on `cfg.serve.engine`."""
-    scfg = cfg.serve
+    """The command that serves `setup.target` (+ the drafter when spec is enabled) on `setup.serve.engine`."""
+    scfg = setup.serve
     check_spec_for_engine(scfg.engine, spec, scfg.max_depth)
-    if spec.enabled and drafter_path is None and not untrained_fallback(scfg, cfg.drafter.path):
+    if (
+        spec.enabled
+        and drafter_path is None
+        and not untrained_fallback(scfg, setup.drafter_setting)
+    ):
         raise Eagle3Error(f"spec {spec.label} needs a drafter; set drafter.path or use spec=off")
     if scfg.engine not in SERVED:
         raise Eagle3Error(
@@ -164,12 +207,11 @@ def compose_launch(
             f"serve={scfg.engine})"
         )
     port = launch_port(scfg, port)
-    trust = cfg.target.trust_remote_code
+    trust = setup.target.trust_remote_code
     if scfg.engine == "local":
-        job = local_job_config(masked_config(cfg), cfg.bench.batch_size, spec, drafter_path, port)
-        launch = local_launch(scfg, job, port)
+        launch = local_launch(scfg, setup.local_config(spec, drafter_path, port), port)
     elif scfg.engine == "vllm":
-        launch = vllm_launch(scfg, cfg.seed, trust, spec, drafter_path, target_path, port)
+        launch = vllm_launch(scfg, setup.seed, trust, spec, drafter_path, target_path, port)
     else:
         launch = sglang_launch(scfg, trust, spec, drafter_path, target_path, port)
     launch.stop_timeout_s = scfg.stop_timeout_s
@@ -590,7 +632,7 @@ def _stop_all() -> None:
 
 
 def start_engine(
-    cfg: Config,
+    setup: EngineSetup,
     spec: Spec,
     drafter_path: Path | None,
     target_path,
@@ -599,11 +641,11 @@ def start_engine(
 ) -> EngineProcess:
     """Compose, start and wait until healthy; the process is stopped if it never gets there."""
     engine = EngineProcess(
-        compose_launch(cfg, spec, drafter_path, target_path), folder, name
+        compose_launch(setup, spec, drafter_path, target_path), folder, name
     ).start()
     try:
-        engine.wait_healthy(cfg.serve.start_timeout_s)
+        engine.wait_healthy(setup.serve.start_timeout_s)
     except BaseException:
-        engine.stop(cfg.serve.stop_timeout_s)
+        engine.stop(setup.serve.stop_timeout_s)
         raise
     return engine

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from eagle3.core.common import Eagle3Error, api_key, app, log
 from eagle3.core.config import Config
 from eagle3.core.lifecycle import LAUNCH_TOKEN_ENV
-from eagle3.engine.service import EngineService, Generation, Reply, build_service
+from eagle3.engine.service import EngineService, Generation, Reply, service_for
 
 # ---------------------------------------------------------------- request schemas
 
@@ -453,7 +453,7 @@ def graceful_server(config, service: EngineService, grace_s: float):
 def main(cfg: Config) -> None:
     import uvicorn
 
-    service = build_service(cfg)
+    service = service_for(cfg)
     service.api_key = api_key(cfg.serve)
     sock = bind(cfg.serve.host, int(cfg.serve.port))
     host, port = sock.getsockname()[:2]

@@ -15,6 +15,8 @@ from eagle3.bench.measurement import measure
 from eagle3.bench.sweep import summarize
 from eagle3.bench.verdict import Rules, Spread, combine_repeats, speedup_fields, winner
 from eagle3.core.spec import OFF
+from eagle3.core.target import load_target
+from eagle3.serve.launch import engine_setup
 
 COST = StepCost(verify_s=0.04, draft_step_s=0.012)  # a CPU-like step: drafting is expensive
 PER_POS = [0.75, 0.55, 0.4, 0.3, 0.22, 0.16, 0.12, 0.09, 0.07, 0.05, 0.04, 0.03, 0.02, 0.02, 0.01]
@@ -164,7 +166,9 @@ def identity(cfg):
 
 def off_baseline(cfg, target_path, requests, folder, scope):
     """The job's spec=off measurement as a bench job takes it (eagle3.bench.app.measure_job)."""
-    opener = functools.partial(open_engine, cfg, target_path)
+    opener = functools.partial(
+        open_engine, engine_setup(cfg), functools.partial(load_target, cfg), target_path
+    )
     off = functools.partial(measure, opener, cfg.bench, cfg.serve.engine, requests, OFF, None)
     return baseline(identity(cfg), off, folder, scope)
 

@@ -12,7 +12,7 @@ from support import SGLANG_PYTHON
 
 from eagle3.core.spec import OFF
 from eagle3.data import regen
-from eagle3.serve.launch import compose_launch
+from eagle3.serve.launch import compose_launch, engine_setup
 
 THINKING = {"reasoning_content": "2 and 2 make 4.", "content": "4"}
 
@@ -136,17 +136,17 @@ def test_regeneration_engines_batch_the_requests_sent_and_parse_reasoning(make_c
         "data.regen.concurrency=64",
         "data.regen.reasoning_parser=kimi_k2",
     )
-    argv = compose_launch(regen_engine(sglang), OFF, None, "/m", 30000).argv
+    argv = compose_launch(engine_setup(regen_engine(sglang)), OFF, None, "/m", 30000).argv
     flag = "--cuda-graph-max-bs-decode"  # SGLang >= 0.5.20 (.venv-sglang)
     assert argv[argv.index(flag) + 1] == "64"
     assert argv[argv.index("--reasoning-parser") + 1] == "kimi_k2"
     assert sglang.serve.cuda_graph_max_bs == 8  # serve's own setting, for the bench, unchanged
     bundle = make_cfg(*regen_args, "serve=sglang-bundle", "data.regen.concurrency=256")
-    argv = compose_launch(regen_engine(bundle), OFF, None, "/m", 30000).argv
+    argv = compose_launch(engine_setup(regen_engine(bundle)), OFF, None, "/m", 30000).argv
     assert argv[argv.index("--cuda-graph-max-bs") + 1] == "256"  # SGLang 0.5.14's name
     assert "--reasoning-parser" not in argv
     few = make_cfg(*regen_args, "serve=sglang-bundle", "data.regen.concurrency=4")
-    argv = compose_launch(regen_engine(few), OFF, None, "/m", 30000).argv
+    argv = compose_launch(engine_setup(regen_engine(few)), OFF, None, "/m", 30000).argv
     assert argv[argv.index("--cuda-graph-max-bs") + 1] == "8"  # never lowered
     vllm = make_cfg(
         *regen_args,
@@ -154,6 +154,6 @@ def test_regeneration_engines_batch_the_requests_sent_and_parse_reasoning(make_c
         "data.regen.concurrency=32",
         "data.regen.reasoning_parser=kimi_k2",
     )
-    argv = compose_launch(regen_engine(vllm), OFF, None, "/m", 30000).argv
+    argv = compose_launch(engine_setup(regen_engine(vllm)), OFF, None, "/m", 30000).argv
     assert argv[argv.index("--max-num-seqs") + 1] == "32"
     assert argv[argv.index("--reasoning-parser") + 1] == "kimi_k2"

@@ -173,10 +173,10 @@ def test_server_batches_concurrent_requests(test_root, tiny_target):
     from fastapi.testclient import TestClient
     from support import server_cfg
 
-    from eagle3.engine.service import build_service
+    from eagle3.engine.service import service_for
     from eagle3.serve.server import create_app
 
-    service = build_service(server_cfg(test_root, "spec=off", "engine.max_batch_size=4"))
+    service = service_for(server_cfg(test_root, "spec=off", "engine.max_batch_size=4"))
     prompts = [service.encode_text(text) for text in PROMPTS]
     replies: dict[int, dict] = {}
     with TestClient(create_app(service)) as client:

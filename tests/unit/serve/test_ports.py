@@ -10,7 +10,7 @@ import pytest
 
 from eagle3.core.common import Eagle3Error
 from eagle3.core.spec import resolve_spec
-from eagle3.serve.launch import compose_launch, free_port
+from eagle3.serve.launch import compose_launch, engine_setup, free_port
 
 
 def test_a_free_port_for_sglang_keeps_its_grpc_port_valid_and_free(make_cfg):
@@ -30,4 +30,4 @@ def test_a_given_port_whose_grpc_port_is_out_of_range_is_refused(make_cfg):
         match=r"serve.port=60000: sglang also opens port 70000 \(port \+ 10000, "
         r"serve.derived_port_offsets\), above 65535: choose a port at most 55535",
     ):
-        compose_launch(cfg, resolve_spec(cfg.spec), None, "/nonexistent/target")
+        compose_launch(engine_setup(cfg), resolve_spec(cfg.spec), None, "/nonexistent/target")
