@@ -23,13 +23,20 @@ from safetensors.torch import save_file
 
 from eagle3.core.artifacts import StageOutput
 from eagle3.core.common import Eagle3Error
-from eagle3.core.config import Config
+from eagle3.core.config import Config, SuiteConfig
 from eagle3.core.outputs import data_output
 from eagle3.core.target import tokenizer_hash
 from eagle3.core.tracking import stage_run
 from eagle3.data.added_prompts import more_prompts, self_prompt_data
 from eagle3.data.conversations import conversations_for
-from eagle3.data.regen import TurnLog, generator_for, regenerate, regeneration, sampling_params
+from eagle3.data.regen import (
+    Regeneration,
+    TurnLog,
+    generator_for,
+    regenerate,
+    regeneration,
+    sampling_params,
+)
 from eagle3.data.sources import local_source
 from eagle3.data.tokens import load_tokenizer, tokenize_conversations
 from eagle3.data.vocab import coverage_of, vocab_map_for
@@ -84,51 +91,58 @@ def run(cfg: Config) -> StageOutput:
         if out.reusable(cfg.verify):
             return out
         with stage_run(cfg, "data", artifact_hash=out.hash) as mlflow_run:
-            write_splits(cfg, out, mlflow_run)
+            write_splits(
+                regeneration(cfg), cfg.bench.suites, cfg.drafter.draft_vocab_size, out, mlflow_run
+            )
     return out
 
 
-def write_splits(cfg: Config, out: StageOutput, mlflow_run) -> None:
-    """Read, filter, regenerate and tokenise the conversations into `out`, with the draft vocab map."""
+def write_splits(
+    regen: Regeneration,
+    suites: dict[str, SuiteConfig],
+    draft_vocab_size: int,
+    out: StageOutput,
+    mlflow_run,
+) -> None:
+    """Read, filter, regenerate and tokenise the conversations of regen.data into `out`, with the
+    draft vocab map; `suites` are the bench suites (a data.extra_sources entry that is one is refused)."""
     out.start()
     started = time.time()
     counts: dict[str, Any] = {}
-    regen = regeneration(cfg)
-    splits = conversations_for(cfg.data, counts)
+    data = regen.data
+    splits = conversations_for(data, counts)
     splits = more_prompts(
-        cfg.data,
-        cfg.bench.suites,
+        data,
+        suites,
         splits,
         counts,
         regen.log_path.parent,
-        lambda: generator_for(dataclasses.replace(regen, data=self_prompt_data(cfg.data))),
+        lambda: generator_for(dataclasses.replace(regen, data=self_prompt_data(data))),
         TurnLog,
     )
-    tokenizer, target_vocab = load_tokenizer(cfg.target, cfg.paths.artifacts)
-    if cfg.data.regenerate:
+    tokenizer, target_vocab = load_tokenizer(regen.target, regen.artifacts)
+    if data.regenerate:
         splits = regenerate(regen, out.path, splits, tokenizer, counts)
     dropped: Counter = Counter()
     columns = {
-        name: tokenize_conversations(tokenizer, convs, cfg.data, dropped)
+        name: tokenize_conversations(tokenizer, convs, data, dropped)
         for name, convs in splits.items()
     }
     counts.update(dropped)
     train = columns["train"]
     if not train["id"]:
         raise Eagle3Error(
-            f"data.source {cfg.data.source}: no training conversation has assistant tokens "
+            f"data.source {data.source}: no training conversation has assistant tokens "
             f"after filtering and tokenisation (counts: {counts})"
         )
     # training validates every epoch (and datasets cannot reload an empty split)
     if not columns["val"]["id"]:
         raise Eagle3Error(
             f"data: the validation split is empty ({len(splits['val'])} held out by "
-            f"data.val_fraction={cfg.data.val_fraction}, then dropped: {dict(dropped)}); raise "
+            f"data.val_fraction={data.val_fraction}, then dropped: {dict(dropped)}); raise "
             "data.val_fraction or data.limit"
         )
-    d2t, t2d, coverage = vocab_map_for(
-        cfg.drafter.draft_vocab_size, cfg.data.vocab_map_from, train, target_vocab
-    )
+    d2t, t2d, coverage = vocab_map_for(draft_vocab_size, data.vocab_map_from, train, target_vocab)
     save_file({"d2t": d2t, "t2d": t2d}, str(out.path / "vocab_map.safetensors"))
     save_dataset(out.path, columns)
     for name, cols in columns.items():
@@ -144,7 +158,7 @@ def write_splits(cfg: Config, out: StageOutput, mlflow_run) -> None:
     counts["tokenizer_hash"] = tokenizer_hash(tokenizer)
     if mlflow_run is not None:
         log_to_mlflow(counts, train["input_ids"], out.path)
-    out.finish(counts, sampling=sampling_params(cfg.data))
+    out.finish(counts, sampling=sampling_params(data))
 
 
 def log_to_mlflow(counts: dict, train_ids: list[list[int]], out_dir: Path) -> None:
