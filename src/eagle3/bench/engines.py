@@ -14,7 +14,7 @@ from eagle3.core.config import BenchConfig, EngineConfig, ServeConfig
 from eagle3.core.spec import Spec
 from eagle3.serve import inprocess
 from eagle3.serve.counters import read_counters
-from eagle3.serve.launch import EngineFailed, EngineProcess, EngineSetup, start_engine
+from eagle3.serve.launch import EngineFailed, EngineProcess, EngineSetup, sized_for, start_engine
 
 
 class Served:
@@ -51,15 +51,24 @@ def open_engine(
 ):
     """The engine a job measures with `spec`: a started server, or with serve.inprocess one in this
     process (serve=hf runs the target `load_target()` gives); its setup has the job's engine
-    section (job_engine). A job binds setup, load_target and target_path (functools.partial) and
-    hands the rest of the bench the opener."""
-    engine = job_engine(setup.engine, spec)
-    if engine is not setup.engine:
-        setup = dataclasses.replace(setup, engine=engine)
+    section (job_engine) and a server sized for bench.batch_size requests (job_setup). A job binds
+    setup, load_target and target_path (functools.partial) and hands the rest of the bench the
+    opener."""
+    setup = job_setup(setup, spec)
     if setup.serve.inprocess:
         return inprocess.engine_for(setup, spec, drafter_path, load_target)
     process = start_engine(setup, spec, drafter_path, target_path, folder)
     return Served(process, setup.serve, str(target_path))
+
+
+def job_setup(setup: EngineSetup, spec: Spec) -> EngineSetup:
+    """The setup a job's engine starts from: the job's engine section (job_engine) and serving
+    settings sized for bench.batch_size requests in flight (serve.launch.sized_for: SGLang's CUDA
+    graphs, vLLM's scheduler)."""
+    engine, serve = job_engine(setup.engine, spec), sized_for(setup.serve, setup.batch_size)
+    if engine is setup.engine and serve is setup.serve:
+        return setup
+    return dataclasses.replace(setup, engine=engine, serve=serve)
 
 
 def job_engine(engine: EngineConfig, spec: Spec) -> EngineConfig:

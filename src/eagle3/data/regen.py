@@ -30,7 +30,7 @@ from eagle3.core.spec import OFF
 from eagle3.core.target import Target, load_target, target_key, target_path_for
 from eagle3.data.conversations import user_turns
 from eagle3.data.tokens import end_of_turn, render
-from eagle3.serve.launch import EngineProcess, engine_setup, start_engine
+from eagle3.serve.launch import EngineProcess, engine_setup, sized_for, start_engine
 
 # starts the engine backend's server from these data and serve settings, in that folder
 EngineOpener = Callable[[DataConfig, ServeConfig, Path], EngineProcess]
@@ -736,15 +736,9 @@ class OpenAIGenerator:
 
 def regen_engine_config(scfg: ServeConfig, rcfg: RegenConfig) -> ServeConfig:
     """The serving settings the regeneration engine is started with: `scfg` sized for
-    data.regen.concurrency requests at once. SGLang captures CUDA graphs up to serve.cuda_graph_max_bs
-    and runs larger batches eagerly; vLLM schedules at most serve.max_num_seqs sequences (and captures
-    graphs up to that many): both are raised to the concurrency when below it. With
+    data.regen.concurrency requests at once (serve.launch.sized_for). With
     data.regen.reasoning_parser the engine gets --reasoning-parser (it returns the thinking apart)."""
-    wanted = int(rcfg.concurrency)
-    if scfg.engine == "sglang" and scfg.cuda_graph_max_bs < wanted:
-        scfg = dataclasses.replace(scfg, cuda_graph_max_bs=wanted)
-    elif scfg.engine == "vllm" and scfg.max_num_seqs < wanted:
-        scfg = dataclasses.replace(scfg, max_num_seqs=wanted)
+    scfg = sized_for(scfg, rcfg.concurrency)
     parser = rcfg.reasoning_parser
     if parser and scfg.engine in ("sglang", "vllm"):  # both name the flag alike
         scfg = dataclasses.replace(

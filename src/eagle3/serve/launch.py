@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -151,6 +152,19 @@ def engine_python(scfg: ServeConfig) -> str:
         return shutil.which(str(scfg.python)) or str(scfg.python)
     path = Path(str(scfg.python)).expanduser()
     return str(path if path.is_absolute() else Path(CONF_DIR).parent / path)
+
+
+def sized_for(scfg: ServeConfig, concurrency: int) -> ServeConfig:
+    """`scfg` for `concurrency` requests at once. SGLang captures CUDA graphs up to
+    serve.cuda_graph_max_bs and runs larger batches eagerly; vLLM schedules at most
+    serve.max_num_seqs sequences (and captures graphs up to that many): both are raised to the
+    concurrency when below it, never lowered."""
+    wanted = int(concurrency)
+    if scfg.engine == "sglang" and scfg.cuda_graph_max_bs < wanted:
+        return dataclasses.replace(scfg, cuda_graph_max_bs=wanted)
+    if scfg.engine == "vllm" and scfg.max_num_seqs < wanted:
+        return dataclasses.replace(scfg, max_num_seqs=wanted)
+    return scfg
 
 
 def free_port(host: str, derived_offsets: list[int] = ()) -> int:
