@@ -27,6 +27,7 @@ from eagle3.core.common import Eagle3Error
 from eagle3.tools import bundle_run
 from eagle3.tools.bundle_engines import (
     check_launch_imports,
+    machine_wheel,
     read_machine_packages,
     resolve,
     trim_wheel,
@@ -362,3 +363,22 @@ def test_an_unknown_engine_is_named(make_cfg, tmp_path):
     )
     with pytest.raises(Eagle3Error, match="bundle.engines: 'tgi' has no bundle.engine_sets entry"):
         built_bundle(cfg)
+
+
+def test_the_platform_wheel_is_carried_before_the_pure_one():
+    """The lock lists every wheel of a package the machine could install; the bundle carries the
+    one its pip would pick: soundfile's manylinux wheel (it holds libsndfile), not the pure one
+    listed first."""
+    url = "https://host/packages/{}"
+    wheels = [
+        {"url": url.format("soundfile-0.13.1-py2.py3-none-any.whl")},
+        {"url": url.format("soundfile-0.13.1-py2.py3-none-manylinux_2_28_x86_64.whl")},
+    ]
+    platforms = ["manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64"]
+    assert machine_wheel(wheels, platforms) is wheels[1]
+    numpy = [
+        {"path": "numpy-2.5.5-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl"},
+        {"path": "numpy-2.5.5-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl"},
+    ]
+    assert machine_wheel(numpy, platforms) is numpy[1]  # the newer manylinux of the list
+    assert machine_wheel(wheels[:1], platforms) is wheels[0]

@@ -149,7 +149,7 @@ def lock(bcfg: BundleConfig, eset, machine, folder: Path, where: str) -> list[Lo
         wheels = package.get("wheels") or []
         if not wheels:
             raise Eagle3Error(f"{where}: {package['name']} has no wheel for the machine")
-        wheel = wheels[0]
+        wheel = machine_wheel(wheels, list(map(str, bcfg.platforms)))
         packages.append(
             Locked(
                 canonicalize_name(package["name"]),
@@ -159,6 +159,20 @@ def lock(bcfg: BundleConfig, eset, machine, folder: Path, where: str) -> list[Lo
             )
         )
     return packages
+
+
+def machine_wheel(wheels: list[dict], platforms: list[str]) -> dict:
+    """The wheel the machine's pip would pick among the lock's compatible ones: a platform wheel
+    before a pure one (soundfile's manylinux wheel holds the libsndfile its pure one lacks), the
+    earlier of `platforms` first."""
+
+    def rank(wheel: dict) -> tuple[int, int]:
+        name = str(wheel.get("url") or wheel.get("path")).rsplit("/", 1)[-1].split("#", 1)[0]
+        tags = name.removesuffix(".whl").split("-")[-1].split(".")
+        known = [platforms.index(t) for t in tags if t in platforms]
+        return (tags == ["any"], min(known, default=len(platforms)))
+
+    return min(wheels, key=rank)
 
 
 def uv_binary() -> Path:
