@@ -269,25 +269,6 @@ def server_cfg(test_root, *overrides):
     )
 
 
-def bench_job(cfg):
-    """The job eagle3.bench.app.run_job measures for this config (it binds it alike)."""
-    import functools
-
-    from eagle3.bench.app import BenchJob
-    from eagle3.core.target import load_target
-    from eagle3.serve.drafter import drafter_for
-    from eagle3.serve.launch import engine_setup
-
-    return BenchJob(
-        cfg.bench,
-        cfg.spec,
-        cfg.paths.artifacts,
-        engine_setup(cfg),
-        functools.partial(drafter_for, cfg),
-        functools.partial(load_target, cfg.target, cfg.paths.artifacts),
-    )
-
-
 def drafter_source(cfg):
     """How the embedded engine finds this config's drafter (eagle3.engine.service.service_for
     binds it alike)."""

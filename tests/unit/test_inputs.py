@@ -12,7 +12,7 @@ import sys
 from collections import Counter
 
 import pytest
-from support import bench_job, randomise
+from support import randomise
 
 from eagle3.bench import app as bench
 from eagle3.core import outputs
@@ -196,7 +196,7 @@ def test_incomplete_exports_are_refused_by_path(export_dir, make_cfg):
 def test_bad_bench_settings_are_refused_before_launch(make_cfg, tmp_path, override, message):
     cfg = make_cfg("target=tiny-llama", "serve.drafter_fallback=untrained", override)
     with pytest.raises(Eagle3Error) as err:
-        bench.measure_job(bench_job(cfg), tmp_path / "job")
+        bench.measure_job(bench.bench_job(cfg), tmp_path / "job")
     assert str(err.value).startswith(message)
     assert not (tmp_path / "job").exists()  # no engine folder, nothing launched
 
@@ -215,7 +215,7 @@ def test_malformed_bench_prompts_are_one_line(make_cfg, tmp_path, name, text, me
     path.mkdir() if text is None else path.write_text(text)
     cfg = make_cfg("target=tiny-llama", "spec=off", f"bench.prompts={path}")
     with pytest.raises(Eagle3Error, match=message.replace("(", r"\(").replace("[", r"\[")):
-        bench.measure_job(bench_job(cfg), tmp_path / "job")
+        bench.measure_job(bench.bench_job(cfg), tmp_path / "job")
     assert not (tmp_path / "job").exists()
 
 

@@ -129,11 +129,23 @@ def against_baseline(metrics: dict, base: dict) -> dict:
     return fields
 
 
+def bench_job(cfg: Config) -> BenchJob:
+    """The job a config measures, its lookups bound: the engine setup, the drafter by drafter.path
+    or the config's export hash, the target loaded only when asked for."""
+    return BenchJob(
+        cfg.bench,
+        cfg.spec,
+        cfg.paths.artifacts,
+        engine_setup(cfg),
+        functools.partial(drafter_for, cfg),
+        functools.partial(load_target, cfg.target, cfg.paths.artifacts),
+    )
+
+
 def run_job(
     cfg: Config, folder: Path, parent_run_id: str | None = None, sweep_dir: Path | None = None
 ) -> dict:
-    """One job, never raising for an engine or spec failure: the result says ok or failed. The
-    bench's per-job composition root: it binds the config's lookups into the job it measures."""
+    """One job, never raising for an engine or spec failure: the result says ok or failed."""
     folder.mkdir(parents=True, exist_ok=True)
     result = {**job_identity(cfg.bench, cfg.serve, cfg.target, cfg.spec), "folder": str(folder)}
     name = f"{result['engine']}-{result['spec']}-bs{result['batch_size']}"
@@ -145,15 +157,7 @@ def run_job(
         tags={"engine": result["engine"], "spec": result["spec"]},
     ) as run:
         try:
-            job = BenchJob(
-                cfg.bench,
-                cfg.spec,
-                cfg.paths.artifacts,
-                engine_setup(cfg),
-                functools.partial(drafter_for, cfg),
-                functools.partial(load_target, cfg.target, cfg.paths.artifacts),
-            )
-            result.update(measure_job(job, folder, sweep_dir), status="ok")
+            result.update(measure_job(bench_job(cfg), folder, sweep_dir), status="ok")
             result.update(provenance(cfg.serve, cfg.target, cfg.bench))
         except (Eagle3Error, OSError, httpx.HTTPError) as err:
             result.update(

@@ -79,8 +79,6 @@ def test_bench_refuses_the_embedded_engine_for_latent_attention(make_cfg, tmp_pa
     """serve=local stops before looking for a drafter, naming the engines that serve the target;
     a Llama target passes the same check."""
 
-    from support import bench_job
-
     from eagle3.bench import app as bench
     from eagle3.bench import checks
     from eagle3.core.common import Eagle3Error
@@ -88,7 +86,7 @@ def test_bench_refuses_the_embedded_engine_for_latent_attention(make_cfg, tmp_pa
 
     cfg = make_cfg("target=tiny-moe", "serve=local", "spec.depth=4")
     with pytest.raises(Eagle3Error) as refused:
-        bench.measure_job(bench_job(cfg), tmp_path / "job")
+        bench.measure_job(bench.bench_job(cfg), tmp_path / "job")
     assert str(refused.value) == (
         "serve=local cannot run target tiny-moe (deepseek_v3: multi-head latent attention, which "
         "the embedded engine does not implement); use serve=sglang or serve=vllm"
