@@ -13,8 +13,9 @@ the composition roots that turn it into built objects: bench.app.bench_job, serv
 (what an engine start reads), data.regen.regeneration, engine.service.service_for,
 serve.drafter.drafter_for, extract.vllm_capture.capture_launch, train.stage.train_into and the
 pipeline's plan (print_plan, plan.stage_plans); core.config.read_nested checks it as a whole. Other
-functions take the typed sections or the built objects they read. Fields declared with `ranged(...)` carry the values they may
-take; `typed` refuses one outside it with one line naming the key, its value and the range (OutOfRange).
+functions take the typed sections or the built objects they read. Fields declared with `ranged(...)`
+carry the values they may take; `typed` refuses one outside it with one line naming the key, its value
+and the range (OutOfRange).
 """
 
 # OmegaConf reads these annotations to type the nodes; it knows typing.Dict/List/Optional.
