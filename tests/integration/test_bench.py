@@ -785,7 +785,7 @@ def test_passes_stop_once_apart_from_spec_off(make_cfg, tmp_path, min_repeats, p
     from eagle3.bench.measurement import measure
     from eagle3.bench.verdict import Spread
     from eagle3.core.spec import OFF
-    from eagle3.core.target import load_target, target_path_for
+    from eagle3.core.target import load_target, resolve_target_path
     from eagle3.serve import inprocess
     from eagle3.serve.launch import engine_setup
 
@@ -799,7 +799,7 @@ def test_passes_stop_once_apart_from_spec_off(make_cfg, tmp_path, min_repeats, p
         "bench.repeats=3",
         f"bench.min_repeats={min_repeats}",
     )
-    path = target_path_for(cfg.target, cfg.paths.artifacts)
+    path = resolve_target_path(cfg.target, cfg.paths.artifacts)
     requests = tokenize_prompts(AutoTokenizer.from_pretrained(path), load_suite(cfg.bench))
     try:
         opener = functools.partial(

@@ -185,8 +185,10 @@ def target_key(tcfg: TargetConfig) -> dict:
     }
 
 
-def resolve_target_path(tcfg: TargetConfig, artifacts: Path) -> Path | str:
-    """The HF folder (or hub id) for this target, converting/building it once if needed."""
+def resolve_target_path(tcfg: TargetConfig, artifacts: Path | str) -> Path | str:
+    """The HF folder (or hub id) for this target, converting/building it once if needed under
+    `artifacts`."""
+    artifacts = Path(artifacts)
     if tcfg.kind == "gguf_package":
         return convert_gguf(
             find_packaged_gguf(tcfg.package, tcfg.gguf_file),
@@ -269,11 +271,6 @@ def target_folder(tcfg: TargetConfig, artifacts: Path) -> Path:
     if folder is None:
         raise Eagle3Error(download_hint(tcfg, artifacts))
     return folder
-
-
-def target_path_for(tcfg: TargetConfig, artifacts: Path | str) -> Path | str:
-    """The HF folder (or hub id) of target `tcfg`, its built or converted folders under `artifacts`."""
-    return resolve_target_path(tcfg, Path(artifacts))
 
 
 def find_packaged_gguf(package: str, filename: str) -> Path:

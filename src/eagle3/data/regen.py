@@ -27,7 +27,7 @@ from eagle3.core.config import Config, DataConfig, RegenConfig, ServeConfig, Tar
 from eagle3.core.outputs import answer_sections
 from eagle3.core.redact import mask
 from eagle3.core.spec import OFF
-from eagle3.core.target import Target, load_target, target_key, target_path_for
+from eagle3.core.target import Target, load_target, resolve_target_path, target_key
 from eagle3.data.conversations import user_turns
 from eagle3.data.tokens import end_of_turn, render
 from eagle3.serve.launch import EngineProcess, engine_setup, sized_for, start_engine
@@ -66,7 +66,7 @@ def regeneration(cfg: Config) -> Regeneration:
 
     def open_engine(data: DataConfig, serve: ServeConfig, folder: Path) -> EngineProcess:
         engine_cfg = dataclasses.replace(cfg, data=data, serve=serve)
-        target_path = target_path_for(cfg.target, artifacts)
+        target_path = resolve_target_path(cfg.target, artifacts)
         return start_engine(engine_setup(engine_cfg), OFF, None, target_path, folder, "regen")
 
     return Regeneration(cfg.data, cfg.target, cfg.serve, artifacts, open_engine)

@@ -9,7 +9,7 @@ from pathlib import Path
 from eagle3.core.common import Eagle3Error, app
 from eagle3.core.config import Config, EngineConfig, ServeConfig
 from eagle3.core.spec import Spec, resolve_spec
-from eagle3.core.target import target_path_for
+from eagle3.core.target import resolve_target_path
 from eagle3.engine.schedule import schedule_for, shapes_line
 from eagle3.serve.drafter import drafter_for
 from eagle3.serve.launch import check_spec_for_engine, engine_setup, start_engine
@@ -42,7 +42,11 @@ def main(cfg: Config) -> None:
     drafter = drafter_for(cfg, spec)
     plan = shapes(cfg.serve, cfg.engine, cfg.spec.schedule, spec, drafter)
     engine = start_engine(
-        engine_setup(cfg), spec, drafter, target_path_for(cfg.target, cfg.paths.artifacts), folder
+        engine_setup(cfg),
+        spec,
+        drafter,
+        resolve_target_path(cfg.target, cfg.paths.artifacts),
+        folder,
     )
     try:  # from the moment the engine runs: a stop signal at any point ends in engine.stop()
         print(plan, flush=True)

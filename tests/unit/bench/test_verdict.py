@@ -176,11 +176,11 @@ def off_baseline(cfg, target_path, requests, folder, scope):
 def test_baseline_once_per_sweep_and_reused_only_when_asked(make_cfg, own_artifacts, tmp_path):
     """Real spec=off measurements (tiny target, local server): one per sweep, shared by its jobs;
     bench.reuse_baseline=true takes the newest earlier one and says which run and how old."""
-    from eagle3.core.target import target_path_for
+    from eagle3.core.target import resolve_target_path
 
     quick = ("bench.limit=1", "bench.max_new_tokens=4", "bench.warmup=0", "bench.repeats=2")
     cfg = make_cfg("target=tiny-llama", f"paths.artifacts={own_artifacts}", *quick)
-    target, requests = target_path_for(cfg.target, cfg.paths.artifacts), [[1, 2, 3]]
+    target, requests = resolve_target_path(cfg.target, cfg.paths.artifacts), [[1, 2, 3]]
     first = off_baseline(cfg, target, requests, tmp_path / "job0", "sweep-a")
     again = off_baseline(cfg, target, requests, tmp_path / "job1", "sweep-a")
     assert first["repeats"] == 2 and len(first["tokens_per_s_runs"]) == 2

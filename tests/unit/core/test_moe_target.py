@@ -82,7 +82,7 @@ def test_bench_refuses_the_embedded_engine_for_latent_attention(make_cfg, tmp_pa
     from eagle3.bench import app as bench
     from eagle3.bench import checks
     from eagle3.core.common import Eagle3Error
-    from eagle3.core.target import target_path_for
+    from eagle3.core.target import resolve_target_path
 
     cfg = make_cfg("target=tiny-moe", "serve=local", "spec.depth=4")
     with pytest.raises(Eagle3Error) as refused:
@@ -93,7 +93,7 @@ def test_bench_refuses_the_embedded_engine_for_latent_attention(make_cfg, tmp_pa
     )
     llama = make_cfg("target=tiny-llama", "serve=local")
     checks.check_engine_supports(
-        llama.serve.engine, llama.target, target_path_for(llama.target, llama.paths.artifacts)
+        llama.serve.engine, llama.target, resolve_target_path(llama.target, llama.paths.artifacts)
     )
 
 
