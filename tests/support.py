@@ -119,6 +119,39 @@ DDP_STAGE = [
 ]
 
 
+def training_overrides(artifacts: Path, *overrides: str) -> list[str]:
+    """The stages data -> extract -> train on the conversation fixture, small and on CPU, writing
+    into `artifacts`; `overrides` name the target and add or change the rest."""
+    return [
+        "data=file",
+        f"data.source={FIXTURES / 'conversations.jsonl'}",
+        "data.val_fraction=0.2",
+        "drafter.draft_vocab_size=256",
+        f"paths.artifacts={artifacts}",
+        "train.ttt_length=2",
+        "train.max_length=64",
+        "train.batch_size=4",
+        "train.epochs=1",
+        "trainer.accelerator=cpu",
+        "trainer.progress_bar=false",
+        *overrides,
+    ]
+
+
+def target_folder_overrides(artifacts: Path, folder: Path, *overrides: str) -> list[str]:
+    """training_overrides for a target read from `folder` (target=hf), through export."""
+    return training_overrides(
+        artifacts,
+        "target=hf",
+        f"target.path={folder}",
+        "target.aux_layer_ids=[1,2,3]",
+        "target.dtype=float32",
+        "train.eval_prompts=0",
+        "export.register=false",
+        *overrides,
+    )
+
+
 def ddp_stage(test_root: Path, artifacts: Path, *overrides: str) -> list[str]:
     """DDP_STAGE with `overrides`, writing into `artifacts` (a folder of its own: the train output
     of one config is one folder) beside the shared converted targets."""

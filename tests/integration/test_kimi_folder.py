@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support import FIXTURES
+from support import target_folder_overrides
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from eagle3.core.common import Eagle3Error
@@ -304,26 +304,14 @@ def wrap_as_kimi_k25(folder: Path) -> None:
 
 def kimi_cfg(make_cfg, folder: Path, artifacts: Path):
     return make_cfg(
-        "target=hf",
-        "target.name=kimi-like",
-        f"target.path={folder}",
-        "target.trust_remote_code=true",
-        "target.aux_layer_ids=[1,2,3]",
-        "target.dtype=float32",
-        "data=file",
-        f"data.source={FIXTURES / 'conversations.jsonl'}",
-        "data.val_fraction=0.2",
-        "data.end_of_turn='<|im_end|>'",
-        "drafter.draft_vocab_size=128",
-        f"paths.artifacts={artifacts}",
-        "train.ttt_length=2",
-        "train.max_length=64",
-        "train.batch_size=4",
-        "train.epochs=1",
-        "train.eval_prompts=0",
-        "trainer.accelerator=cpu",
-        "trainer.progress_bar=false",
-        "export.register=false",
+        *target_folder_overrides(
+            artifacts,
+            folder,
+            "target.name=kimi-like",
+            "target.trust_remote_code=true",
+            "data.end_of_turn='<|im_end|>'",
+            "drafter.draft_vocab_size=128",
+        )
     )
 
 

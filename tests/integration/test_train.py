@@ -17,7 +17,6 @@ import torch
 from support import (
     BASE,
     DRAFT_VOCAB,
-    FIXTURES,
     TESTS,
     ddp_stage,
     finish,
@@ -26,6 +25,7 @@ from support import (
     synthetic_data,
     synthetic_fit,
     train_settings,
+    training_overrides,
 )
 
 from eagle3.core import outputs
@@ -467,21 +467,14 @@ def test_ddp_two_processes_gloo(make_cfg, test_root, tmp_path):
 
 def stage_cfg(make_cfg, artifacts: Path, *overrides: str):
     return make_cfg(
-        "target=tiny-llama",
-        "data=file",
-        f"data.source={FIXTURES / 'conversations.jsonl'}",
-        "data.val_fraction=0.2",
-        "drafter.draft_vocab_size=256",
-        f"paths.artifacts={artifacts}",
-        "train.ttt_length=2",
-        "train.max_length=64",
-        "train.batch_size=4",
-        "train.epochs=2",
-        "train.lr=1e-2",
-        "trainer.accelerator=cpu",
-        "trainer.progress_bar=false",
-        "trainer.log_every_n_steps=1",
-        *overrides,
+        *training_overrides(
+            artifacts,
+            "target=tiny-llama",
+            "train.epochs=2",
+            "train.lr=1e-2",
+            "trainer.log_every_n_steps=1",
+            *overrides,
+        )
     )
 
 

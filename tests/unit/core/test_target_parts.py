@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from support import FIXTURES
+from support import target_folder_overrides
 
 from eagle3.core.target import load_target, resolve_target_path
 from eagle3.core.target_parts import INDEX, load_target_parts
@@ -36,28 +36,6 @@ def test_parts_equal_the_whole_models_tensors(make_cfg, name):
     assert parts.config.max_position_embeddings == whole.config.max_position_embeddings
 
 
-def stage_cfg(make_cfg, artifacts: Path, folder: Path):
-    return make_cfg(
-        "target=hf",
-        f"target.path={folder}",
-        "target.aux_layer_ids=[1,2,3]",
-        "target.dtype=float32",
-        "data=file",
-        f"data.source={FIXTURES / 'conversations.jsonl'}",
-        "data.val_fraction=0.2",
-        "drafter.draft_vocab_size=256",
-        f"paths.artifacts={artifacts}",
-        "train.ttt_length=2",
-        "train.max_length=64",
-        "train.batch_size=4",
-        "train.epochs=1",
-        "train.eval_prompts=0",
-        "trainer.accelerator=cpu",
-        "trainer.progress_bar=false",
-        "export.register=false",
-    )
-
-
 def test_offline_training_and_export_never_read_the_decoder_shards(
     make_cfg, test_root, tmp_path, one_thread
 ):
@@ -66,7 +44,7 @@ def test_offline_training_and_export_never_read_the_decoder_shards(
         resolve_target_path(make_cfg("target=tiny-moe").target, test_root / "artifacts"), folder
     )
     artifacts = tmp_path / "artifacts"
-    cfg = stage_cfg(make_cfg, artifacts, folder)
+    cfg = make_cfg(*target_folder_overrides(artifacts, folder))
     data.run(cfg)
     extract.run(cfg)
     before = load_file(str(train.run(cfg).path / "drafter.safetensors"))

@@ -48,12 +48,25 @@ def references(tiny_target):
     return [(p, reference_greedy(tiny_target.model, p, NEW_TOKENS)) for p in prompts]
 
 
+def greedy_results(references, *decoders):
+    """Each decoder's result on each reference prompt (a tuple per prompt, decoded in the order
+    given), after checking that every one commits the target's own greedy decode."""
+    for prompt, expected in references:
+        results = tuple(d.generate(DecodeRequest(prompt, NEW_TOKENS)) for d in decoders)
+        assert [r.tokens for r in results] == [expected] * len(decoders)
+        yield results
+
+
+def assert_same_steps(references, first, second) -> None:
+    """Both decoders commit the target's greedy decode with the same acceptance, step for step."""
+    for a, b in greedy_results(references, first, second):
+        assert a.stats.accepted_per_step == b.stats.accepted_per_step
+
+
 @pytest.mark.parametrize("name", ["off", "d2", "d6", "d8s4k3", "d10s5k4"])
 def test_greedy_is_lossless_untrained_drafter(tiny_target, untrained, references, name):
     decoder = SpecDecoder(tiny_target, untrained, spec(name))
-    for prompt, expected in references:
-        result = decoder.generate(DecodeRequest(prompt, NEW_TOKENS))
-        assert result.tokens == expected
+    for (result,) in greedy_results(references, decoder):
         assert result.finish_reason == "length" and result.stats.completion_tokens == NEW_TOKENS
 
 
@@ -63,9 +76,7 @@ def test_greedy_is_lossless_fitted_drafter(tiny_target, fitted, references, name
     drafter extends) and the output is still the target's greedy decode."""
     decoder = SpecDecoder(tiny_target, fitted, spec(name))
     accepted = []
-    for prompt, expected in references:
-        result = decoder.generate(DecodeRequest(prompt, NEW_TOKENS))
-        assert result.tokens == expected
+    for (result,) in greedy_results(references, decoder):
         accepted += result.stats.accepted_per_step
     assert max(accepted) >= min(2, spec(name).depth - 1) and sum(accepted) > len(accepted) // 2
 
@@ -79,12 +90,7 @@ def test_fused_steps_match_step_by_step(tiny_target, fitted, references, name):
         SpecDecoder(tiny_target, fitted, spec(name), DecoderOptions(fused=False)),
     )
     assert fused.fused is not None and plain.fused is None
-    for prompt, expected in references:
-        a, b = (
-            fused.generate(DecodeRequest(prompt, NEW_TOKENS)),
-            plain.generate(DecodeRequest(prompt, NEW_TOKENS)),
-        )
-        assert a.tokens == b.tokens == expected
+    for a, b in greedy_results(references, fused, plain):
         assert a.stats.accepted_per_step == b.stats.accepted_per_step
         assert a.stats.verify_steps == b.stats.verify_steps and a.stats.draft_time_s > 0
 
@@ -193,13 +199,7 @@ def test_lean_forward_off_gives_the_same_tokens(tiny_target, fitted, references,
         tiny_target, fitted, spec("d8s4k3"), DecoderOptions(fused=fused, lean=False)
     )
     assert lean.target_run.lean is not None and plain.target_run.lean is None
-    for prompt, expected in references:
-        a, b = (
-            lean.generate(DecodeRequest(prompt, NEW_TOKENS)),
-            plain.generate(DecodeRequest(prompt, NEW_TOKENS)),
-        )
-        assert a.tokens == b.tokens == expected
-        assert a.stats.accepted_per_step == b.stats.accepted_per_step
+    assert_same_steps(references, lean, plain)
 
 
 @pytest.mark.parametrize("lean", [True, False])
@@ -245,14 +245,8 @@ def test_padded_prefill_commits_the_same(tiny_target, fitted, references, fused)
     plain = SpecDecoder(tiny_target, fitted, spec("d6s3k2"), DecoderOptions(fused=fused))
     padded = SpecDecoder(tiny_target, fitted, spec("d6s3k2"), DecoderOptions(fused=fused))
     padded.prefill_widths = [64]
-    for prompt, expected in references:
-        assert len(prompt) < 64
-        a, b = (
-            padded.generate(DecodeRequest(prompt, NEW_TOKENS)),
-            plain.generate(DecodeRequest(prompt, NEW_TOKENS)),
-        )
-        assert a.tokens == b.tokens == expected
-        assert a.stats.accepted_per_step == b.stats.accepted_per_step
+    assert all(len(prompt) < 64 for prompt, _ in references)
+    assert_same_steps(references, padded, plain)
 
 
 def test_fused_steps_across_cache_widths(tiny_target, fitted):
@@ -330,12 +324,7 @@ def test_full_tree_accepts_at_least_the_chain(tiny_target, fitted, references):
         SpecDecoder(tiny_target, fitted, spec("d5")),
         SpecDecoder(tiny_target, fitted, spec("all_s4k3")),
     )
-    for prompt, expected in references:
-        a, b = (
-            chain.generate(DecodeRequest(prompt, NEW_TOKENS)),
-            tree.generate(DecodeRequest(prompt, NEW_TOKENS)),
-        )
-        assert a.tokens == b.tokens == expected
+    for a, b in greedy_results(references, chain, tree):
         assert b.stats.verify_steps <= a.stats.verify_steps
 
 
@@ -440,13 +429,7 @@ def test_tree_temperature_changes_the_trees_not_the_tokens(tiny_target, fitted, 
         drafted = []
         draft = plain.draft
         plain.draft = lambda *args: drafted.append(draft(*args)) or drafted[-1]  # noqa: B023
-        for prompt, expected in references:
-            a, b = (
-                fused.generate(DecodeRequest(prompt, NEW_TOKENS)),
-                plain.generate(DecodeRequest(prompt, NEW_TOKENS)),
-            )
-            assert a.tokens == b.tokens == expected
-            assert a.stats.accepted_per_step == b.stats.accepted_per_step
+        assert_same_steps(references, fused, plain)
         trees[temperature] = [sorted(zip(t.depths.tolist(), t.tokens.tolist())) for t in drafted]
     changed = {t: sum(a != b for a, b in zip(trees[t], trees[1.0])) for t in (0.25, 16.0)}
     assert changed[0.25] > 0 and changed[16.0] > 0, changed
@@ -469,13 +452,7 @@ def test_draft_attention_explicit_and_sdpa_commit_the_same(tiny_target, fitted, 
     )
     with pytest.raises(Eagle3Error, match="engine.draft_attention='flash'"):
         SpecDecoder(tiny_target, fitted, spec("d10s5k4"), DecoderOptions(draft_attention="flash"))
-    for prompt, expected in references:
-        a, b = (
-            explicit.generate(DecodeRequest(prompt, NEW_TOKENS)),
-            sdpa.generate(DecodeRequest(prompt, NEW_TOKENS)),
-        )
-        assert a.tokens == b.tokens == expected
-        assert a.stats.accepted_per_step == b.stats.accepted_per_step
+    assert_same_steps(references, explicit, sdpa)
 
 
 def test_explicit_draft_attention_matches_sdpa(fitted):
