@@ -302,22 +302,6 @@ def server_cfg(test_root, *overrides):
     )
 
 
-def drafter_source(cfg):
-    """How the embedded engine finds this config's drafter (eagle3.engine.service.service_for
-    binds it alike)."""
-    import functools
-
-    from eagle3.core.outputs import resolve_drafter_path
-    from eagle3.engine.service import DrafterSource
-
-    untrained = not cfg.drafter.path and cfg.serve.drafter_fallback == "untrained"
-    return DrafterSource(
-        functools.partial(resolve_drafter_path, cfg, engine="local"),
-        cfg.drafter if untrained else None,
-        cfg.seed,
-    )
-
-
 def http_server_launch(port: int, prefix: str = ""):
     """A real HTTP server standing in for an engine (health = GET / answers 200)."""
     from eagle3.serve.launch import Launch

@@ -13,12 +13,11 @@ from engine_helpers import (
     reference_greedy,
     spec,
 )
-from support import drafter_source
 
 from eagle3.core.common import compose
 from eagle3.core.drafter import build_drafter
 from eagle3.engine import DecodeRequest, SpecDecoder, summarize
-from eagle3.engine.service import load_engine_drafter
+from eagle3.engine.service import drafter_source_for, load_engine_drafter
 
 # LeanLlama's o_proj sums the query heads in another order (layer_weights): float32 rounding
 # that 30 layers grow to ~5e-5 on SmolLM2's logits
@@ -71,7 +70,7 @@ def test_smollm2_greedy_is_lossless_trained_drafter(
     """The drafter eagle3.train made (engine_helpers.trained_smollm2_drafter), loaded as the server
     loads it: drafts are accepted (measured tau > 1.2) and the output is still the target's greedy decode."""
     cfg = agree_cfg(test_root, f"drafter.path={smollm2_trained_drafter}")
-    drafter, _ = load_engine_drafter(drafter_source(cfg), smollm2, spec(name))
+    drafter, _ = load_engine_drafter(drafter_source_for(cfg), smollm2, spec(name))
     decoder = SpecDecoder(smollm2, drafter, spec(name))
     stats = []
     for prompt in agree_prompts(smollm2, cfg)[:3]:

@@ -88,13 +88,12 @@ def test_shipped_drafter_drafts_smollm2_losslessly_on_prompts_it_never_saw(
     training data): the output is SmolLM2's greedy decode, and drafts are accepted as a trained
     drafter's are (an untrained one, or weights under names the engine ignores, give tau ~1)."""
     from engine_helpers import reference_greedy
-    from support import drafter_source
 
     from eagle3.bench.client import tokenize_prompts
     from eagle3.core.spec import resolve_spec
     from eagle3.data.suites import load_suite
     from eagle3.engine import DecodeRequest, SpecDecoder, summarize
-    from eagle3.engine.service import load_engine_drafter
+    from eagle3.engine.service import drafter_source_for, load_engine_drafter
 
     out = unpack(shipped_asset(), tmp_path / "shipped")
     cfg = compose(
@@ -108,7 +107,7 @@ def test_shipped_drafter_drafts_smollm2_losslessly_on_prompts_it_never_saw(
         ]
     )
     spec = resolve_spec(cfg.spec)
-    drafter, source = load_engine_drafter(drafter_source(cfg), smollm2, spec)
+    drafter, source = load_engine_drafter(drafter_source_for(cfg), smollm2, spec)
     assert source == str(out / "sglang")
     decoder = SpecDecoder(smollm2, drafter, spec)
     stats = []

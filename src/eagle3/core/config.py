@@ -10,11 +10,12 @@ in its defaults list. What a field means is said beside it in its yaml under con
 the stage-hash functions of eagle3.core.outputs (a stage's hash covers sections of several groups),
 the few places that log or mask all of it (core.tracking.stage_run, core.redact.masked_config), and
 the composition roots that turn it into built objects: bench.app.bench_job, serve.launch.engine_setup
-(what an engine start reads), data.regen.regeneration, engine.service.service_for,
-serve.drafter.drafter_for, extract.vllm_capture.capture_launch, train.stage.train_into and the
-pipeline's plan (print_plan, plan.stage_plans); core.config.read_nested checks it as a whole. Other
+(what an engine start reads), data.regen.regeneration, engine.service.service_for and
+drafter_source_for, serve.drafter.drafter_for, extract.vllm_capture.capture_launch,
+train.stage.train_into and the pipeline's plan (print_plan, plan.stage_plans); core.config.read_nested
+checks it as a whole. Other
 functions take the typed sections or the built objects they read. Fields declared with `ranged(...)`
-carry the values they may take; `typed` refuses one outside it with one line naming the key, its value
+hold the values they may take; `typed` refuses one outside it with one line naming the key, its value
 and the range (OutOfRange).
 """
 

@@ -324,6 +324,18 @@ def load_engine_drafter(source: DrafterSource, target, spec):
     return drafter.to(device=target.device, dtype=dtype).eval(), str(path)
 
 
+def drafter_source_for(cfg: Config) -> DrafterSource:
+    """How the embedded engine finds a config's drafter: drafter.path or the config's export (by its
+    hash, which covers several sections); an untrained one with serve.drafter_fallback=untrained and
+    no drafter.path."""
+    untrained = not cfg.drafter.path and getattr(cfg.serve, "drafter_fallback", None) == "untrained"
+    return DrafterSource(
+        functools.partial(resolve_drafter_path, cfg, engine="local"),
+        cfg.drafter if untrained else None,
+        cfg.seed,
+    )
+
+
 def service_for(cfg: Config) -> EngineService:
     """The embedded engine a config serves: the composition root shared by the local server's
     main and the bench's in-process engine (both hold the job's whole config). It resolves the
@@ -333,18 +345,12 @@ def service_for(cfg: Config) -> EngineService:
         torch.set_num_threads(int(cfg.engine.cpu_threads))
     spec = resolve_spec(cfg.spec)
     target = load_target(cfg.target, cfg.paths.artifacts)
-    untrained = not cfg.drafter.path and getattr(cfg.serve, "drafter_fallback", None) == "untrained"
-    drafters = DrafterSource(
-        functools.partial(resolve_drafter_path, cfg, engine="local"),
-        cfg.drafter if untrained else None,
-        cfg.seed,
-    )
     return build_service(
         cfg.engine,
         cfg.serve,
         spec,
         target,
-        drafters,
+        drafter_source_for(cfg),
         target_name=cfg.target.name,
         auto_schedule=bool(cfg.spec.schedule),
         concurrency=cfg.bench.batch_size,

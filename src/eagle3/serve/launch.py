@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from eagle3.core.common import CONF_DIR, Eagle3Error, api_key, log
 from eagle3.core.config import Config, EngineConfig, ServeConfig, TargetConfig, plain
+from eagle3.core.group_reaper import group_alive
 from eagle3.core.lifecycle import LAUNCH_TOKEN_ENV, spawn
 from eagle3.core.redact import mask, mask_argv, mask_text, masked_config
 from eagle3.core.spec import Spec
@@ -593,7 +594,7 @@ class EngineProcess:
     def stop(self, timeout_s: float = 30) -> None:
         """SIGTERM the process group, SIGKILL it after timeout_s."""
         _LIVE.discard(self)
-        if self.proc is None or self.proc.poll() is not None and not _group_alive(self.proc.pid):
+        if self.proc is None or self.proc.poll() is not None and not group_alive(self.proc.pid):
             return
         for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10)):
             try:
@@ -604,10 +605,10 @@ class EngineProcess:
                 self.proc.wait(wait_s)
             except subprocess.TimeoutExpired:
                 continue
-            if not _group_alive(self.proc.pid):
+            if not group_alive(self.proc.pid):
                 break
             time.sleep(min(wait_s, 2))  # children of the group still shutting down
-            if not _group_alive(self.proc.pid):
+            if not group_alive(self.proc.pid):
                 break
 
     def log_tail(self, lines: int = 40) -> str:
@@ -629,14 +630,6 @@ def port_in_use(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(1.0)
         return sock.connect_ex((host, port)) == 0
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
 
 
 @atexit.register

@@ -298,23 +298,25 @@ def wheel_modules(wheel: Path) -> dict[str, str | None]:
     return modules
 
 
+# exception names whose handler (or contextlib.suppress) covers a failed import
+IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+
+
 def guards_import_errors(node: ast.Try) -> bool:
     """A try whose handlers catch a failed import (ImportError, ModuleNotFoundError, Exception, all)."""
-    caught = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
     for handler in node.handlers:
         types = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
-        if handler.type is None or any(getattr(t, "id", None) in caught for t in types):
+        if handler.type is None or any(getattr(t, "id", None) in IMPORT_ERRORS for t in types):
             return True
     return False
 
 
 def suppresses_import_errors(node: ast.With) -> bool:
     """`with contextlib.suppress(ImportError)` (or ModuleNotFoundError, Exception): a guarded import."""
-    caught = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
     for item in node.items:
         call = item.context_expr
         if isinstance(call, ast.Call) and ast.unparse(call.func).split(".")[-1] == "suppress":
-            if any(getattr(arg, "id", None) in caught for arg in call.args):
+            if any(getattr(arg, "id", None) in IMPORT_ERRORS for arg in call.args):
                 return True
     return False
 
@@ -395,7 +397,7 @@ def check_launch_imports(wheels: list[Path], entries: list[str], elsewhere: set[
         lines = "\n".join(f"  {name}: {chain}" for name, chain in sorted(missing.items()))
         raise Eagle3Error(
             f"{where}: the launch path imports modules neither the bundle nor the machine has "
-            f"(carry their package: take it out of left_out):\n{lines}"
+            f"(bundle their package: take it out of left_out):\n{lines}"
         )
 
 
