@@ -266,7 +266,7 @@ def write_csv(rows: list[dict], path: Path) -> Path:
 
 def groups(results: list[dict]) -> dict[tuple, list[dict]]:
     """Successful speculative jobs per (engine, suite, batch size, max tokens, drafter); each
-    group's spec=off is the baseline its jobs carry."""
+    group's spec=off is the baseline its jobs report."""
     out: dict[tuple, list[dict]] = {}
     for r in results:
         if r.get("status") == "ok" and r["spec"] != "off":

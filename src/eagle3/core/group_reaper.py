@@ -1,8 +1,8 @@
 """`python -m eagle3.core.group_reaper PARENT PGID GRACE_S POLL_S`: a watchdog that outlives its parent.
 
-Started (in its own session) by a process that launched a child process group: as soon as that
-parent is gone (SIGKILL included: the reaper is re-parented, so its parent pid changes) it sends
-SIGTERM to the group, SIGKILL after GRACE_S, and exits. It exits by itself once the group is gone.
+Started (setsid: apart from its parent's process group) by a process that launched a child
+process group: as soon as that parent is gone (SIGKILL included: the reaper is re-parented, so its
+parent pid changes) it sends SIGTERM to the group, SIGKILL after GRACE_S, and exits. It exits by itself once the group is gone.
 Imports nothing but the standard library: it starts in milliseconds and holds ~10 MB.
 """
 

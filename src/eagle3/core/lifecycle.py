@@ -57,8 +57,8 @@ def raise_on_signals() -> None:
 
 
 def spawn(argv: list[str], grace_s: float, poll_s: float, **popen_kwargs) -> subprocess.Popen:
-    """Popen in a new session (its own process group) with a watchdog that SIGTERMs the group as
-    soon as this process is gone, and SIGKILLs it grace_s later."""
+    """Popen with setsid (start_new_session: its own process group) and a watchdog that SIGTERMs
+    the group as soon as this process is gone, and SIGKILLs it grace_s later."""
     proc = subprocess.Popen(argv, start_new_session=True, **popen_kwargs)
     proc.watchdog = subprocess.Popen(
         [

@@ -1,11 +1,12 @@
 """`python mlflow_run_reaper.py PARENT PARENT_START POLL_S HOST URI EXPERIMENT_ID`: marks the MLflow runs a
 killed process left RUNNING as KILLED.
 
-Started (in its own session) by eagle3.core.tracking when a process opens its first run in a store: while
-the parent lives it only polls its parent pid (standard library only, ~10 MB). Once the parent is
-gone without stopping it (SIGKILL, the OOM killer), it opens the store and ends every run still
-RUNNING that carries the parent's process identity (host, pid, pid start time: the tags of
-eagle3.core.lifecycle.process_identity), then exits. A parent that exits normally kills it first.
+Started (setsid: apart from its parent's process group) by eagle3.core.tracking when a process
+opens its first run in a store: while the parent lives it only polls its parent pid (standard
+library only, ~10 MB). Once the parent is gone without stopping it (SIGKILL, the OOM killer), it
+opens the store and ends every run still RUNNING that holds the parent's process identity (host,
+pid, pid start time: the tags of eagle3.core.lifecycle.process_identity), then exits. A parent that
+exits normally kills it first.
 """
 
 from __future__ import annotations

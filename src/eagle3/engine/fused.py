@@ -9,7 +9,7 @@ run eagerly or replayed as one CUDA graph; the host reads one small tensor per s
 pinned copy, while the next step (launched from the device's own state) may already run.
 
 Greedy acceptance on the device: node i is accepted when its token is the target's
-argmax at its parent and so is every ancestor's; siblings carry distinct tokens, so the
+argmax at its parent and so is every ancestor's; siblings hold distinct tokens, so the
 accepted nodes form one chain from the root and its deepest node ends the path.
 """
 
